@@ -1,0 +1,1 @@
+"""Stateless compute: attention backends, KV writes, sampling and rejection sampling."""

@@ -1,0 +1,92 @@
+"""The attention-backend interface: build metadata for a step, then attend layer by layer.
+
+A step is a flat ragged batch. Sequence ``b`` contributes ``query_lens[b]`` consecutive query
+tokens (a prefill chunk, a single decode token, or ``[last_token, d1..dk]`` to verify k drafts)
+that sit at the end of its ``seq_lens[b]`` key/value positions: query ``i`` of sequence ``b`` is at
+position ``seq_lens[b] - query_lens[b] + i`` and may attend positions up to and including its own.
+Its K/V are written into the paged cache at ``slot_mapping`` (``-1``: do not write) before
+attending, so the cached and the new tokens are read the same way, through the block table.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+# Per layer: (key_cache, value_cache), each [num_blocks, block_size, num_kv_heads, head_dim].
+LayerKVCache = tuple[torch.Tensor, torch.Tensor]
+
+PAD_SLOT = -1
+"""The one sentinel of the cache layout: a slot-mapping entry that writes nothing."""
+
+
+@dataclass
+class AttentionInputs:
+    """Backend-independent description of one forward's attention layout (host arrays).
+
+    ``tree_mask``, when given, replaces the causal rule *among the query tokens of a sequence*:
+    for flat query token ``t`` and query index ``j`` of the same sequence, ``tree_mask[t, j]``
+    says whether ``t`` may attend the ``j``-th new token of its sequence (cached positions are
+    always visible). It exists for tree-shaped speculation; ``None`` means a causal chain.
+    """
+
+    query_lens: np.ndarray  # [B] int
+    seq_lens: np.ndarray  # [B] int, K/V length after this step's writes
+    block_tables: np.ndarray  # [B, max_blocks] int, rows padded with 0 past the sequence
+    slot_mapping: np.ndarray  # [T] int, PAD_SLOT = skip
+    block_size: int
+    tree_mask: np.ndarray | None = None  # [T, max_query_len] bool
+
+    def __post_init__(self) -> None:
+        if len(self.query_lens) != len(self.seq_lens) or len(self.query_lens) != len(
+            self.block_tables
+        ):
+            raise ValueError("query_lens, seq_lens and block_tables must have one row per sequence")
+        if int(np.sum(self.query_lens)) != len(self.slot_mapping):
+            raise ValueError("slot_mapping must have one entry per query token")
+        if np.any(self.query_lens > self.seq_lens):
+            raise ValueError("a sequence cannot have more query tokens than key/value positions")
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.slot_mapping)
+
+    @property
+    def query_start_loc(self) -> np.ndarray:
+        """Cumulative query lengths, ``[B + 1]``: sequence ``b`` owns rows ``[s[b], s[b+1])``."""
+        return np.concatenate([[0], np.cumsum(self.query_lens)]).astype(np.int64)
+
+
+class AttentionBackend(ABC):
+    """Stateless paged attention for one model shape (head counts, head size)."""
+
+    name: str = "abstract"
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+
+    @abstractmethod
+    def build_metadata(self, inputs: AttentionInputs, device: torch.device) -> Any:
+        """Turn the step's layout into whatever tensors ``forward`` needs, once per step."""
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: LayerKVCache,
+        metadata: Any,
+    ) -> torch.Tensor:
+        """Write ``k``/``v`` at the slot mapping, attend ``q`` through the block tables.
+
+        ``q`` is ``[T, num_heads * head_dim]``, ``k`` and ``v`` ``[T, num_kv_heads * head_dim]``;
+        returns ``[T, num_heads * head_dim]``.
+        """

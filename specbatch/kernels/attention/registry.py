@@ -1,0 +1,39 @@
+"""Which attention backend to use: by explicit name, else the best one for the device."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from specbatch.errors import ConfigError
+from specbatch.kernels.attention.base import AttentionBackend
+
+
+def _torch_backend() -> type[AttentionBackend]:
+    from specbatch.kernels.attention.torch_ref import TorchAttentionBackend
+
+    return TorchAttentionBackend
+
+
+# Imports are deferred so that optional packages (triton, flash-attn, xformers) are only touched
+# when their backend is asked for.
+_BACKENDS: dict[str, Callable[[], type[AttentionBackend]]] = {
+    "torch": _torch_backend,
+}
+
+
+def available_backends() -> list[str]:
+    """Names accepted by :func:`attention_backend_class`."""
+    return sorted(_BACKENDS)
+
+
+def attention_backend_class(name: str | None, device: torch.device) -> type[AttentionBackend]:
+    """Return the backend called ``name``, or the default for ``device`` when ``name`` is None."""
+    if name is None:
+        name = "torch"
+    if name not in _BACKENDS:
+        raise ConfigError(
+            f"unknown attention backend {name!r}; available: {', '.join(available_backends())}"
+        )
+    return _BACKENDS[name]()

@@ -1,0 +1,150 @@
+"""The architecture description of a model, independent of where its weights come from."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from specbatch.errors import ModelLoadError
+
+_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Rotary-embedding frequency scaling (HF ``rope_scaling`` / ``rope_parameters``)."""
+
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self) -> None:
+        if self.rope_type not in _ROPE_TYPES:
+            raise ModelLoadError(
+                f"rope scaling type {self.rope_type!r} is not supported (supported: {_ROPE_TYPES})"
+            )
+        if self.factor <= 0:
+            raise ModelLoadError(f"rope scaling factor must be > 0, got {self.factor}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape and hyper-parameters of a Llama-family decoder.
+
+    Built from a HF ``config.json`` (:meth:`from_hf_dict`) or from GGUF metadata by the loader.
+    """
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling = field(default_factory=RopeScaling)
+    rope_freq_factors: tuple[float, ...] | None = None  # GGUF `rope_freqs`: inv_freq divisors
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ModelLoadError(
+                    f"model config field {name} must be a positive int, got {value!r}"
+                )
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ModelLoadError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if self.head_dim % 2:
+            raise ModelLoadError(
+                f"head_dim must be even for rotary embeddings, got {self.head_dim}"
+            )
+
+    @property
+    def num_queries_per_kv(self) -> int:
+        return self.num_attention_heads // self.num_key_value_heads
+
+    def replace(self, **changes: Any) -> ModelConfig:
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_hf_dict(cls, raw: dict[str, Any]) -> ModelConfig:
+        """Read a HF ``config.json`` dictionary (transformers 4.x and 5.x spellings)."""
+        try:
+            architectures = raw.get("architectures") or []
+            architecture = architectures[0] if architectures else _guess_architecture(raw)
+            heads = int(raw["num_attention_heads"])
+            hidden = int(raw["hidden_size"])
+            rope_params = dict(raw.get("rope_parameters") or {})
+            rope_scaling_raw = raw.get("rope_scaling") or rope_params
+            rope_theta = float(raw.get("rope_theta") or rope_params.get("rope_theta") or 10000.0)
+            max_pos = int(raw.get("max_position_embeddings", 2048))
+            sliding = raw.get("sliding_window") if raw.get("use_sliding_window", True) else None
+            if sliding is not None and 0 < int(sliding) < max_pos:
+                # Full attention equals sliding-window attention only up to the window length.
+                max_pos = int(sliding)
+            eos = raw.get("eos_token_id")
+            eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+            return cls(
+                architecture=architecture,
+                vocab_size=int(raw["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(raw["intermediate_size"]),
+                num_hidden_layers=int(raw["num_hidden_layers"]),
+                num_attention_heads=heads,
+                num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
+                head_dim=int(raw.get("head_dim") or hidden // heads),
+                max_position_embeddings=max_pos,
+                rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+                rope_theta=rope_theta,
+                rope_scaling=_rope_scaling_from_dict(rope_scaling_raw),
+                tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+                attention_bias=bool(raw.get("attention_bias", architecture == "Qwen2ForCausalLM")),
+                bos_token_id=raw.get("bos_token_id"),
+                eos_token_ids=eos_ids,
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ModelLoadError(f"invalid model config: {type(exc).__name__}: {exc}") from None
+
+
+def _guess_architecture(raw: dict[str, Any]) -> str:
+    model_type = raw.get("model_type", "")
+    return {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}.get(
+        model_type, "MistralForCausalLM" if model_type == "mistral" else model_type
+    )
+
+
+def _rope_scaling_from_dict(raw: dict[str, Any]) -> RopeScaling:
+    if not raw:
+        return RopeScaling()
+    rope_type = raw.get("rope_type", raw.get("type", "default"))
+    if rope_type == "default":
+        return RopeScaling()
+    return RopeScaling(
+        rope_type=rope_type,
+        factor=float(raw.get("factor", 1.0)),
+        low_freq_factor=float(raw.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(raw.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(raw.get("original_max_position_embeddings", 8192)),
+    )

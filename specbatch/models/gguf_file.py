@@ -1,0 +1,173 @@
+"""A fast GGUF container parser: metadata, tensor directory, and dequantised tensor data.
+
+``gguf.GGUFReader`` builds a numpy view per metadata string, which costs ~9 s for a 49k-token
+vocabulary; this parser reads the same layout with ``struct`` in a fraction of a second and leaves
+dequantisation to the ``gguf`` package. Layout (little-endian): magic ``GGUF``, version, tensor
+count, metadata count, the metadata key/value pairs, the tensor infos, padding to the alignment,
+then the tensor data.
+"""
+
+from __future__ import annotations
+
+import mmap
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from specbatch.errors import ModelLoadError
+
+_SCALARS = {
+    0: "<B",
+    1: "<b",
+    2: "<H",
+    3: "<h",
+    4: "<I",
+    5: "<i",
+    6: "<f",
+    7: "<?",
+    10: "<Q",
+    11: "<q",
+    12: "<d",
+}
+_STRING, _ARRAY = 8, 9
+_NUMPY_OF = {code: np.dtype(fmt) for code, fmt in _SCALARS.items()}
+
+
+@dataclass(frozen=True)
+class GGUFTensorInfo:
+    name: str
+    shape: tuple[int, ...]  # numpy (row-major) order: GGUF's dimensions reversed
+    ggml_type: int
+    offset: int  # absolute byte offset in the file
+    nbytes: int
+
+    @property
+    def type_name(self) -> str:
+        import gguf
+
+        try:
+            return gguf.GGMLQuantizationType(self.ggml_type).name
+        except ValueError:
+            return f"type {self.ggml_type}"
+
+
+class _Cursor:
+    def __init__(self, data: Any) -> None:
+        self.data = data
+        self.pos = 0
+
+    def scalar(self, fmt: str) -> Any:
+        (value,) = struct.unpack_from(fmt, self.data, self.pos)
+        self.pos += struct.calcsize(fmt)
+        return value
+
+    def string(self) -> str:
+        length = self.scalar("<Q")
+        raw = self.data[self.pos : self.pos + length]
+        if len(raw) != length:
+            raise ValueError("string runs past the end of the file")
+        self.pos += length
+        return bytes(raw).decode("utf-8", errors="replace")
+
+    def value(self, kind: int) -> Any:
+        if kind in _SCALARS:
+            return self.scalar(_SCALARS[kind])
+        if kind == _STRING:
+            return self.string()
+        if kind == _ARRAY:
+            item_kind, count = self.scalar("<I"), self.scalar("<Q")
+            if item_kind in _NUMPY_OF:  # numeric arrays in one read
+                dtype = _NUMPY_OF[item_kind]
+                end = self.pos + count * dtype.itemsize
+                if end > len(self.data):
+                    raise ValueError("array runs past the end of the file")
+                array = np.frombuffer(self.data, dtype=dtype, count=count, offset=self.pos)
+                self.pos = end
+                return array.tolist()
+            return [self.value(item_kind) for _ in range(count)]
+        raise ValueError(f"unknown metadata value type {kind}")
+
+
+class GGUFFile:
+    """The metadata and tensor directory of a GGUF file; tensor data is memory-mapped."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        if not path.is_file():
+            raise ModelLoadError(f"{path}: no such GGUF file")
+        try:
+            with path.open("rb") as handle:
+                self._map = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
+        except (OSError, ValueError) as exc:
+            raise ModelLoadError(f"{path}: cannot read file: {exc}") from None
+        try:
+            self.metadata, self.tensors = self._parse()
+        except (ValueError, struct.error, UnicodeDecodeError) as exc:
+            raise ModelLoadError(
+                f"{path}: not a valid GGUF file (truncated or corrupt?): {exc}"
+            ) from None
+
+    def _parse(self) -> tuple[dict[str, Any], list[GGUFTensorInfo]]:
+        cursor = _Cursor(self._map)
+        if bytes(self._map[:4]) != b"GGUF":
+            raise ValueError("missing GGUF magic bytes")
+        cursor.pos = 4
+        version = cursor.scalar("<I")
+        if version not in (2, 3):
+            raise ValueError(f"unsupported GGUF version {version}")
+        tensor_count, kv_count = cursor.scalar("<Q"), cursor.scalar("<Q")
+        metadata: dict[str, Any] = {}
+        for _ in range(kv_count):
+            key = cursor.string()
+            metadata[key] = cursor.value(cursor.scalar("<I"))
+        raw_infos = []
+        for _ in range(tensor_count):
+            name = cursor.string()
+            dims = [cursor.scalar("<Q") for _ in range(cursor.scalar("<I"))]
+            raw_infos.append((name, dims, cursor.scalar("<I"), cursor.scalar("<Q")))
+        alignment = int(metadata.get("general.alignment", 32))
+        data_start = -(-cursor.pos // alignment) * alignment
+        tensors = [self._tensor_info(data_start, *raw) for raw in raw_infos]
+        return metadata, tensors
+
+    def _tensor_info(
+        self, data_start: int, name: str, dims: list[int], kind: int, offset: int
+    ) -> GGUFTensorInfo:
+        import gguf
+
+        try:
+            block, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(kind)]
+        except (ValueError, KeyError):
+            raise ValueError(f"tensor {name!r} has unknown type {kind}") from None
+        count = int(np.prod(dims)) if dims else 1
+        if count % block:
+            raise ValueError(f"tensor {name!r}: {count} elements is not a whole number of blocks")
+        info = GGUFTensorInfo(
+            name, tuple(reversed(dims)), kind, data_start + offset, count // block * type_size
+        )
+        if info.offset + info.nbytes > len(self._map):
+            raise ValueError(f"tensor {name!r} runs past the end of the file")
+        return info
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.metadata.get(key, default)
+
+    def dequantize(self, info: GGUFTensorInfo) -> np.ndarray:
+        """The tensor as a float32 array in numpy order, whatever its storage type."""
+        import gguf
+
+        raw = np.frombuffer(self._map, dtype=np.uint8, count=info.nbytes, offset=info.offset)
+        qtype = gguf.GGMLQuantizationType(info.ggml_type)
+        block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+        rows = raw.reshape(-1, info.shape[-1] // block * type_size) if info.shape else raw
+        try:
+            values = gguf.quants.dequantize(rows, qtype)
+        except NotImplementedError:
+            raise ModelLoadError(
+                f"{self.path}: tensor {info.name!r} uses {info.type_name}, which cannot be "
+                "dequantised"
+            ) from None
+        return np.asarray(values, dtype=np.float32).reshape(info.shape)

@@ -1,0 +1,222 @@
+"""The Llama family (Llama 2/3, SmolLM2, Mistral, Qwen2) over a flat ragged batch and a paged cache.
+
+Parameter names follow HF transformers so checkpoints map one to one, except that q/k/v and
+gate/up projections are fused into one matrix each (fewer, larger matmuls); ``load_weights`` packs
+the HF shards into them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import cast
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specbatch.errors import ModelLoadError
+from specbatch.kernels.attention import AttentionBackend, LayerKVCache
+from specbatch.models.config import ModelConfig
+from specbatch.models.rotary import RotaryEmbedding, apply_rotary
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm computed in float32, as HF Llama does."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+class LlamaAttention(nn.Module):
+    """Fused QKV projection, rotary embedding, paged attention through the backend, output."""
+
+    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.backend = backend
+        self.kv_cache: LayerKVCache | None = None
+
+    def forward(
+        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, metadata: object
+    ) -> torch.Tensor:
+        if self.kv_cache is None:
+            raise RuntimeError("no KV cache bound to the model: call bind_kv_caches first")
+        num_tokens = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rotary(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rotary(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
+        out = self.backend.forward(
+            q.reshape(num_tokens, self.q_size),
+            k.reshape(num_tokens, self.kv_size),
+            v,
+            self.kv_cache,
+            metadata,
+        )
+        return self.o_proj(out)
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU feed-forward with the gate and up projections fused."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, backend)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, metadata: object
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, metadata)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, backend) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+# HF checkpoint shard name -> (fused parameter name, shard index among its parts)
+_FUSED_SHARDS = {
+    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
+    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
+    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
+    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
+    "mlp.up_proj": ("mlp.gate_up_proj", 1),
+}
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class LlamaForCausalLM(nn.Module):
+    """A Llama-family causal LM: ``forward`` gives hidden states, ``compute_logits`` logits."""
+
+    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.config = config
+        self.backend = backend
+        self.model = LlamaModel(config, backend)
+        self.rotary = RotaryEmbedding(config)
+        self.lm_head: nn.Linear | None = None
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    def bind_kv_caches(self, kv_caches: list[LayerKVCache]) -> None:
+        """Give each layer its ``(key_cache, value_cache)`` pair of the paged cache."""
+        if len(kv_caches) != len(self.model.layers):
+            raise ValueError(
+                f"expected {len(self.model.layers)} layer caches, got {len(kv_caches)}"
+            )
+        for layer, cache in zip(self.model.layers, kv_caches, strict=True):
+            cast(LlamaDecoderLayer, layer).self_attn.kv_cache = cache
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: object
+    ) -> torch.Tensor:
+        """Final-norm hidden states ``[T, hidden]`` for a flat ragged batch of ``T`` tokens."""
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, metadata)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Vocabulary logits for the given hidden-state rows only."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor, str]], source: str) -> None:
+        """Copy HF-named tensors into the (fused) parameters; every parameter must be covered.
+
+        ``weights`` yields ``(name, tensor, file)``; ``source`` names the checkpoint in the error
+        about missing tensors.
+        """
+        params = dict(self.named_parameters())
+        loaded: dict[str, set[int]] = {}
+        for name, tensor, origin in weights:
+            if name.endswith(_IGNORED_SUFFIXES):
+                continue
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue  # tied checkpoints sometimes store the copy anyway
+            target, shard = self._target_of(name)
+            if target not in params:
+                raise ModelLoadError(f"{origin}: unexpected tensor {name!r} for this architecture")
+            param = params[target]
+            destination = param.data if shard is None else self._shard_view(target, param, shard)
+            if tuple(tensor.shape) != tuple(destination.shape):
+                raise ModelLoadError(
+                    f"{origin}: tensor {name!r} has shape {tuple(tensor.shape)}, "
+                    f"expected {tuple(destination.shape)}"
+                )
+            destination.copy_(tensor)
+            loaded.setdefault(target, set()).add(0 if shard is None else shard)
+        missing = [n for n in params if len(loaded.get(n, ())) < self._num_shards(n)]
+        if missing:
+            shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
+            raise ModelLoadError(f"{source}: missing {len(missing)} tensor(s): {shown}")
+
+    @staticmethod
+    def _target_of(name: str) -> tuple[str, int | None]:
+        stem, _, kind = name.rpartition(".")
+        for shard_name, (fused, index) in _FUSED_SHARDS.items():
+            if stem.endswith(shard_name):
+                return f"{stem[: -len(shard_name)]}{fused}.{kind}", index
+        return name, None
+
+    def _shard_view(self, target: str, param: torch.Tensor, shard: int) -> torch.Tensor:
+        sizes = self._shard_sizes(target)
+        start = sum(sizes[:shard])
+        return param.data.narrow(0, start, sizes[shard])
+
+    def _shard_sizes(self, target: str) -> list[int]:
+        c = self.config
+        if ".qkv_proj." in target:
+            kv = c.num_key_value_heads * c.head_dim
+            return [c.num_attention_heads * c.head_dim, kv, kv]
+        return [c.intermediate_size, c.intermediate_size]
+
+    def _num_shards(self, target: str) -> int:
+        fused = ".qkv_proj." in target or ".gate_up_proj." in target
+        return len(self._shard_sizes(target)) if fused else 1
+
+    def parameters_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.parameters())

@@ -1,0 +1,103 @@
+"""The one entry point that turns a model name, directory or GGUF file into a ready model."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from specbatch.errors import ConfigError, ModelLoadError
+from specbatch.kernels.attention import attention_backend_class
+from specbatch.models.config import ModelConfig
+from specbatch.models.default_model import default_model_path, is_default_model_name
+from specbatch.models.gguf_checkpoint import iter_gguf_tensors, read_gguf_config
+from specbatch.models.gguf_file import GGUFFile
+from specbatch.models.hf_checkpoint import iter_safetensors, read_hf_config, safetensors_files
+from specbatch.models.llama import LlamaForCausalLM
+from specbatch.models.registry import model_class
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """Accept a torch dtype or its usual name (``float32``, ``bfloat16``, ``float16``)."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise ConfigError(f"dtype {dtype} is not supported; use float32, bfloat16 or float16")
+        return dtype
+    try:
+        return _DTYPES[str(dtype).lower()]
+    except KeyError:
+        raise ConfigError(
+            f"dtype {dtype!r} is not supported; use one of {', '.join(sorted(_DTYPES))}"
+        ) from None
+
+
+def resolve_model_path(model: str | os.PathLike[str] | None) -> Path:
+    """A local directory or ``.gguf`` path; ``None`` or the default's name fetch the default."""
+    if model is None or (isinstance(model, str) and is_default_model_name(model)):
+        return default_model_path()
+    path = Path(model).expanduser()
+    if path.is_dir() or (path.is_file() and path.suffix == ".gguf"):
+        return path
+    if path.is_file():
+        raise ModelLoadError(f"{path}: expected a model directory or a .gguf file")
+    raise ModelLoadError(
+        f"{path}: no such model directory or .gguf file (specbatch never reaches a model hub; "
+        "give a local path, or no model for the default SmolLM2-135M-Instruct)"
+    )
+
+
+def load_config(path: Path) -> ModelConfig:
+    """The :class:`ModelConfig` of a resolved model path."""
+    if path.suffix == ".gguf":
+        return read_gguf_config(GGUFFile(path))
+    return read_hf_config(path)
+
+
+def load_model(
+    model: str | os.PathLike[str] | None = None,
+    dtype: str | torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    attention_backend: str | None = None,
+) -> LlamaForCausalLM:
+    """Load a model from a HF directory (safetensors) or a GGUF file, dequantised to ``dtype``.
+
+    ``model`` is a directory, a ``.gguf`` path, or ``None`` for the default model. Errors name the
+    file and tensor at fault (:class:`~specbatch.errors.ModelLoadError`).
+    """
+    path = resolve_model_path(model)
+    torch_dtype = parse_dtype(dtype)
+    torch_device = torch.device(device)
+    if path.suffix == ".gguf":
+        gguf_file = GGUFFile(path)
+        config = read_gguf_config(gguf_file)
+        weights = iter_gguf_tensors(gguf_file, config)
+    else:
+        config = read_hf_config(path)
+        weights = iter_safetensors(safetensors_files(path))
+    cls = model_class(config.architecture)
+    backend_cls = attention_backend_class(attention_backend, torch_device)
+    backend = backend_cls(
+        config.num_attention_heads,
+        config.num_key_value_heads,
+        config.head_dim,
+        config.head_dim**-0.5,
+    )
+    with torch.device("meta"):
+        net = cls(config, backend)
+    net = net.to(dtype=torch_dtype).to_empty(device=torch_device)
+    with torch.no_grad():
+        net.load_weights(weights, source=str(path))
+    net.eval()
+    net.requires_grad_(False)
+    return net

@@ -1,0 +1,70 @@
+"""Rotary position embeddings (half-split layout, as HF Llama), with Llama-3 and linear scaling."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from specbatch.models.config import ModelConfig
+
+
+def rotary_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """Per-pair inverse frequencies ``[head_dim / 2]`` in float32, after any scaling."""
+    dim = config.head_dim
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
+    inv_freq = 1.0 / (config.rope_theta**exponents)
+    scaling = config.rope_scaling
+    if scaling.rope_type == "linear":
+        inv_freq = inv_freq / scaling.factor
+    elif scaling.rope_type == "llama3":
+        inv_freq = _llama3_scaled(
+            inv_freq,
+            scaling.factor,
+            scaling.low_freq_factor,
+            scaling.high_freq_factor,
+            scaling.original_max_position_embeddings,
+        )
+    if config.rope_freq_factors is not None:
+        # GGUF files of Llama-3.x carry the scaling as precomputed per-frequency divisors.
+        inv_freq = inv_freq / torch.tensor(config.rope_freq_factors, dtype=torch.float32)
+    return inv_freq
+
+
+def _llama3_scaled(
+    inv_freq: torch.Tensor, factor: float, low: float, high: float, old_context: int
+) -> torch.Tensor:
+    # Long wavelengths are slowed by `factor`, short ones kept, the band between interpolated.
+    low_freq_wavelen = old_context / low
+    high_freq_wavelen = old_context / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding:
+    """Computes cos/sin for a step's positions once; every layer reuses them."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        self._inv_freq_cpu = rotary_inv_freq(config)
+        self._inv_freq: dict[torch.device, torch.Tensor] = {}
+
+    def cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[T, 1, head_dim / 2]`` cos and sin for flat token positions ``[T]``."""
+        inv_freq = self._inv_freq.get(positions.device)
+        if inv_freq is None:
+            inv_freq = self._inv_freq_cpu.to(positions.device)
+            self._inv_freq[positions.device] = inv_freq
+        freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]
+        return freqs.cos().to(dtype)[:, None, :], freqs.sin().to(dtype)[:, None, :]
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` ``[T, heads, head_dim]`` pairwise (first half with second half)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
