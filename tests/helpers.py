@@ -1,4 +1,4 @@
-"""Shared test utilities: tiny random checkpoints and a harness that runs a model on a paged cache."""
+"""Test utilities: tiny random checkpoints and a harness running a model on a paged cache."""
 
 from __future__ import annotations
 

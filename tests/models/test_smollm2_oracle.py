@@ -1,4 +1,4 @@
-"""SmolLM2-135M from its GGUF: specbatch's float32 logits equal HF transformers' on the same file."""
+"""SmolLM2-135M from its GGUF: float32 logits equal HF transformers' on the same file."""
 
 from __future__ import annotations
 

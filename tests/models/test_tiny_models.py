@@ -1,4 +1,4 @@
-"""Tiny random Llama-family models: specbatch's logits equal HF transformers' on the same weights."""
+"""Tiny random Llama-family models: logits equal HF transformers' on the same weights."""
 
 from __future__ import annotations
 
