@@ -22,3 +22,11 @@ def default_gguf() -> Path:
 def smollm2(default_gguf: Path) -> LlamaForCausalLM:
     """SmolLM2-135M-Instruct in float32, loaded once per session."""
     return load_model(default_gguf, dtype=torch.float32)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Llama (2 layers, hidden 64) with a small byte-level BPE tokenizer."""
+    from tests.helpers import write_tiny_model
+
+    return write_tiny_model(tmp_path_factory.mktemp("tiny-model"))

@@ -111,3 +111,42 @@ class PagedHarness:
             hidden = self.model(torch.tensor(ids), torch.tensor(positions), metadata)
             logits = self.model.compute_logits(hidden)
         return list(logits.split(query_lens))
+
+
+TINY_CORPUS = (
+    "The quick brown fox jumps over the lazy dog. Speculative decoding drafts tokens and the "
+    "target verifies them in one pass. def add(a, b):\n    return a + b\n"
+    "Paged attention reads keys and values through a block table. 0123456789 "
+    "Continuous batching keeps every sequence busy; prefix caching shares full blocks. "
+)
+
+
+def write_tiny_tokenizer(directory: Path, vocab_size: int = 300) -> int:
+    """Train a small byte-level BPE (ids 0-2: <unk>, <s>, </s>) into ``directory``; returns its
+    vocabulary size."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<unk>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator([TINY_CORPUS] * 4, trainer=trainer)
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": False})
+    )
+    return tokenizer.get_vocab_size()
+
+
+def write_tiny_model(directory: Path, seed: int = 0, **overrides: Any) -> Path:
+    """A tiny random Llama with a real (small) tokenizer: an engine-ready model directory."""
+    vocab = write_tiny_tokenizer(directory)
+    config = tiny_config(vocab_size=max(vocab, 96), max_position_embeddings=512, **overrides)
+    write_hf_checkpoint(directory, config, seed=seed)
+    return directory

@@ -1,0 +1,150 @@
+"""Per-sequence block tables over the block pool: allocation with lookahead, rollback, prefix reuse.
+
+The manager knows sequences only as an id, a token list, a computed-token count and a block
+table; it never sees text or tensors. Invariants:
+
+* a sequence's block table covers every slot it may write this step: its computed tokens, the
+  tokens being computed, and a lookahead of draft slots;
+* only blocks that are full of computed *and final* tokens are entered in the prefix index
+  (``commit``), so a rejected draft can never be shared;
+* every block handed out comes back through ``free`` or ``truncate``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from specbatch.cache.block_pool import BlockKey, BlockPool
+
+
+class CacheSequence(Protocol):
+    """What the manager needs to know about a sequence."""
+
+    seq_id: int
+    token_ids: list[int]
+    num_computed_tokens: int
+    block_table: list[int]
+
+
+@dataclass
+class _HashState:
+    num_committed_blocks: int = 0
+    last_hash: int = 0
+
+
+class KVCacheManager:
+    """Block tables for sequences, drawn from one :class:`BlockPool`."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks)
+        self.enable_prefix_caching = enable_prefix_caching
+        self._hash_state: dict[int, _HashState] = {}
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by running sequences."""
+        return 1.0 - self.pool.num_free / self.pool.num_blocks
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def find_cached_prefix(self, seq: CacheSequence) -> list[int]:
+        """Cached blocks equal to the leading full blocks of a not-yet-started sequence.
+
+        At least the last token is always left to compute (its logits are needed), so a prompt
+        is never matched whole.
+        """
+        if not self.enable_prefix_caching or seq.block_table:
+            return []
+        blocks: list[int] = []
+        parent = 0
+        for index in range((len(seq.token_ids) - 1) // self.block_size):
+            key = self._key(seq, index, parent)
+            block = self.pool.lookup(key)
+            if block is None:
+                break
+            blocks.append(block)
+            parent = hash(key)
+        return blocks
+
+    def allocate(
+        self,
+        seq: CacheSequence,
+        num_new_tokens: int,
+        num_lookahead: int = 0,
+        cached_prefix: list[int] | None = None,
+    ) -> bool:
+        """Extend ``seq``'s blocks to hold ``num_new_tokens`` more tokens plus ``num_lookahead``
+        draft slots, after adopting ``cached_prefix`` (from :meth:`find_cached_prefix`).
+
+        Returns False and changes nothing when the free blocks do not suffice, so the scheduler
+        can preempt and retry.
+        """
+        prefix = cached_prefix or []
+        computed = seq.num_computed_tokens + len(prefix) * self.block_size
+        needed = self.blocks_for(computed + num_new_tokens + num_lookahead)
+        new_blocks = needed - len(seq.block_table) - len(prefix)
+        revived = sum(1 for b in prefix if self.pool.ref_counts[b] == 0)
+        if max(new_blocks, 0) + revived > self.pool.num_free:
+            return False
+        for block in prefix:
+            self.pool.share(block)
+        if prefix:
+            state = self._hash_state.setdefault(seq.seq_id, _HashState())
+            for _ in prefix:
+                state.last_hash = hash(self._key(seq, state.num_committed_blocks, state.last_hash))
+                state.num_committed_blocks += 1
+            seq.block_table.extend(prefix)
+            seq.num_computed_tokens = computed
+        if new_blocks > 0:
+            seq.block_table.extend(self.pool.allocate(new_blocks))
+        return True
+
+    def commit(self, seq: CacheSequence) -> None:
+        """Index the sequence's blocks that became full of computed, final tokens."""
+        if not self.enable_prefix_caching:
+            return
+        state = self._hash_state.setdefault(seq.seq_id, _HashState())
+        full = min(seq.num_computed_tokens, len(seq.token_ids)) // self.block_size
+        while state.num_committed_blocks < full:
+            index = state.num_committed_blocks
+            key = self._key(seq, index, state.last_hash)
+            self.pool.register(seq.block_table[index], key)
+            state.last_hash = hash(key)
+            state.num_committed_blocks += 1
+
+    def truncate(self, seq: CacheSequence, num_tokens: int) -> None:
+        """Keep only the blocks needed for the first ``num_tokens`` slots; free the rest.
+
+        Used after verification: slots past the accepted tokens hold rejected drafts. Committed
+        (indexed) blocks are never affected since they hold only accepted tokens.
+        """
+        state = self._hash_state.get(seq.seq_id)
+        keep = max(self.blocks_for(num_tokens), state.num_committed_blocks if state else 0)
+        if keep < len(seq.block_table):
+            tail = seq.block_table[keep:]
+            del seq.block_table[keep:]
+            self.pool.release(tail[::-1])
+
+    def free(self, seq: CacheSequence) -> None:
+        """Return all of a finished, aborted or preempted sequence's blocks."""
+        # Reverse order: the tail (least shareable) blocks are evicted first.
+        self.pool.release(seq.block_table[::-1])
+        seq.block_table.clear()
+        self._hash_state.pop(seq.seq_id, None)
+
+    def _key(self, seq: CacheSequence, block_index: int, parent: int) -> BlockKey:
+        start = block_index * self.block_size
+        return (parent, tuple(seq.token_ids[start : start + self.block_size]))

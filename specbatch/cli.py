@@ -1,0 +1,112 @@
+"""The ``specbatch`` command line: ``generate`` streams a completion; more subcommands follow."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Sequence
+
+from specbatch.errors import SpecbatchError
+
+
+def _add_engine_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model", default=None, help="HF directory or .gguf file (default: SmolLM2-135M-Instruct)"
+    )
+    parser.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto")
+    parser.add_argument("--device", default="auto", help="cpu, cuda or auto")
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
+
+
+def _add_generate(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("generate", help="stream a completion for one prompt")
+    p.add_argument("prompt", help="the prompt text ('-' reads standard input)")
+    _add_engine_args(p)
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (the default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    p.add_argument("--quiet", action="store_true", help="do not print the statistics line")
+    p.set_defaults(handler=_generate)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from specbatch.config import EngineConfig
+    from specbatch.engine.llm_engine import LLMEngine
+    from specbatch.sampling_params import OutputKind, SamplingParams
+
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    params = SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        max_tokens=args.max_tokens,
+        output_kind=OutputKind.DELTA,
+    )
+    started = time.monotonic()
+    engine = LLMEngine(
+        EngineConfig(
+            model=args.model,
+            dtype=args.dtype,
+            device=args.device,
+            max_model_len=args.max_model_len,
+            num_threads=args.num_threads,
+            max_num_seqs=1,
+            kv_cache_max_gib=1.0,
+        )
+    )
+    loaded = time.monotonic()
+    if args.chat:
+        prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+        token_ids = engine.tokenizer.encode(prompt, add_special_tokens=False)
+        engine.add_request("cli", prompt, params, prompt_token_ids=token_ids)
+    else:
+        engine.add_request("cli", prompt, params)
+    generated, reason = 0, None
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            completion = output.outputs[0]
+            sys.stdout.write(completion.text)
+            sys.stdout.flush()
+            generated += len(completion.token_ids)
+            reason = completion.finish_reason
+    sys.stdout.write("\n")
+    elapsed = time.monotonic() - loaded
+    if not args.quiet:
+        print(
+            f"[{generated} tokens in {elapsed:.2f} s, {generated / max(elapsed, 1e-9):.1f} tok/s; "
+            f"finish: {reason}; model loaded in {loaded - started:.1f} s]",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="specbatch",
+        description="LLM inference with continuous batching and speculative decoding.",
+    )
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    _add_generate(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``specbatch`` command."""
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.handler(args))
+    except (SpecbatchError, ValueError) as exc:
+        print(f"specbatch: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

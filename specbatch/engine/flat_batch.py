@@ -1,0 +1,61 @@
+"""Flattening a step's per-sequence token runs into one ragged batch (host arrays)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from specbatch.kernels.attention import AttentionInputs
+
+
+@dataclass
+class TokenRun:
+    """Consecutive tokens of one sequence, the first at ``start_position``, to compute now."""
+
+    token_ids: Sequence[int]
+    start_position: int
+    block_table: Sequence[int]
+
+
+@dataclass
+class FlatBatch:
+    input_ids: np.ndarray  # [T]
+    positions: np.ndarray  # [T]
+    attention: AttentionInputs
+    query_start: np.ndarray  # [B + 1]: run b owns flat rows query_start[b]:query_start[b + 1]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+
+def flatten(runs: Sequence[TokenRun], block_size: int) -> FlatBatch:
+    """Positions and cache slots of every token, computed for the whole batch at once."""
+    query_lens = np.fromiter((len(r.token_ids) for r in runs), dtype=np.int64, count=len(runs))
+    starts = np.fromiter((r.start_position for r in runs), dtype=np.int64, count=len(runs))
+    query_start = np.zeros(len(runs) + 1, dtype=np.int64)
+    np.cumsum(query_lens, out=query_start[1:])
+    total = int(query_start[-1])
+
+    width = max((len(r.block_table) for r in runs), default=1) or 1
+    block_tables = np.zeros((len(runs), width), dtype=np.int64)
+    for b, run in enumerate(runs):
+        block_tables[b, : len(run.block_table)] = run.block_table
+
+    run_of_token = np.repeat(np.arange(len(runs)), query_lens)
+    offsets = np.arange(total) - query_start[:-1][run_of_token]
+    positions = starts[run_of_token] + offsets
+    slots = (
+        block_tables[run_of_token, positions // block_size] * block_size + positions % block_size
+    )
+    input_ids = np.fromiter((t for r in runs for t in r.token_ids), dtype=np.int64, count=total)
+    attention = AttentionInputs(
+        query_lens=query_lens,
+        seq_lens=starts + query_lens,
+        block_tables=block_tables,
+        slot_mapping=slots,
+        block_size=block_size,
+    )
+    return FlatBatch(input_ids, positions, attention, query_start)

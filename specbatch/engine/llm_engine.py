@@ -1,0 +1,351 @@
+"""``LLMEngine``: add requests, step, read outputs. One step batches every running sequence."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence as SequenceT
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from specbatch.cache.kv_cache_manager import KVCacheManager
+from specbatch.cache.kv_tensors import allocate_kv_caches
+from specbatch.config import EngineConfig
+from specbatch.engine.flat_batch import TokenRun, flatten
+from specbatch.engine.kv_sizing import choose_num_kv_blocks
+from specbatch.engine.model_runner import ModelRunner
+from specbatch.engine.request_state import RequestState
+from specbatch.engine.sequence import Sequence
+from specbatch.kernels.sampling import SamplingRow, raw_logprobs, sample
+from specbatch.models import load_model, resolve_model_path
+from specbatch.outputs import PositionLogprobs, RequestOutput
+from specbatch.sampling_params import SamplingParams
+from specbatch.scheduler import ScheduledSequence, Scheduler, SchedulerConfig
+from specbatch.tokenizer import Tokenizer, load_tokenizer
+
+
+@dataclass
+class EngineStats:
+    """Engine-wide counters (monotonic) and the latest gauges, for metrics exporters."""
+
+    num_steps: int = 0
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    num_requests_finished: int = 0
+    num_preemptions: int = 0
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+
+
+class LLMEngine:
+    """Continuous batching over a paged KV cache.
+
+    ``add_request`` queues a request, ``step`` runs one batched forward over every scheduled
+    sequence and returns the outputs that changed, ``abort`` stops a request and frees its blocks
+    at once. Not thread-safe: drive it from one thread (``AsyncEngine`` does that for asyncio).
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        self.device = config.resolved_device()
+        self.dtype = config.resolved_dtype(self.device)
+        model_path = resolve_model_path(config.model)
+        self.model_path = model_path
+        self.model = load_model(model_path, self.dtype, self.device, config.attention_backend)
+        self.tokenizer: Tokenizer = load_tokenizer(config.tokenizer or model_path)
+        model_config = self.model.config
+        self.max_model_len = min(
+            config.max_model_len or model_config.max_position_embeddings,
+            model_config.max_position_embeddings,
+        )
+        self.num_kv_blocks = choose_num_kv_blocks(
+            config, model_config, self.dtype, self.device, self.max_model_len, lookahead=0
+        )
+        self.model.bind_kv_caches(
+            allocate_kv_caches(
+                model_config, self.num_kv_blocks, config.block_size, self.dtype, self.device
+            )
+        )
+        self.cache = KVCacheManager(
+            self.num_kv_blocks, config.block_size, config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len),
+            self.cache,
+        )
+        self.runner = ModelRunner(self.model)
+        self.generator = torch.Generator().manual_seed(config.seed)
+        self.requests: dict[str, RequestState] = {}
+        self._seq_owner: dict[int, tuple[RequestState, int]] = {}
+        self._seq_ids = itertools.count()
+        self.stats = EngineStats()
+
+    @classmethod
+    def from_args(cls, **kwargs: object) -> LLMEngine:
+        return cls(EngineConfig(**kwargs))  # type: ignore[arg-type]
+
+    # ----------------------------------------------------------------- requests
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | SequenceT[int] | None = None,
+        params: SamplingParams | None = None,
+        *,
+        prompt_token_ids: SequenceT[int] | None = None,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Queue a request given as text, or as token ids (``prompt`` list or
+        ``prompt_token_ids``). Raises ``ValueError`` for a duplicate id, an empty prompt, or a
+        prompt that does not fit the context."""
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        params = params or SamplingParams()
+        text, token_ids = self._prompt_tokens(prompt, prompt_token_ids)
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        seqs = [
+            self._new_sequence(request_id, i, token_ids, params, arrival, priority)
+            for i in range(params.n)
+        ]
+        state = RequestState(
+            request_id, text, token_ids, params, seqs, self.tokenizer, self.max_model_len
+        )
+        self.requests[request_id] = state
+        for i, seq in enumerate(seqs):
+            self._seq_owner[seq.seq_id] = (state, i)
+            self.scheduler.add(seq)
+
+    def _prompt_tokens(
+        self, prompt: str | SequenceT[int] | None, prompt_token_ids: SequenceT[int] | None
+    ) -> tuple[str | None, list[int]]:
+        if prompt_token_ids is None and prompt is not None and not isinstance(prompt, str):
+            prompt_token_ids, prompt = prompt, None
+        if prompt_token_ids is not None:
+            ids = list(prompt_token_ids)
+            vocab = self.model.config.vocab_size
+            if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
+                raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        elif isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+        else:
+            raise ValueError("give a prompt string or prompt_token_ids")
+        if not ids:
+            raise ValueError("the prompt is empty (0 tokens)")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(ids)} tokens, but the context holds {self.max_model_len} "
+                "(prompt plus at least one generated token)"
+            )
+        return (prompt if isinstance(prompt, str) else None), ids
+
+    def _new_sequence(
+        self,
+        request_id: str,
+        index: int,
+        token_ids: list[int],
+        params: SamplingParams,
+        arrival: float,
+        priority: int,
+    ) -> Sequence:
+        if params.seed is not None and index > 0:
+            # Each of the n completions needs its own randomness; completion 0 equals n=1.
+            params = params.clone(seed=hash((params.seed, index)) & 0x7FFF_FFFF_FFFF_FFFF)
+        return Sequence(
+            next(self._seq_ids), request_id, index, token_ids, params, arrival, priority
+        )
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request now and free its cache blocks; False if it is unknown or done."""
+        state = self.requests.pop(request_id, None)
+        if state is None:
+            return False
+        state.abort()
+        self._release(state)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    # --------------------------------------------------------------------- step
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run one batched forward, sample, update; return changed requests' outputs."""
+        plan = self.scheduler.schedule()
+        self.stats.num_preemptions = self.scheduler.num_preemptions
+        if plan.is_empty:
+            self._update_gauges()
+            return []
+        scheduled = plan.scheduled
+        batch = flatten(
+            [
+                TokenRun(
+                    s.seq.token_ids[s.seq.num_computed_tokens :][: s.num_new_tokens],
+                    s.seq.num_computed_tokens,
+                    s.seq.block_table,
+                )
+                for s in scheduled
+            ],
+            self.config.block_size,
+        )
+        rows, prompt_rows = self._logit_rows(scheduled, batch.query_start)
+        logits = self.runner.forward(
+            batch, np.array(rows + [r for _, r, _ in prompt_rows], dtype=np.int64)
+        )
+        sampling = [s for s in scheduled if s.completes_sequence]
+        sample_logits = logits[: len(sampling)]
+        sampling_rows = [self._sampling_row(s.seq) for s in sampling]
+        tokens = sample(sample_logits, sampling_rows, self.generator).tolist()
+        logprobs = self._sample_logprobs(sample_logits, sampling, tokens)
+        if prompt_rows:
+            self._record_prompt_logprobs(prompt_rows, logits[len(sampling) :])
+        touched = self._update(
+            scheduled,
+            dict(
+                zip(
+                    (s.seq.seq_id for s in sampling),
+                    zip(tokens, logprobs, strict=True),
+                    strict=True,
+                )
+            ),
+        )
+        self.stats.num_steps += 1
+        self._update_gauges()
+        return self._outputs(touched)
+
+    def _logit_rows(
+        self, scheduled: list[ScheduledSequence], query_start: np.ndarray
+    ) -> tuple[list[int], list[tuple[Sequence, int, int]]]:
+        """Rows whose logits sample a token (first), and ``(seq, row, position)`` of rows whose
+        logits give the logprob of prompt token ``position + 1``."""
+        rows, prompt_rows = [], []
+        for b, s in enumerate(scheduled):
+            if s.completes_sequence:
+                rows.append(int(query_start[b]) + s.num_new_tokens - 1)
+            if s.seq.params.prompt_logprobs is not None and s.seq.index == 0:
+                first = s.seq.num_computed_tokens
+                last = min(first + s.num_new_tokens, s.seq.num_prompt_tokens - 1)
+                prompt_rows += [
+                    (s.seq, int(query_start[b]) + p - first, p) for p in range(first, last)
+                ]
+        return rows, prompt_rows
+
+    def _sampling_row(self, seq: Sequence) -> SamplingRow:
+        state, _ = self._seq_owner[seq.seq_id]
+        return SamplingRow(
+            seq.params,
+            seq.prompt_token_ids,
+            seq.output_token_ids,
+            position=seq.num_tokens,
+            banned_token_ids=state.banned_token_ids(seq),
+        )
+
+    def _sample_logprobs(
+        self, logits: torch.Tensor, sampling: list[ScheduledSequence], tokens: list[int]
+    ) -> list[dict[int, tuple[float, int]] | None]:
+        wanted = [i for i, s in enumerate(sampling) if s.seq.params.logprobs is not None]
+        result: list[dict[int, tuple[float, int]] | None] = [None] * len(sampling)
+        if not wanted:
+            return result
+        logprobs = raw_logprobs(logits[wanted])
+        for row, i in enumerate(wanted):
+            chosen = torch.tensor([tokens[i]])
+            result[i] = _top_logprobs(logprobs[row], chosen, sampling[i].seq.params.logprobs or 0)[
+                0
+            ]
+        return result
+
+    def _record_prompt_logprobs(
+        self, prompt_rows: list[tuple[Sequence, int, int]], logits: torch.Tensor
+    ) -> None:
+        logprobs = raw_logprobs(logits)
+        for row, (seq, _, position) in enumerate(prompt_rows):
+            state, _ = self._seq_owner[seq.seq_id]
+            assert state.prompt_logprobs is not None
+            if position + 1 != len(state.prompt_logprobs):
+                continue  # recomputed after preemption: recorded already
+            target = torch.tensor([seq.prompt_token_ids[position + 1]])
+            entries = _top_logprobs(logprobs[row], target, seq.params.prompt_logprobs or 0)[0]
+            state.prompt_logprobs.append(state.decode_logprobs(entries))
+
+    def _update(
+        self,
+        scheduled: list[ScheduledSequence],
+        sampled: dict[int, tuple[int, dict[int, tuple[float, int]] | None]],
+    ) -> dict[str, RequestState]:
+        touched: dict[str, RequestState] = {}
+        for s in scheduled:
+            seq = s.seq
+            self.stats.num_prompt_tokens += max(
+                0, min(s.num_new_tokens, seq.num_prompt_tokens - seq.num_computed_tokens)
+            )
+            seq.num_computed_tokens += s.num_new_tokens
+            state, index = self._seq_owner[seq.seq_id]
+            if seq.seq_id in sampled:
+                token, entries = sampled[seq.seq_id]
+                positions: list[PositionLogprobs] | None = None
+                if entries is not None:
+                    positions = [state.decode_logprobs(entries)]
+                state.append_tokens(index, [token], positions)
+                self.stats.num_generation_tokens += 1
+                touched[state.request_id] = state
+            self.cache.commit(seq)
+            if seq.is_finished:
+                self.scheduler.remove(seq)
+        return touched
+
+    def _outputs(self, touched: dict[str, RequestState]) -> list[RequestOutput]:
+        outputs = []
+        for request_id, state in touched.items():
+            output = state.output()
+            if output is not None:
+                outputs.append(output)
+            if state.finished:
+                self.requests.pop(request_id, None)
+                self._forget(state)
+                self.stats.num_requests_finished += 1
+        return outputs
+
+    def _release(self, state: RequestState) -> None:
+        for seq in state.seqs:
+            self.scheduler.remove(seq)
+        self._forget(state)
+
+    def _forget(self, state: RequestState) -> None:
+        for seq in state.seqs:
+            self._seq_owner.pop(seq.seq_id, None)
+
+    def _update_gauges(self) -> None:
+        self.stats.num_running = len(self.scheduler.running)
+        self.stats.num_waiting = len(self.scheduler.waiting)
+        self.stats.kv_cache_usage = self.cache.usage
+
+
+def _top_logprobs(
+    logprobs: torch.Tensor, chosen: torch.Tensor, top_n: int
+) -> list[dict[int, tuple[float, int]]]:
+    """Per row: the chosen token and the ``top_n`` most likely, as ``{token: (logprob, rank)}``."""
+    rows = logprobs.view(-1, logprobs.shape[-1])
+    result = []
+    for r in range(rows.shape[0]):
+        row = rows[r]
+        token = int(chosen[r])
+        value = row[token]
+        entries = {token: (float(value), int((row > value).sum()) + 1)}
+        if top_n:
+            values, ids = row.topk(top_n)
+            for rank, (v, t) in enumerate(zip(values.tolist(), ids.tolist(), strict=True), 1):
+                entries.setdefault(t, (v, rank))
+        result.append(entries)
+    return result

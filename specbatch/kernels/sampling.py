@@ -1,0 +1,240 @@
+"""Batched sampling: the target distribution as a pure function, and how a row draws from it.
+
+``target_probs(logits, rows)`` is *the* distribution a row samples from: penalties (from the
+row's history), temperature, min-p, top-k, top-p, in that order (vLLM's). Greedy rows get a
+one-hot on the argmax of their penalised logits, so the rejection sampler treats greedy and random
+rows with one rule. The plain sampler and the rejection sampler both call it.
+
+Randomness, per row:
+
+* unseeded rows draw one uniform from the engine's generator and invert the row's CDF;
+* seeded rows use Gumbel-max with noise keyed by ``(seed, position of the generated token)``
+  (:func:`gumbel_noise`), so a seeded request's output depends on nothing but its seed and its own
+  tokens: not its batch-mates, not preemption, not how many draft tokens were verified.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from specbatch.sampling_params import SamplingParams
+
+_NOISE_SALT = 0x5EED_5A17
+
+
+@dataclass
+class SamplingRow:
+    """One logits row to turn into a token: its request's params and the history before it."""
+
+    params: SamplingParams
+    prompt_ids: Sequence[int]
+    output_ids: Sequence[int]  # tokens generated before this row's token (drafts included)
+    position: int  # index in the sequence of the token this row produces
+    banned_token_ids: Sequence[int] = ()  # e.g. EOS while min_tokens is not reached
+
+
+@dataclass
+class SamplingTensors:
+    """The per-row settings of a batch of rows as tensors (built once per step)."""
+
+    greedy: torch.Tensor  # [R] bool
+    temperature: torch.Tensor  # [R], 1.0 on greedy rows
+    min_p: torch.Tensor | None
+    top_k: torch.Tensor | None  # [R] long, vocab size where disabled
+    top_p: torch.Tensor | None
+    presence: torch.Tensor | None
+    frequency: torch.Tensor | None
+    repetition: torch.Tensor | None
+    output_counts: torch.Tensor | None  # [R, V] occurrences in the output so far
+    prompt_mask: torch.Tensor | None  # [R, V] token occurs in the prompt
+    banned: torch.Tensor | None  # [R, V] tokens that may not be produced
+    all_greedy: bool
+
+    @classmethod
+    def build(
+        cls, rows: Sequence[SamplingRow], vocab_size: int, device: torch.device
+    ) -> SamplingTensors:
+        params = [r.params for r in rows]
+
+        def column(
+            values: list[float], neutral: float, dtype: torch.dtype = torch.float32
+        ) -> torch.Tensor | None:
+            if all(v == neutral for v in values):
+                return None
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        greedy = [p.greedy for p in params]
+        penalised = any(p.has_penalties for p in params)
+        return cls(
+            greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
+            temperature=torch.tensor(
+                [1.0 if g else p.temperature for g, p in zip(greedy, params, strict=True)],
+                dtype=torch.float32,
+                device=device,
+            ),
+            min_p=column([p.min_p for p in params], 0.0),
+            top_k=column([p.top_k or vocab_size for p in params], vocab_size, torch.long),
+            top_p=column([p.top_p for p in params], 1.0),
+            presence=column([p.presence_penalty for p in params], 0.0),
+            frequency=column([p.frequency_penalty for p in params], 0.0),
+            repetition=column([p.repetition_penalty for p in params], 1.0),
+            output_counts=_counts(rows, vocab_size, device) if penalised else None,
+            prompt_mask=_prompt_mask(rows, vocab_size, device) if penalised else None,
+            banned=_banned(rows, vocab_size, device),
+            all_greedy=all(greedy),
+        )
+
+
+def _counts(rows: Sequence[SamplingRow], vocab_size: int, device: torch.device) -> torch.Tensor:
+    counts = torch.zeros(len(rows), vocab_size, dtype=torch.float32, device=device)
+    for i, row in enumerate(rows):
+        if row.params.has_penalties and len(row.output_ids):
+            ids = torch.as_tensor(list(row.output_ids), dtype=torch.long, device=device)
+            counts[i].index_add_(0, ids, torch.ones(len(ids), device=device))
+    return counts
+
+
+def _prompt_mask(
+    rows: Sequence[SamplingRow], vocab_size: int, device: torch.device
+) -> torch.Tensor:
+    mask = torch.zeros(len(rows), vocab_size, dtype=torch.bool, device=device)
+    for i, row in enumerate(rows):
+        if row.params.repetition_penalty != 1.0 and len(row.prompt_ids):
+            mask[i, torch.as_tensor(list(row.prompt_ids), dtype=torch.long, device=device)] = True
+    return mask
+
+
+def _banned(
+    rows: Sequence[SamplingRow], vocab_size: int, device: torch.device
+) -> torch.Tensor | None:
+    if not any(r.banned_token_ids for r in rows):
+        return None
+    mask = torch.zeros(len(rows), vocab_size, dtype=torch.bool, device=device)
+    for i, row in enumerate(rows):
+        ids = [t for t in row.banned_token_ids if t < vocab_size]
+        if ids:
+            mask[i, torch.tensor(ids, dtype=torch.long, device=device)] = True
+    return mask
+
+
+def apply_penalties(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """Banned tokens, then repetition, frequency and presence penalties (``logits`` untouched)."""
+    if t.banned is not None:
+        logits = logits.masked_fill(t.banned, float("-inf"))
+    if t.output_counts is None:
+        return logits
+    assert t.prompt_mask is not None
+    logits = logits.clone()
+    if t.repetition is not None:
+        seen = t.prompt_mask | (t.output_counts > 0)
+        penalty = t.repetition[:, None].expand_as(logits)
+        scaled = torch.where(logits > 0, logits / penalty, logits * penalty)
+        logits = torch.where(seen, scaled, logits)
+    if t.frequency is not None:
+        logits -= t.frequency[:, None] * t.output_counts
+    if t.presence is not None:
+        logits -= t.presence[:, None] * (t.output_counts > 0).float()
+    return logits
+
+
+def target_probs(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """The distribution each row samples from, ``[R, V]`` float32 (one-hot on greedy rows)."""
+    logits = apply_penalties(logits.float(), t)
+    if t.all_greedy:
+        return _one_hot_argmax(logits)
+    logits = logits / t.temperature[:, None]
+    if t.min_p is not None:
+        probs = logits.softmax(-1)
+        threshold = t.min_p[:, None] * probs.amax(-1, keepdim=True)
+        logits = logits.masked_fill(probs < threshold, float("-inf"))
+    if t.top_k is not None or t.top_p is not None:
+        logits = _top_k_top_p(logits, t.top_k, t.top_p)
+    probs = logits.softmax(-1)
+    if bool(t.greedy.any()):
+        probs = torch.where(t.greedy[:, None], _one_hot_argmax(logits), probs)
+    return probs
+
+
+def _one_hot_argmax(logits: torch.Tensor) -> torch.Tensor:
+    probs = torch.zeros_like(logits, dtype=torch.float32)
+    return probs.scatter_(1, logits.argmax(-1, keepdim=True), 1.0)
+
+
+def _top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+) -> torch.Tensor:
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    if top_k is not None:
+        kth = sorted_logits.gather(1, (top_k - 1).clamp(0, logits.shape[1] - 1)[:, None])
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+    if top_p is not None:
+        probs = sorted_logits.softmax(-1)
+        mass_before = probs.cumsum(-1) - probs
+        # Keep the smallest prefix whose mass reaches top_p (the first token is always kept).
+        sorted_logits = sorted_logits.masked_fill(mass_before >= top_p[:, None], float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter_(1, order, sorted_logits)
+
+
+def gumbel_noise(seed: int, position: int, vocab_size: int, device: torch.device) -> torch.Tensor:
+    """Gumbel(0, 1) noise ``[V]`` (float64) that depends only on ``(seed, position)``."""
+    generator = torch.Generator(device="cpu")
+    generator.manual_seed(hash((_NOISE_SALT, seed, position)) & 0x7FFF_FFFF_FFFF_FFFF)
+    uniform = torch.rand(vocab_size, dtype=torch.float64, generator=generator)
+    return (-torch.log(-torch.log(uniform))).to(device)
+
+
+def sample(
+    logits: torch.Tensor, rows: Sequence[SamplingRow], generator: torch.Generator
+) -> torch.Tensor:
+    """One token per logits row, drawn from the row's target distribution."""
+    if not rows:
+        return torch.empty(0, dtype=torch.long)
+    t = SamplingTensors.build(rows, logits.shape[1], logits.device)
+    if t.all_greedy:
+        return apply_penalties(logits.float(), t).argmax(-1)
+    return sample_rows(target_probs(logits, t), rows, t, generator)
+
+
+def sample_rows(
+    probs: torch.Tensor,
+    rows: Sequence[SamplingRow],
+    t: SamplingTensors,
+    generator: torch.Generator,
+) -> torch.Tensor:
+    """One token per row from ``probs`` (the output of :func:`target_probs`)."""
+    tokens = probs.argmax(-1)
+    if t.all_greedy:
+        return tokens
+    seeded = [i for i, r in enumerate(rows) if r.params.seed is not None and not r.params.greedy]
+    unseeded = [i for i, r in enumerate(rows) if r.params.seed is None and not r.params.greedy]
+    if unseeded:
+        index = torch.tensor(unseeded, device=probs.device)
+        uniforms = torch.rand(len(unseeded), dtype=torch.float64, generator=generator)
+        tokens[index] = inverse_cdf(probs[index], uniforms.to(probs.device))
+    for i in seeded:
+        row = rows[i]
+        assert row.params.seed is not None
+        noise = gumbel_noise(row.params.seed, row.position, probs.shape[1], probs.device)
+        tokens[i] = gumbel_argmax(probs[i], noise)
+    return tokens
+
+
+def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Sample each row of (unnormalised) ``probs`` ``[R, V]`` with one uniform in [0, 1) each."""
+    cdf = probs.double().cumsum(-1)
+    targets = uniforms.double() * cdf[:, -1]
+    picked = torch.searchsorted(cdf, targets[:, None], right=True).squeeze(1)
+    return picked.clamp_(max=probs.shape[1] - 1)
+
+
+def gumbel_argmax(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """``argmax(log p + g)``: a sample of ``probs`` that is a fixed function of the noise."""
+    return (probs.double().log() + noise).argmax(-1)
+
+
+def raw_logprobs(logits: torch.Tensor) -> torch.Tensor:
+    """Log-probabilities of the unprocessed model distribution (what ``logprobs`` reports)."""
+    return torch.log_softmax(logits.float(), dim=-1)

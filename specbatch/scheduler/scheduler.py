@@ -1,0 +1,167 @@
+"""Which sequences run this step, with how many tokens, and who is preempted.
+
+Policy (vLLM V1 style, one token budget per step):
+
+1. Running sequences first, in admission order. A decode needs one token plus its lookahead
+   (draft slots); a sequence still prefilling takes as much of its prompt as the budget allows
+   (chunked prefill). When the cache cannot hold a sequence's step, speculation is dropped for it
+   first; then the lowest-priority, newest running sequence is preempted (its blocks freed, its
+   tokens kept, recomputed later), possibly the sequence itself.
+2. Then waiting sequences by (priority, arrival), while the budget, ``max_num_seqs`` and the
+   cache allow, reusing prefix-cached blocks. Nothing is admitted in a step that preempted.
+
+The scheduler touches no tensors: it returns a plain :class:`SchedulerOutput`.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from dataclasses import dataclass, field
+
+from specbatch.cache.kv_cache_manager import KVCacheManager
+from specbatch.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    num_speculative_tokens: int = 0
+
+
+@dataclass
+class ScheduledSequence:
+    """``num_new_tokens`` of ``seq.token_ids`` (from ``num_computed_tokens`` on) are computed this
+    step, and ``num_lookahead`` slots after them are reserved for draft tokens."""
+
+    seq: Sequence
+    num_new_tokens: int
+    num_lookahead: int = 0
+
+    @property
+    def completes_sequence(self) -> bool:
+        """True when this step reaches the last token, so its logits yield a new token."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSequence] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens + s.num_lookahead for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+def _order(seq: Sequence) -> tuple[int, float, int]:
+    return (seq.priority, seq.arrival_time, seq.seq_id)
+
+
+class Scheduler:
+    """Waiting and running queues over a :class:`KVCacheManager`."""
+
+    def __init__(self, config: SchedulerConfig, cache: KVCacheManager) -> None:
+        self.config = config
+        self.cache = cache
+        self.waiting: list[Sequence] = []  # sorted by _order
+        self.running: list[Sequence] = []  # admission order
+        self.num_preemptions = 0
+        self._budget = 0  # tokens left in the step being scheduled
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        bisect.insort(self.waiting, seq, key=_order)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a finished or aborted sequence out of its queue and free its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.cache.free(seq)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        self._budget = self.config.max_num_batched_tokens
+        for seq in list(self.running):
+            if self._budget <= 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new = min(seq.num_uncomputed_tokens, self._budget)
+            lookahead = 0
+            if num_new == 1:
+                lookahead = min(self.lookahead(seq), self._budget - num_new)
+            granted = self._allocate_or_preempt(seq, num_new, lookahead, out)
+            if granted is not None:
+                out.scheduled.append(ScheduledSequence(seq, num_new, granted))
+                self._budget -= num_new + granted
+        if not out.preempted:
+            self._admit(out)
+        return out
+
+    def lookahead(self, seq: Sequence) -> int:
+        """Draft slots a decoding sequence may use: never past max_tokens or the context."""
+        k = self.config.num_speculative_tokens
+        if k == 0:
+            return 0
+        room_in_context = self.config.max_model_len - seq.num_tokens
+        max_tokens = seq.params.max_tokens
+        room_in_output = k if max_tokens is None else max_tokens - seq.num_output_tokens - 1
+        return max(0, min(k, room_in_context, room_in_output))
+
+    def _allocate_or_preempt(
+        self, seq: Sequence, num_new: int, lookahead: int, out: SchedulerOutput
+    ) -> int | None:
+        """Reserve slots for ``seq``; the lookahead it got, or None if ``seq`` was preempted."""
+        while True:
+            if self.cache.allocate(seq, num_new, lookahead):
+                return lookahead
+            if lookahead and self.cache.allocate(seq, num_new, 0):
+                return 0
+            victim = max(self.running, key=_order)
+            self._preempt(victim, out)
+            if victim is seq:
+                return None
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        for i, scheduled in enumerate(out.scheduled):
+            if scheduled.seq is seq:  # already granted this step: take it back
+                del out.scheduled[i]
+                self._budget += scheduled.num_new_tokens + scheduled.num_lookahead
+                break
+        self.running.remove(seq)
+        self.cache.free(seq)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        out.preempted.append(seq)
+        self.add(seq)
+
+    def _admit(self, out: SchedulerOutput) -> None:
+        while self.waiting and self._budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            prefix = self.cache.find_cached_prefix(seq)
+            cached_tokens = len(prefix) * self.cache.block_size
+            num_new = min(seq.num_tokens - seq.num_computed_tokens - cached_tokens, self._budget)
+            if not self.cache.allocate(seq, num_new, 0, prefix):
+                break
+            self.waiting.pop(0)
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = time.monotonic()
+                seq.num_cached_prompt_tokens = min(cached_tokens, seq.num_prompt_tokens)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append(ScheduledSequence(seq, num_new))
+            self._budget -= num_new

@@ -1,0 +1,152 @@
+"""Batched sampling against per-row references and statistical tests."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from specbatch.kernels.sampling import (
+    SamplingRow,
+    SamplingTensors,
+    gumbel_argmax,
+    gumbel_noise,
+    sample,
+    target_probs,
+)
+from specbatch.sampling_params import SamplingParams
+
+V = 40
+
+
+def reference_probs(logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:
+    """The obvious per-row version of the target distribution (vLLM's order of processing)."""
+    p = row.params
+    x = logits.double().clone()
+    for t in row.banned_token_ids:
+        x[t] = -math.inf
+    seen_out = set(row.output_ids)
+    seen = seen_out | set(row.prompt_ids)
+    for tok in range(len(x)):
+        if tok in seen and p.repetition_penalty != 1.0:
+            x[tok] = x[tok] / p.repetition_penalty if x[tok] > 0 else x[tok] * p.repetition_penalty
+        count = list(row.output_ids).count(tok)
+        x[tok] -= p.frequency_penalty * count
+        if tok in seen_out:
+            x[tok] -= p.presence_penalty
+    if p.greedy:
+        out = torch.zeros_like(x)
+        out[int(x.argmax())] = 1.0
+        return out
+    x = x / p.temperature
+    probs = torch.softmax(x, 0)
+    if p.min_p > 0:
+        x[probs < p.min_p * probs.max()] = -math.inf
+    order = sorted(range(len(x)), key=lambda t: -float(x[t]))
+    if p.top_k:
+        kth = float(x[order[p.top_k - 1]])
+        x[x < kth] = -math.inf
+    if p.top_p < 1.0:
+        probs = torch.softmax(x, 0)
+        mass = 0.0
+        for tok in order:
+            if mass >= p.top_p:
+                x[tok] = -math.inf
+            mass += float(probs[tok])
+    return torch.softmax(x, 0)
+
+
+PARAMS = [
+    SamplingParams(temperature=1.0),
+    SamplingParams(temperature=0.7, top_k=5),
+    SamplingParams(temperature=1.3, top_p=0.6),
+    SamplingParams(temperature=0.9, top_k=8, top_p=0.8, min_p=0.05),
+    SamplingParams(
+        temperature=1.0, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.3
+    ),
+    SamplingParams(temperature=0.0),
+    SamplingParams(temperature=0.0, repetition_penalty=2.0),
+    SamplingParams(temperature=1.0, min_p=0.2),
+]
+
+
+def _rows(rng: np.random.Generator) -> list[SamplingRow]:
+    rows = []
+    for i, p in enumerate(PARAMS):
+        prompt = rng.integers(0, V, 6).tolist()
+        output = rng.integers(0, V, int(rng.integers(0, 8))).tolist()
+        banned = (3, 4) if i == 0 else ()
+        rows.append(SamplingRow(p, prompt, output, position=10 + i, banned_token_ids=banned))
+    return rows
+
+
+def test_target_probs_match_reference() -> None:
+    rng = np.random.default_rng(0)
+    rows = _rows(rng)
+    logits = torch.randn(len(rows), V, generator=torch.Generator().manual_seed(0)) * 3
+    got = target_probs(logits, SamplingTensors.build(rows, V, torch.device("cpu")))
+    for i, row in enumerate(rows):
+        expected = reference_probs(logits[i], row).float()
+        torch.testing.assert_close(got[i], expected, rtol=1e-5, atol=1e-6, msg=f"row {i}")
+
+
+def test_sampled_tokens_stay_in_the_allowed_set() -> None:
+    rng = np.random.default_rng(1)
+    rows = _rows(rng)
+    logits = torch.randn(len(rows), V, generator=torch.Generator().manual_seed(1)) * 3
+    allowed = [reference_probs(logits[i], r) > 0 for i, r in enumerate(rows)]
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(300):
+        tokens = sample(logits, rows, generator)
+        for i, tok in enumerate(tokens.tolist()):
+            assert allowed[i][tok], f"row {i} sampled disallowed token {tok}"
+
+
+@pytest.mark.parametrize("seeded", [False, True])
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_empirical_frequencies_match_softmax(seeded: bool, temperature: float) -> None:
+    logits = torch.randn(1, 12, generator=torch.Generator().manual_seed(3)) * 1.5
+    expected = torch.softmax(logits[0].double() / temperature, 0).numpy()
+    expected /= expected.sum()
+    n = 20000
+    if seeded:
+        # one draw per (seed, position): different seeds give independent samples
+        rows = [
+            SamplingRow(SamplingParams(temperature=temperature, seed=s), [], [], 0)
+            for s in range(n)
+        ]
+    else:
+        rows = [SamplingRow(SamplingParams(temperature=temperature), [], [], 0)] * n
+    tokens = sample(logits.expand(n, -1), rows, torch.Generator().manual_seed(7))
+    counts = np.bincount(tokens.numpy(), minlength=12)
+    _, p_value = chisquare(counts, expected * n)
+    assert p_value > 1e-3
+
+
+def test_seeded_rows_ignore_their_batch_mates() -> None:
+    logits = torch.randn(3, V, generator=torch.Generator().manual_seed(4))
+    seeded = SamplingRow(SamplingParams(temperature=1.0, seed=42), [], [], position=17)
+    other = SamplingRow(SamplingParams(temperature=1.0), [], [], position=3)
+    alone = sample(logits[1:2], [seeded], torch.Generator().manual_seed(0))
+    batched = sample(logits, [other, seeded, other], torch.Generator().manual_seed(99))
+    assert int(alone[0]) == int(batched[1])
+
+
+def test_gumbel_noise_depends_only_on_seed_and_position() -> None:
+    a = gumbel_noise(5, 9, V, torch.device("cpu"))
+    assert torch.equal(a, gumbel_noise(5, 9, V, torch.device("cpu")))
+    assert not torch.equal(a, gumbel_noise(5, 10, V, torch.device("cpu")))
+    probs = torch.zeros(V)
+    probs[7] = 1.0
+    assert int(gumbel_argmax(probs, a)) == 7  # zero-probability tokens can never win
+
+
+def test_greedy_ties_and_empty_batch() -> None:
+    assert sample(torch.zeros(0, V), [], torch.Generator()).numel() == 0
+    logits = torch.zeros(1, V)
+    logits[0, 11] = 5.0
+    row = SamplingRow(SamplingParams(temperature=0.0), [], [], 0)
+    assert int(sample(logits, [row], torch.Generator())[0]) == 11

@@ -1,0 +1,51 @@
+"""Every invalid SamplingParams field raises ValueError naming the field and its range."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from specbatch import SamplingParams
+
+INVALID: list[tuple[dict[str, Any], str]] = [
+    ({"temperature": -0.1}, r"temperature must be in \[0.0, inf\], got -0.1"),
+    ({"temperature": "hot"}, "temperature must be a number"),
+    ({"temperature": float("nan")}, "temperature must be a number"),
+    ({"top_p": 0.0}, r"top_p must be in \(0.0, 1.0\], got 0.0"),
+    ({"top_p": 1.5}, r"top_p must be in \(0.0, 1.0\]"),
+    ({"top_k": -2}, r"top_k must be in \[0, inf\], got -2 \(0 or -1 disables it\)"),
+    ({"top_k": 2.5}, "top_k must be an integer"),
+    ({"min_p": 1.1}, r"min_p must be in \[0.0, 1.0\]"),
+    ({"n": 0}, r"n must be in \[1, 128\], got 0"),
+    ({"n": 1000}, r"n must be in \[1, 128\]"),
+    ({"max_tokens": 0}, r"max_tokens must be in \[1, inf\], got 0"),
+    ({"max_tokens": -5}, r"max_tokens must be in \[1, inf\]"),
+    ({"min_tokens": 5, "max_tokens": 3}, r"min_tokens must be in \[0, 3\], got 5"),
+    ({"presence_penalty": 3.0}, r"presence_penalty must be in \[-2.0, 2.0\]"),
+    ({"frequency_penalty": -2.5}, r"frequency_penalty must be in \[-2.0, 2.0\]"),
+    ({"repetition_penalty": 0.0}, r"repetition_penalty must be in \(0.0, inf\]"),
+    ({"logprobs": 21}, r"logprobs must be in \[0, 20\], got 21"),
+    ({"prompt_logprobs": -1}, r"prompt_logprobs must be in \[0, 20\]"),
+    ({"seed": "x"}, "seed must be an integer"),
+    ({"seed": True}, "seed must be an integer"),
+    ({"stop": [""]}, "stop must be a non-empty string"),
+    ({"stop": [3]}, "stop must be a non-empty string"),
+    ({"stop_token_ids": [-1]}, "stop_token_ids must be a list of non-negative token ids"),
+    ({"output_kind": "delta"}, "output_kind must be one of"),
+]
+
+
+@pytest.mark.parametrize(("fields", "message"), INVALID)
+def test_invalid_fields(fields: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**fields)
+
+
+def test_valid_edge_values_and_normalisation() -> None:
+    p = SamplingParams(temperature=0.0, top_p=1.0, top_k=-1, stop="END", max_tokens=None)
+    assert p.greedy
+    assert p.top_k == 0
+    assert p.stop == ["END"]
+    assert not p.has_penalties
+    assert SamplingParams(repetition_penalty=1.1).has_penalties
