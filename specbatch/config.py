@@ -20,6 +20,8 @@ class EngineConfig:
     blocks of ``block_size`` tokens when given; otherwise it takes ``kv_cache_memory_fraction`` of
     the free device memory (on the CPU: of the available RAM, at most ``kv_cache_max_gib``).
     ``max_num_batched_tokens`` is the per-step token budget (prefill chunks are cut to fit it).
+    ``cpu_weight_packing`` re-lays float32 weights out for oneDNN on the CPU (much faster small
+    matmuls; see ``specbatch.kernels.linear``).
     ``speculative_config`` turns speculative decoding on (see ``specbatch.spec.SpeculativeConfig``).
     """
 
@@ -38,6 +40,7 @@ class EngineConfig:
     seed: int = 0
     attention_backend: str | None = None
     num_threads: int | None = None
+    cpu_weight_packing: bool = True
     speculative_config: Any = None
 
     def __post_init__(self) -> None:

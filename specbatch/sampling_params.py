@@ -24,7 +24,8 @@ class SamplingParams:
     ``temperature == 0`` is greedy decoding. ``top_k == 0`` (or ``-1``, vLLM's older spelling)
     keeps every token. Penalties follow vLLM/OpenAI: ``repetition_penalty`` divides the positive
     logits (multiplies the negative ones) of every token seen in the prompt or output;
-    ``presence_penalty`` and ``frequency_penalty`` subtract from output tokens' logits. Logprobs are
+    ``presence_penalty`` and ``frequency_penalty`` subtract from output tokens' logits;
+    ``logit_bias`` adds a value in [-100, 100] to given token ids' logits. Logprobs are
     those of the raw model distribution (before temperature, penalties and truncation).
     Every field is checked here; a bad value raises ``ValueError`` naming the field and its range.
     """
@@ -44,6 +45,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
+    logit_bias: dict[int, float] | None = None
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
@@ -85,6 +87,11 @@ class SamplingParams:
             isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids
         ):
             raise ValueError("stop_token_ids must be a list of non-negative token ids")
+        if self.logit_bias is not None:
+            for token, bias in self.logit_bias.items():
+                if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+                    raise ValueError(f"logit_bias keys must be token ids >= 0, got {token!r}")
+                _check_number(f"logit_bias[{token}]", bias, -100.0, 100.0)
         if not isinstance(self.output_kind, OutputKind):
             raise ValueError(f"output_kind must be one of {[k.value for k in OutputKind]}")
 
@@ -94,6 +101,7 @@ class SamplingParams:
 
     @property
     def has_penalties(self) -> bool:
+        """Whether this request's distribution depends on its history."""
         return (
             self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0

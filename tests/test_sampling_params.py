@@ -33,6 +33,8 @@ INVALID: list[tuple[dict[str, Any], str]] = [
     ({"stop": [3]}, "stop must be a non-empty string"),
     ({"stop_token_ids": [-1]}, "stop_token_ids must be a list of non-negative token ids"),
     ({"output_kind": "delta"}, "output_kind must be one of"),
+    ({"logit_bias": {5: 101.0}}, r"logit_bias\[5\] must be in \[-100.0, 100.0\]"),
+    ({"logit_bias": {-1: 1.0}}, "logit_bias keys must be token ids"),
 ]
 
 

@@ -22,6 +22,16 @@ def available_host_memory() -> int:
     return 4 << 30
 
 
+def release_freed_memory() -> None:
+    """Hand memory freed by the C allocator back to the OS (glibc keeps large freed chunks)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def choose_num_kv_blocks(
     config: EngineConfig,
     model_config: ModelConfig,

@@ -14,7 +14,7 @@ from specbatch.cache.kv_cache_manager import KVCacheManager
 from specbatch.cache.kv_tensors import allocate_kv_caches
 from specbatch.config import EngineConfig
 from specbatch.engine.flat_batch import TokenRun, flatten
-from specbatch.engine.kv_sizing import choose_num_kv_blocks
+from specbatch.engine.kv_sizing import choose_num_kv_blocks, release_freed_memory
 from specbatch.engine.model_runner import ModelRunner
 from specbatch.engine.request_state import RequestState
 from specbatch.engine.sequence import Sequence
@@ -60,6 +60,8 @@ class LLMEngine:
         model_path = resolve_model_path(config.model)
         self.model_path = model_path
         self.model = load_model(model_path, self.dtype, self.device, config.attention_backend)
+        if config.cpu_weight_packing and self.model.pack_for_cpu():
+            release_freed_memory()  # the plain weights just dropped
         self.tokenizer: Tokenizer = load_tokenizer(config.tokenizer or model_path)
         model_config = self.model.config
         self.max_model_len = min(

@@ -51,6 +51,7 @@ class SamplingTensors:
     output_counts: torch.Tensor | None  # [R, V] occurrences in the output so far
     prompt_mask: torch.Tensor | None  # [R, V] token occurs in the prompt
     banned: torch.Tensor | None  # [R, V] tokens that may not be produced
+    bias: torch.Tensor | None  # [R, V] logit_bias
     all_greedy: bool
 
     @classmethod
@@ -84,6 +85,7 @@ class SamplingTensors:
             output_counts=_counts(rows, vocab_size, device) if penalised else None,
             prompt_mask=_prompt_mask(rows, vocab_size, device) if penalised else None,
             banned=_banned(rows, vocab_size, device),
+            bias=_logit_bias(rows, vocab_size, device),
             all_greedy=all(greedy),
         )
 
@@ -120,8 +122,26 @@ def _banned(
     return mask
 
 
+def _logit_bias(
+    rows: Sequence[SamplingRow], vocab_size: int, device: torch.device
+) -> torch.Tensor | None:
+    if not any(r.params.logit_bias for r in rows):
+        return None
+    bias = torch.zeros(len(rows), vocab_size, dtype=torch.float32, device=device)
+    for i, row in enumerate(rows):
+        for token, value in (row.params.logit_bias or {}).items():
+            if token < vocab_size:
+                bias[i, token] = value
+    return bias
+
+
 def apply_penalties(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
-    """Banned tokens, then repetition, frequency and presence penalties (``logits`` untouched)."""
+    """Logit bias, banned tokens, then repetition, frequency and presence penalties.
+
+    Returns a new tensor; ``logits`` is untouched.
+    """
+    if t.bias is not None:
+        logits = logits + t.bias
     if t.banned is not None:
         logits = logits.masked_fill(t.banned, float("-inf"))
     if t.output_counts is None:

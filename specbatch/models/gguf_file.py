@@ -152,6 +152,16 @@ class GGUFFile:
             raise ValueError(f"tensor {name!r} runs past the end of the file")
         return info
 
+    def close(self) -> None:
+        """Unmap the file (its pages otherwise stay resident as long as the object lives)."""
+        self._map.close()
+
+    def __enter__(self) -> GGUFFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def get(self, key: str, default: Any = None) -> Any:
         return self.metadata.get(key, default)
 

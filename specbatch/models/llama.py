@@ -16,6 +16,7 @@ from torch import nn
 
 from specbatch.errors import ModelLoadError
 from specbatch.kernels.attention import AttentionBackend, LayerKVCache
+from specbatch.kernels.linear import Linear, cpu_packing_supported, pack_weight, packed_linear
 from specbatch.models.config import ModelConfig
 from specbatch.models.rotary import RotaryEmbedding, apply_rotary
 
@@ -29,6 +30,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return self.weight * normed.to(x.dtype)
 
@@ -43,10 +46,10 @@ class LlamaAttention(nn.Module):
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(
+        self.qkv_proj = Linear(
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
         )
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
         self.backend = backend
         self.kv_cache: LayerKVCache | None = None
 
@@ -56,17 +59,17 @@ class LlamaAttention(nn.Module):
         if self.kv_cache is None:
             raise RuntimeError("no KV cache bound to the model: call bind_kv_caches first")
         num_tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rotary(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
-        out = self.backend.forward(
-            q.reshape(num_tokens, self.q_size),
-            k.reshape(num_tokens, self.kv_size),
-            v,
-            self.kv_cache,
-            metadata,
+        qkv = self.qkv_proj(hidden)
+        # q and k rotate together: one set of rotary ops per layer instead of two.
+        qk = qkv[:, : self.q_size + self.kv_size].view(
+            num_tokens, self.num_heads + self.num_kv_heads, self.head_dim
         )
-        return self.o_proj(out)
+        qk = apply_rotary(qk, cos, sin)
+        v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
+        out = self.backend.forward(
+            qk[:, : self.num_heads], qk[:, self.num_heads :], v, self.kv_cache, metadata
+        )
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
 class LlamaMLP(nn.Module):
@@ -75,8 +78,8 @@ class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
@@ -128,9 +131,10 @@ class LlamaForCausalLM(nn.Module):
         self.backend = backend
         self.model = LlamaModel(config, backend)
         self.rotary = RotaryEmbedding(config)
-        self.lm_head: nn.Linear | None = None
+        self.lm_head: Linear | None = None
         if not config.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self._packed_tied_head: torch.Tensor | None = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -161,8 +165,32 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Vocabulary logits for the given hidden-state rows only."""
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight)
+        if self.lm_head is not None:
+            return self.lm_head(hidden)
+        if self._packed_tied_head is not None:
+            return packed_linear(hidden, self._packed_tied_head, None, self.config.vocab_size)
+        return F.linear(hidden, self.model.embed_tokens.weight)
+
+    def weight_bytes(self) -> int:
+        """Bytes of weights held, plain and packed."""
+        total = sum(p.numel() * p.element_size() for p in self.parameters())
+        packed = [m.packed for m in self.modules() if isinstance(m, Linear)]
+        packed.append(self._packed_tied_head)
+        return total + sum(t.numel() * t.element_size() for t in packed if t is not None)
+
+    def pack_for_cpu(self) -> bool:
+        """Re-lay every linear weight out for oneDNN (inference only; see ``kernels.linear``).
+
+        Returns False, changing nothing, where packing is unsupported (non-float32, no oneDNN).
+        """
+        if self.device.type != "cpu" or not cpu_packing_supported(self.dtype):
+            return False
+        for module in self.modules():
+            if isinstance(module, Linear) and module.packed is None:
+                module.pack()
+        if self.lm_head is None:
+            self._packed_tied_head = pack_weight(self.model.embed_tokens.weight.detach())
+        return True
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor, str]], source: str) -> None:
         """Copy HF-named tensors into the (fused) parameters; every parameter must be covered.
@@ -217,6 +245,3 @@ class LlamaForCausalLM(nn.Module):
     def _num_shards(self, target: str) -> int:
         fused = ".qkv_proj." in target or ".gate_up_proj." in target
         return len(self._shard_sizes(target)) if fused else 1
-
-    def parameters_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.parameters())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -60,7 +61,8 @@ def resolve_model_path(model: str | os.PathLike[str] | None) -> Path:
 def load_config(path: Path) -> ModelConfig:
     """The :class:`ModelConfig` of a resolved model path."""
     if path.suffix == ".gguf":
-        return read_gguf_config(GGUFFile(path))
+        with GGUFFile(path) as gguf_file:
+            return read_gguf_config(gguf_file)
     return read_hf_config(path)
 
 
@@ -79,12 +81,35 @@ def load_model(
     torch_dtype = parse_dtype(dtype)
     torch_device = torch.device(device)
     if path.suffix == ".gguf":
-        gguf_file = GGUFFile(path)
-        config = read_gguf_config(gguf_file)
-        weights = iter_gguf_tensors(gguf_file, config)
-    else:
-        config = read_hf_config(path)
-        weights = iter_safetensors(safetensors_files(path))
+        with GGUFFile(path) as gguf_file:
+            config = read_gguf_config(gguf_file)
+            return _build(
+                config,
+                iter_gguf_tensors(gguf_file, config),
+                path,
+                torch_dtype,
+                torch_device,
+                attention_backend,
+            )
+    config = read_hf_config(path)
+    return _build(
+        config,
+        iter_safetensors(safetensors_files(path)),
+        path,
+        torch_dtype,
+        torch_device,
+        attention_backend,
+    )
+
+
+def _build(
+    config: ModelConfig,
+    weights: Iterable[tuple[str, torch.Tensor, str]],
+    path: Path,
+    torch_dtype: torch.dtype,
+    torch_device: torch.device,
+    attention_backend: str | None,
+) -> LlamaForCausalLM:
     cls = model_class(config.architecture)
     backend_cls = attention_backend_class(attention_backend, torch_device)
     backend = backend_cls(

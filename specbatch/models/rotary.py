@@ -55,16 +55,23 @@ class RotaryEmbedding:
     def cos_sin(
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``[T, 1, head_dim / 2]`` cos and sin for flat token positions ``[T]``."""
+        """``[T, 1, head_dim]`` cos and sign-folded sin for flat token positions ``[T]``."""
         inv_freq = self._inv_freq.get(positions.device)
         if inv_freq is None:
             inv_freq = self._inv_freq_cpu.to(positions.device)
             self._inv_freq[positions.device] = inv_freq
         freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]
-        return freqs.cos().to(dtype)[:, None, :], freqs.sin().to(dtype)[:, None, :]
+        cos, sin = freqs.cos(), freqs.sin()
+        # Folding the sign of rotate-half into sin makes the rotation 3 ops (see apply_rotary).
+        cos = torch.cat((cos, cos), dim=-1).to(dtype)[:, None, :]
+        sin = torch.cat((-sin, sin), dim=-1).to(dtype)[:, None, :]
+        return cos, sin
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` ``[T, heads, head_dim]`` pairwise (first half with second half)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    """Rotate ``x`` ``[T, heads, head_dim]``: first half paired with second half (HF layout).
+
+    ``x * cos + swap_halves(x) * sin`` with ``sin`` already carrying rotate-half's sign.
+    """
+    half = x.shape[-1] // 2
+    return torch.addcmul(x * cos, x.roll(half, dims=-1), sin)

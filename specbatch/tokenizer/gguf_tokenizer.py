@@ -28,7 +28,8 @@ def load_gguf_tokenizer(path: Path) -> Tokenizer:
     # Imported here: the models package imports torch, which tokenizer users need not pay for.
     from specbatch.models.gguf_file import GGUFFile
 
-    metadata = GGUFFile(path).metadata
+    with GGUFFile(path) as gguf_file:
+        metadata = gguf_file.metadata
     kind = metadata.get(_PREFIX + "model")
     tokens = metadata.get(_PREFIX + "tokens")
     if kind is None or not tokens:

@@ -184,26 +184,19 @@ def test_finish_reasons(tiny_model_dir: Path) -> None:
 
 def test_eos_ends_generation_unless_ignored(tiny_model_dir: Path) -> None:
     llm = make_llm(tiny_model_dir)
-    engine = llm.llm_engine
-    eos = next(iter(engine.tokenizer.eos_token_ids))
-    bias = torch.zeros(engine.model.config.vocab_size)
-    bias[eos] = 100.0  # make EOS the greedy choice at every step
-    with torch.no_grad():
-        engine.model.model.norm.weight.mul_(0.0)  # hidden states vanish: logits = lm_head bias
-        engine.model.lm_head.weight[eos].fill_(0.0)
-        engine.model.lm_head.weight[eos, 0] = 1.0
-        engine.model.model.norm.weight[0] = 1.0
-    out = llm.generate([[5, 6]], SamplingParams(temperature=0, max_tokens=10), use_tqdm=False)
-    first = out[0].outputs[0]
+    eos = next(iter(llm.get_tokenizer().eos_token_ids))
+    eos_first = SamplingParams(temperature=0, max_tokens=10, logit_bias={eos: 100.0})
+    first = llm.generate([[5, 6]], eos_first, use_tqdm=False)[0].outputs[0]
     assert first.finish_reason == "stop"
     assert first.token_ids == [eos]
     assert first.text == ""
-    ignored = llm.generate(
-        [[5, 6]],
-        SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, min_tokens=0),
-        use_tqdm=False,
-    )[0].outputs[0]
-    assert ignored.finish_reason == "length"
+    ignored = llm.generate([[5, 6]], eos_first.clone(ignore_eos=True), use_tqdm=False)[0]
+    assert ignored.outputs[0].finish_reason == "length"
+    assert ignored.outputs[0].token_ids == [eos] * 10
+    delayed = llm.generate([[5, 6]], eos_first.clone(min_tokens=3), use_tqdm=False)[0]
+    assert len(delayed.outputs[0].token_ids) == 4
+    assert eos not in delayed.outputs[0].token_ids[:3]
+    assert delayed.outputs[0].token_ids[3] == eos
 
 
 def test_stop_strings_across_token_boundaries(tiny_model_dir: Path) -> None:

@@ -8,7 +8,19 @@ import torch
 
 from specbatch.kernels.attention import PAD_SLOT, AttentionInputs
 from specbatch.kernels.attention.torch_ref import TorchAttentionBackend
-from tests.kernels.reference_attention import random_step, reference_attention
+from tests.kernels.reference_attention import RandomStep, random_step, reference_attention
+
+
+def run_backend(backend: TorchAttentionBackend, step: RandomStep, inputs: AttentionInputs
+                ) -> torch.Tensor:
+    """The backend on a step, with q/k/v in its [T, heads, dim] layout; [T, heads * dim] out."""
+    t, dim = step.q.shape[0], backend.head_dim
+    metadata = backend.build_metadata(inputs, torch.device("cpu"))
+    out = backend.forward(
+        step.q.view(t, -1, dim), step.k.view(t, -1, dim), step.v.view(t, -1, dim),
+        (step.key_cache, step.value_cache), metadata,
+    )
+    return out.reshape(t, -1)
 
 MIXES = {
     "prefill": ["prefill"],
@@ -29,8 +41,7 @@ def test_matches_reference(mix: str, heads: int, kv_heads: int, block_size: int)
     backend = TorchAttentionBackend(heads, kv_heads, dim, dim**-0.5)
     ref_k, ref_v = step.key_cache.clone(), step.value_cache.clone()
     expected = reference_attention(step.q, step.k, step.v, ref_k, ref_v, step.inputs, dim**-0.5)
-    metadata = backend.build_metadata(step.inputs, torch.device("cpu"))
-    got = backend.forward(step.q, step.k, step.v, (step.key_cache, step.value_cache), metadata)
+    got = run_backend(backend, step, step.inputs)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(step.key_cache, ref_k, rtol=0, atol=0)
     torch.testing.assert_close(step.value_cache, ref_v, rtol=0, atol=0)
@@ -43,8 +54,7 @@ def test_tree_mask_matches_reference() -> None:
     expected = reference_attention(
         step.q, step.k, step.v, step.key_cache.clone(), step.value_cache.clone(), step.inputs, 0.25
     )
-    metadata = backend.build_metadata(step.inputs, torch.device("cpu"))
-    got = backend.forward(step.q, step.k, step.v, (step.key_cache, step.value_cache), metadata)
+    got = run_backend(backend, step, step.inputs)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
@@ -62,13 +72,7 @@ def test_pad_slot_is_never_written() -> None:
     expected = reference_attention(
         step.q, step.k, step.v, before_k.clone(), before_v.clone(), inputs, 0.25
     )
-    got = backend.forward(
-        step.q,
-        step.k,
-        step.v,
-        (step.key_cache, step.value_cache),
-        backend.build_metadata(inputs, torch.device("cpu")),
-    )
+    got = run_backend(backend, step, inputs)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     flat_k = step.key_cache.view(-1, 2, 16)
     for t in padded:
@@ -89,6 +93,5 @@ def test_bfloat16_close_to_float32_reference() -> None:
         step.inputs,
         0.25,
     )
-    metadata = backend.build_metadata(step.inputs, torch.device("cpu"))
-    got = backend.forward(step.q, step.k, step.v, (step.key_cache, step.value_cache), metadata)
+    got = run_backend(backend, step, step.inputs)
     torch.testing.assert_close(got.float(), expected, rtol=2e-2, atol=2e-2)

@@ -26,6 +26,8 @@ def reference_probs(logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:
     """The obvious per-row version of the target distribution (vLLM's order of processing)."""
     p = row.params
     x = logits.double().clone()
+    for t, bias in (p.logit_bias or {}).items():
+        x[t] += bias
     for t in row.banned_token_ids:
         x[t] = -math.inf
     seen_out = set(row.output_ids)
@@ -70,6 +72,7 @@ PARAMS = [
     SamplingParams(temperature=0.0),
     SamplingParams(temperature=0.0, repetition_penalty=2.0),
     SamplingParams(temperature=1.0, min_p=0.2),
+    SamplingParams(temperature=0.8, top_k=6, logit_bias={1: 5.0, 2: -100.0}),
 ]
 
 

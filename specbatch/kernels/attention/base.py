@@ -87,6 +87,6 @@ class AttentionBackend(ABC):
     ) -> torch.Tensor:
         """Write ``k``/``v`` at the slot mapping, attend ``q`` through the block tables.
 
-        ``q`` is ``[T, num_heads * head_dim]``, ``k`` and ``v`` ``[T, num_kv_heads * head_dim]``;
-        returns ``[T, num_heads * head_dim]``.
+        ``q`` is ``[T, num_heads, head_dim]``, ``k`` and ``v`` ``[T, num_kv_heads, head_dim]``
+        (views may be strided); returns ``[T, num_heads, head_dim]``.
         """

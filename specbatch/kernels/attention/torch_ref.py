@@ -155,19 +155,16 @@ class TorchAttentionBackend(AttentionBackend):
         group = heads // kv_heads
         key_cache = kv_cache[0].view(-1, kv_heads, dim)
         value_cache = kv_cache[1].view(-1, kv_heads, dim)
-        k = k.view(num_tokens, kv_heads, dim)
-        v = v.view(num_tokens, kv_heads, dim)
         if metadata.write_rows is not None:
             k = k.index_select(0, metadata.write_rows)
             v = v.index_select(0, metadata.write_rows)
         key_cache.index_copy_(0, metadata.write_slots, k.to(key_cache.dtype))
         value_cache.index_copy_(0, metadata.write_slots, v.to(value_cache.dtype))
 
-        q = q.view(num_tokens, heads, dim)
         out: torch.Tensor | None = None
         for g in metadata.groups:
             qg = q if g.q_rows is None else q.index_select(0, g.q_rows)
-            qg = qg.view(g.num_seqs, g.query_len, kv_heads, group, dim).permute(0, 2, 3, 1, 4)
+            qg = qg.reshape(g.num_seqs, g.query_len, kv_heads, group, dim).permute(0, 2, 3, 1, 4)
             qg = qg.reshape(g.num_seqs, kv_heads, group * g.query_len, dim)
             kg = key_cache.index_select(0, g.kv_slots).view(g.num_seqs, g.kv_len, kv_heads, dim)
             vg = value_cache.index_select(0, g.kv_slots).view(g.num_seqs, g.kv_len, kv_heads, dim)
@@ -190,7 +187,7 @@ class TorchAttentionBackend(AttentionBackend):
             out.index_copy_(0, g.out_rows, og.index_select(0, g.padded_valid))
         if out is None:
             out = q.new_zeros(num_tokens, heads, dim)
-        return out.reshape(num_tokens, heads * dim)
+        return out
 
 
 def _tensor(array: np.ndarray, device: torch.device) -> torch.Tensor:
