@@ -10,6 +10,38 @@ from collections.abc import Sequence
 from specbatch.errors import SpecbatchError
 
 
+def _add_speculative_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--speculative",
+        choices=["off", "ngram", "draft"],
+        default="ngram",
+        help="speculative decoding proposer (default: ngram, prompt lookup)",
+    )
+    parser.add_argument(
+        "--draft-model", default=None, help="draft model path for --speculative draft"
+    )
+    parser.add_argument(
+        "-k",
+        "--num-speculative-tokens",
+        type=int,
+        default=4,
+        help="draft tokens verified per step (default 4)",
+    )
+
+
+def speculative_config(args: argparse.Namespace) -> dict[str, object] | None:
+    """The engine's speculative_config for the command-line flags."""
+    if args.speculative == "off":
+        return None
+    if args.speculative == "ngram":
+        return {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens}
+    return {
+        "method": "draft_model",
+        "model": args.draft_model,
+        "num_speculative_tokens": args.num_speculative_tokens,
+    }
+
+
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model", default=None, help="HF directory or .gguf file (default: SmolLM2-135M-Instruct)"
@@ -31,6 +63,7 @@ def _add_generate(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     p.add_argument("--quiet", action="store_true", help="do not print the statistics line")
+    _add_speculative_args(p)
     p.set_defaults(handler=_generate)
 
 
@@ -58,6 +91,7 @@ def _generate(args: argparse.Namespace) -> int:
             num_threads=args.num_threads,
             max_num_seqs=1,
             kv_cache_max_gib=1.0,
+            speculative_config=speculative_config(args),
         )
     )
     loaded = time.monotonic()
@@ -67,20 +101,27 @@ def _generate(args: argparse.Namespace) -> int:
         engine.add_request("cli", prompt, params, prompt_token_ids=token_ids)
     else:
         engine.add_request("cli", prompt, params)
-    generated, reason = 0, None
+    generated, reason, metrics = 0, None, None
     while engine.has_unfinished_requests():
         for output in engine.step():
             completion = output.outputs[0]
             sys.stdout.write(completion.text)
             sys.stdout.flush()
             generated += len(completion.token_ids)
-            reason = completion.finish_reason
+            reason, metrics = completion.finish_reason, output.metrics
     sys.stdout.write("\n")
     elapsed = time.monotonic() - loaded
     if not args.quiet:
+        spec = ""
+        if metrics is not None and metrics.num_drafts:
+            spec = (
+                f"; {args.speculative} k={args.num_speculative_tokens}: mean accepted "
+                f"length {metrics.mean_accepted_length:.2f}, acceptance "
+                f"{metrics.acceptance_rate:.0%}"
+            )
         print(
-            f"[{generated} tokens in {elapsed:.2f} s, {generated / max(elapsed, 1e-9):.1f} tok/s; "
-            f"finish: {reason}; model loaded in {loaded - started:.1f} s]",
+            f"[{generated} tokens in {elapsed:.2f} s, {generated / max(elapsed, 1e-9):.1f} tok/s"
+            f"{spec}; finish: {reason}; model loaded in {loaded - started:.1f} s]",
             file=sys.stderr,
         )
     return 0

@@ -60,6 +60,12 @@ class EngineConfig:
             raise ConfigError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
         if not isinstance(self.seed, int):
             raise ConfigError(f"seed must be an integer, got {self.seed!r}")
+        from specbatch.spec.config import SpeculativeConfig
+
+        # A vLLM-style dict becomes a validated SpeculativeConfig (frozen: set it directly).
+        object.__setattr__(
+            self, "speculative_config", SpeculativeConfig.parse(self.speculative_config)
+        )
 
     def replace(self, **changes: Any) -> EngineConfig:
         return dataclasses.replace(self, **changes)

@@ -30,3 +30,11 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from tests.helpers import write_tiny_model
 
     return write_tiny_model(tmp_path_factory.mktemp("tiny-model"))
+
+
+@pytest.fixture(scope="session")
+def tiny_draft_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Another tiny random Llama (different weights, same tokenizer): a draft for tiny_model_dir."""
+    from tests.helpers import write_tiny_model
+
+    return write_tiny_model(tmp_path_factory.mktemp("tiny-draft"), seed=1)

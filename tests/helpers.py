@@ -144,9 +144,16 @@ def write_tiny_tokenizer(directory: Path, vocab_size: int = 300) -> int:
     return tokenizer.get_vocab_size()
 
 
-def write_tiny_model(directory: Path, seed: int = 0, **overrides: Any) -> Path:
-    """A tiny random Llama with a real (small) tokenizer: an engine-ready model directory."""
+def write_tiny_model(
+    directory: Path, seed: int = 0, vocab_size: int | None = None, **overrides: Any
+) -> Path:
+    """A tiny random Llama with a real (small) tokenizer: an engine-ready model directory.
+
+    ``vocab_size`` below the tokenizer's makes the model emit only the first ids (for tests
+    that need exact distributions over a small vocabulary)."""
     vocab = write_tiny_tokenizer(directory)
-    config = tiny_config(vocab_size=max(vocab, 96), max_position_embeddings=512, **overrides)
+    config = tiny_config(
+        vocab_size=vocab_size or max(vocab, 96), max_position_embeddings=512, **overrides
+    )
     write_hf_checkpoint(directory, config, seed=seed)
     return directory

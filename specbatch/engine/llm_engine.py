@@ -11,18 +11,22 @@ import numpy as np
 import torch
 
 from specbatch.cache.kv_cache_manager import KVCacheManager
-from specbatch.cache.kv_tensors import allocate_kv_caches
+from specbatch.cache.kv_tensors import allocate_kv_caches, kv_bytes_per_block
 from specbatch.config import EngineConfig
 from specbatch.engine.flat_batch import TokenRun, flatten
 from specbatch.engine.kv_sizing import choose_num_kv_blocks, release_freed_memory
 from specbatch.engine.model_runner import ModelRunner
 from specbatch.engine.request_state import RequestState
 from specbatch.engine.sequence import Sequence
+from specbatch.errors import ConfigError
 from specbatch.kernels.sampling import SamplingRow, raw_logprobs, sample
 from specbatch.models import load_model, resolve_model_path
-from specbatch.outputs import PositionLogprobs, RequestOutput
+from specbatch.outputs import RequestOutput
 from specbatch.sampling_params import SamplingParams
 from specbatch.scheduler import ScheduledSequence, Scheduler, SchedulerConfig
+from specbatch.spec.factory import build_proposer, load_draft_model
+from specbatch.spec.proposer import DraftRequest, Proposal, Proposer
+from specbatch.spec.rejection import VerifyResult, verify
 from specbatch.tokenizer import Tokenizer, load_tokenizer
 
 
@@ -51,7 +55,7 @@ class LLMEngine:
     at once. Not thread-safe: drive it from one thread (``AsyncEngine`` does that for asyncio).
     """
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, proposer: Proposer | None = None) -> None:
         self.config = config
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
@@ -68,8 +72,27 @@ class LLMEngine:
             config.max_model_len or model_config.max_position_embeddings,
             model_config.max_position_embeddings,
         )
+        spec = config.speculative_config
+        self.speculative_config = spec
+        k = spec.num_speculative_tokens if spec is not None else 0
+        self.draft_model = None
+        if spec is not None:
+            self.draft_model = load_draft_model(
+                spec, self.model, self.tokenizer, self.dtype, self.device
+            )
+            if self.draft_model is not None and config.cpu_weight_packing:
+                self.draft_model.pack_for_cpu()
+        draft_bytes = 0
+        if self.draft_model is not None:
+            draft_bytes = kv_bytes_per_block(self.draft_model.config, config.block_size, self.dtype)
         self.num_kv_blocks = choose_num_kv_blocks(
-            config, model_config, self.dtype, self.device, self.max_model_len, lookahead=0
+            config,
+            model_config,
+            self.dtype,
+            self.device,
+            self.max_model_len,
+            lookahead=k,
+            extra_bytes_per_block=draft_bytes,
         )
         self.model.bind_kv_caches(
             allocate_kv_caches(
@@ -80,11 +103,29 @@ class LLMEngine:
             self.num_kv_blocks, config.block_size, config.enable_prefix_caching
         )
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len),
+            SchedulerConfig(
+                config.max_num_seqs,
+                config.max_num_batched_tokens,
+                self.max_model_len,
+                num_speculative_tokens=k,
+            ),
             self.cache,
         )
         self.runner = ModelRunner(self.model)
         self.generator = torch.Generator().manual_seed(config.seed)
+        self.proposer: Proposer | None = None
+        if spec is not None:
+            self.proposer = build_proposer(
+                spec,
+                self.draft_model,
+                self.num_kv_blocks,
+                config.block_size,
+                self.generator,
+                self._banned_tokens,
+                external=proposer,
+            )
+        elif proposer is not None:
+            raise ConfigError("a proposer needs speculative_config={'method': 'external', ...}")
         self.requests: dict[str, RequestState] = {}
         self._seq_owner: dict[int, tuple[RequestState, int]] = {}
         self._seq_ids = itertools.count()
@@ -183,17 +224,25 @@ class LLMEngine:
     # --------------------------------------------------------------------- step
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, run one batched forward, sample, update; return changed requests' outputs."""
+        """Schedule, draft, run one batched forward, verify/sample, update; return the outputs
+        of requests that changed."""
         plan = self.scheduler.schedule()
         self.stats.num_preemptions = self.scheduler.num_preemptions
+        if self.proposer is not None:
+            for seq in plan.preempted:
+                self.proposer.forget(seq)
         if plan.is_empty:
             self._update_gauges()
             return []
         scheduled = plan.scheduled
+        sampling = [s for s in scheduled if s.completes_sequence]
+        proposal = self._propose(sampling)
+        drafts = dict(zip((s.seq.seq_id for s in sampling), proposal.tokens, strict=True))
         batch = flatten(
             [
                 TokenRun(
-                    s.seq.token_ids[s.seq.num_computed_tokens :][: s.num_new_tokens],
+                    s.seq.token_ids[s.seq.num_computed_tokens :][: s.num_new_tokens]
+                    + drafts.get(s.seq.seq_id, []),
                     s.seq.num_computed_tokens,
                     s.seq.block_table,
                 )
@@ -201,72 +250,95 @@ class LLMEngine:
             ],
             self.config.block_size,
         )
-        rows, prompt_rows = self._logit_rows(scheduled, batch.query_start)
+        rows, prompt_rows = self._logit_rows(scheduled, batch.query_start, drafts)
         logits = self.runner.forward(
             batch, np.array(rows + [r for _, r, _ in prompt_rows], dtype=np.int64)
         )
-        sampling = [s for s in scheduled if s.completes_sequence]
-        sample_logits = logits[: len(sampling)]
-        sampling_rows = [self._sampling_row(s.seq) for s in sampling]
-        tokens = sample(sample_logits, sampling_rows, self.generator).tolist()
-        logprobs = self._sample_logprobs(sample_logits, sampling, tokens)
+        target_logits = logits[: len(rows)]
+        result = self._verify(target_logits, sampling, proposal)
         if prompt_rows:
-            self._record_prompt_logprobs(prompt_rows, logits[len(sampling) :])
-        touched = self._update(
-            scheduled,
-            dict(
-                zip(
-                    (s.seq.seq_id for s in sampling),
-                    zip(tokens, logprobs, strict=True),
-                    strict=True,
-                )
-            ),
-        )
+            self._record_prompt_logprobs(prompt_rows, logits[len(rows) :])
+        touched = self._update(scheduled, sampling, proposal.tokens, result, target_logits)
         self.stats.num_steps += 1
         self._update_gauges()
         return self._outputs(touched)
 
+    def _propose(self, sampling: list[ScheduledSequence]) -> Proposal:
+        """Drafts for every sampling sequence that reserved lookahead slots (others: none)."""
+        tokens: list[list[int]] = [[] for _ in sampling]
+        wanted = [i for i, s in enumerate(sampling) if s.num_lookahead > 0]
+        if self.proposer is None or not wanted:
+            return Proposal(tokens)
+        proposal = self.proposer.propose(
+            [DraftRequest(sampling[i].seq, sampling[i].num_lookahead) for i in wanted]
+        )
+        for i, drafted in zip(wanted, proposal.tokens, strict=True):
+            tokens[i] = drafted[: sampling[i].num_lookahead]
+        return Proposal(tokens, proposal.draft_probs)
+
     def _logit_rows(
-        self, scheduled: list[ScheduledSequence], query_start: np.ndarray
+        self,
+        scheduled: list[ScheduledSequence],
+        query_start: np.ndarray,
+        drafts: dict[int, list[int]],
     ) -> tuple[list[int], list[tuple[Sequence, int, int]]]:
-        """Rows whose logits sample a token (first), and ``(seq, row, position)`` of rows whose
-        logits give the logprob of prompt token ``position + 1``."""
-        rows, prompt_rows = [], []
+        """Rows whose logits sample or verify tokens (the last prompt/decode token and every
+        draft, sequence by sequence), then ``(seq, row, position)`` of rows whose logits give the
+        logprob of prompt token ``position + 1``."""
+        rows: list[int] = []
+        prompt_rows: list[tuple[Sequence, int, int]] = []
         for b, s in enumerate(scheduled):
             if s.completes_sequence:
-                rows.append(int(query_start[b]) + s.num_new_tokens - 1)
+                last = int(query_start[b]) + s.num_new_tokens - 1
+                rows.extend(range(last, last + 1 + len(drafts.get(s.seq.seq_id, []))))
             if s.seq.params.prompt_logprobs is not None and s.seq.index == 0:
                 first = s.seq.num_computed_tokens
-                last = min(first + s.num_new_tokens, s.seq.num_prompt_tokens - 1)
+                stop = min(first + s.num_new_tokens, s.seq.num_prompt_tokens - 1)
                 prompt_rows += [
-                    (s.seq, int(query_start[b]) + p - first, p) for p in range(first, last)
+                    (s.seq, int(query_start[b]) + p - first, p) for p in range(first, stop)
                 ]
         return rows, prompt_rows
 
-    def _sampling_row(self, seq: Sequence) -> SamplingRow:
+    def _verify(
+        self, logits: torch.Tensor, sampling: list[ScheduledSequence], proposal: Proposal
+    ) -> VerifyResult:
+        if not any(proposal.tokens):  # the plain, non-speculative path
+            sampled = sample(
+                logits, [self._sampling_row(s.seq) for s in sampling], self.generator
+            ).tolist()
+            return VerifyResult([0] * len(sampling), [[t] for t in sampled])
+        rows = [
+            self._sampling_row(s.seq, drafted[:j])
+            for s, drafted in zip(sampling, proposal.tokens, strict=True)
+            for j in range(len(drafted) + 1)
+        ]
+        return verify(logits, rows, proposal.tokens, proposal.draft_probs, self.generator)
+
+    def _sampling_row(self, seq: Sequence, drafts: list[int] | None = None) -> SamplingRow:
         state, _ = self._seq_owner[seq.seq_id]
+        drafts = drafts or []
+        # The history only matters to penalties: skip copying it otherwise.
+        history = seq.output_token_ids + drafts if seq.params.has_penalties else ()
         return SamplingRow(
             seq.params,
             seq.prompt_token_ids,
-            seq.output_token_ids,
-            position=seq.num_tokens,
-            banned_token_ids=state.banned_token_ids(seq),
+            history,
+            position=seq.num_tokens + len(drafts),
+            banned_token_ids=state.banned_token_ids(seq, len(drafts)),
         )
 
-    def _sample_logprobs(
-        self, logits: torch.Tensor, sampling: list[ScheduledSequence], tokens: list[int]
-    ) -> list[dict[int, tuple[float, int]] | None]:
-        wanted = [i for i, s in enumerate(sampling) if s.seq.params.logprobs is not None]
-        result: list[dict[int, tuple[float, int]] | None] = [None] * len(sampling)
-        if not wanted:
-            return result
-        logprobs = raw_logprobs(logits[wanted])
-        for row, i in enumerate(wanted):
-            chosen = torch.tensor([tokens[i]])
-            result[i] = _top_logprobs(logprobs[row], chosen, sampling[i].seq.params.logprobs or 0)[
-                0
-            ]
-        return result
+    def _banned_tokens(self, seq: Sequence, extra_outputs: int) -> tuple[int, ...]:
+        state, _ = self._seq_owner[seq.seq_id]
+        return state.banned_token_ids(seq, extra_outputs)
+
+    def _token_logprobs(
+        self, logits: torch.Tensor, seq: Sequence, tokens: list[int]
+    ) -> list[dict[int, tuple[float, int]]] | None:
+        """Raw logprobs of each emitted token from its target row (row j emits token j)."""
+        if seq.params.logprobs is None:
+            return None
+        logprobs = raw_logprobs(logits[: len(tokens)])
+        return _top_logprobs(logprobs, torch.tensor(tokens), seq.params.logprobs)
 
     def _record_prompt_logprobs(
         self, prompt_rows: list[tuple[Sequence, int, int]], logits: torch.Tensor
@@ -284,28 +356,66 @@ class LLMEngine:
     def _update(
         self,
         scheduled: list[ScheduledSequence],
-        sampled: dict[int, tuple[int, dict[int, tuple[float, int]] | None]],
+        sampling: list[ScheduledSequence],
+        drafts: list[list[int]],
+        result: VerifyResult,
+        logits: torch.Tensor,
     ) -> dict[str, RequestState]:
+        """Advance every scheduled sequence: computed tokens (accepted drafts included), new
+        tokens through the stop rules, cache rollback of rejected drafts, prefix commits."""
         touched: dict[str, RequestState] = {}
+        verified = {s.seq.seq_id: i for i, s in enumerate(sampling)}
+        first_row = np.cumsum([0] + [len(d) + 1 for d in drafts])
         for s in scheduled:
             seq = s.seq
             self.stats.num_prompt_tokens += max(
                 0, min(s.num_new_tokens, seq.num_prompt_tokens - seq.num_computed_tokens)
             )
             seq.num_computed_tokens += s.num_new_tokens
-            state, index = self._seq_owner[seq.seq_id]
-            if seq.seq_id in sampled:
-                token, entries = sampled[seq.seq_id]
-                positions: list[PositionLogprobs] | None = None
-                if entries is not None:
-                    positions = [state.decode_logprobs(entries)]
-                state.append_tokens(index, [token], positions)
-                self.stats.num_generation_tokens += 1
-                touched[state.request_id] = state
+            i = verified.get(seq.seq_id)
+            if i is not None:
+                touched_state = self._apply_verified(
+                    seq,
+                    drafts[i],
+                    result.num_accepted[i],
+                    result.tokens[i],
+                    logits[int(first_row[i]) :],
+                )
+                touched[touched_state.request_id] = touched_state
             self.cache.commit(seq)
             if seq.is_finished:
-                self.scheduler.remove(seq)
+                self._finish(seq)
         return touched
+
+    def _apply_verified(
+        self,
+        seq: Sequence,
+        drafted: list[int],
+        accepted: int,
+        new_tokens: list[int],
+        logits: torch.Tensor,
+    ) -> RequestState:
+        state, index = self._seq_owner[seq.seq_id]
+        seq.num_computed_tokens += accepted  # accepted drafts' K/V are valid
+        if drafted:
+            seq.spec.record(len(drafted), accepted)
+            self.stats.num_drafts += 1
+            self.stats.num_draft_tokens += len(drafted)
+            self.stats.num_accepted_tokens += accepted
+        entries = self._token_logprobs(logits, seq, new_tokens)
+        positions = None if entries is None else [state.decode_logprobs(e) for e in entries]
+        self.stats.num_generation_tokens += state.append_tokens(index, new_tokens, positions)
+        if self.proposer is not None:
+            self.proposer.on_verified(seq)
+        if not seq.is_finished:
+            # Rollback: keep the blocks the next step needs (its token plus lookahead) only.
+            self.cache.truncate(seq, seq.num_tokens + self.scheduler.lookahead(seq))
+        return state
+
+    def _finish(self, seq: Sequence) -> None:
+        self.scheduler.remove(seq)
+        if self.proposer is not None:
+            self.proposer.forget(seq)
 
     def _outputs(self, touched: dict[str, RequestState]) -> list[RequestOutput]:
         outputs = []
@@ -321,7 +431,7 @@ class LLMEngine:
 
     def _release(self, state: RequestState) -> None:
         for seq in state.seqs:
-            self.scheduler.remove(seq)
+            self._finish(seq)
         self._forget(state)
 
     def _forget(self, state: RequestState) -> None:

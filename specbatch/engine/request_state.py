@@ -67,9 +67,10 @@ class RequestState:
     def finished(self) -> bool:
         return all(c.seq.is_finished for c in self.completions)
 
-    def banned_token_ids(self, seq: Sequence) -> tuple[int, ...]:
-        """Tokens masked out of sampling while ``min_tokens`` is not reached."""
-        if seq.num_output_tokens >= self.params.min_tokens:
+    def banned_token_ids(self, seq: Sequence, extra_outputs: int = 0) -> tuple[int, ...]:
+        """Tokens masked out of sampling while ``min_tokens`` is not reached (counting
+        ``extra_outputs`` draft tokens before the row as output)."""
+        if seq.num_output_tokens + extra_outputs >= self.params.min_tokens:
             return ()
         return tuple(self.eos_ids | self.stop_ids)
 

@@ -11,16 +11,21 @@ from specbatch.kernels.attention.torch_ref import TorchAttentionBackend
 from tests.kernels.reference_attention import RandomStep, random_step, reference_attention
 
 
-def run_backend(backend: TorchAttentionBackend, step: RandomStep, inputs: AttentionInputs
-                ) -> torch.Tensor:
+def run_backend(
+    backend: TorchAttentionBackend, step: RandomStep, inputs: AttentionInputs
+) -> torch.Tensor:
     """The backend on a step, with q/k/v in its [T, heads, dim] layout; [T, heads * dim] out."""
     t, dim = step.q.shape[0], backend.head_dim
     metadata = backend.build_metadata(inputs, torch.device("cpu"))
     out = backend.forward(
-        step.q.view(t, -1, dim), step.k.view(t, -1, dim), step.v.view(t, -1, dim),
-        (step.key_cache, step.value_cache), metadata,
+        step.q.view(t, -1, dim),
+        step.k.view(t, -1, dim),
+        step.v.view(t, -1, dim),
+        (step.key_cache, step.value_cache),
+        metadata,
     )
     return out.reshape(t, -1)
+
 
 MIXES = {
     "prefill": ["prefill"],

@@ -1,0 +1,133 @@
+"""A separate, smaller draft model with its own paged KV cache on the target's block tables.
+
+The draft cache has the target's block ids and block size but its own tensors, so the target's
+allocation (with its lookahead slots) governs both. Per sequence the proposer remembers how many
+leading tokens its cache holds. A step first *catches up* on the tokens it has not seen (after a
+verify: the last accepted draft and/or the correction token, 1-2 tokens; for a new sequence its
+whole prompt) and draws the first draft from the last row; then it runs ``k - 1`` single-token
+forwards, each one batched over every sequence that still wants drafts. After verification the
+valid prefix shrinks to the accepted tokens (``on_verified``): that is the draft's rollback.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from specbatch.cache.kv_tensors import allocate_kv_caches
+from specbatch.engine.flat_batch import TokenRun, flatten
+from specbatch.engine.model_runner import ModelRunner
+from specbatch.engine.sequence import Sequence
+from specbatch.kernels.sampling import (
+    SamplingRow,
+    SamplingTensors,
+    apply_penalties,
+    gumbel_argmax,
+    gumbel_noise,
+    inverse_cdf,
+    target_probs,
+)
+from specbatch.models.llama import LlamaForCausalLM
+from specbatch.spec.proposer import DraftRequest, Proposal, Proposer
+
+# (sequence, number of drafts already appended) -> token ids the row may not produce
+BannedTokens = Callable[[Sequence, int], tuple[int, ...]]
+
+
+class DraftModelProposer(Proposer):
+    """Drafts with a small model, sampling each draft from its processed distribution q."""
+
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        num_blocks: int,
+        block_size: int,
+        generator: torch.Generator,
+        banned_token_ids: BannedTokens,
+    ) -> None:
+        self.model = model
+        self.block_size = block_size
+        self.generator = generator
+        self.banned_token_ids = banned_token_ids
+        model.bind_kv_caches(
+            allocate_kv_caches(model.config, num_blocks, block_size, model.dtype, model.device)
+        )
+        self.runner = ModelRunner(model)
+        self._computed: dict[int, int] = {}  # seq_id -> leading tokens held by the draft cache
+
+    def propose(self, requests: list[DraftRequest]) -> Proposal:
+        tokens: list[list[int]] = [[] for _ in requests]
+        probs: list[list[torch.Tensor]] = [[] for _ in requests]
+        runs = []
+        for r in requests:
+            start = self._computed.get(r.seq.seq_id, 0)
+            runs.append(TokenRun(r.seq.token_ids[start:], start, r.seq.block_table))
+        active = list(range(len(requests)))
+        keep_probs = False
+        for step in range(max(r.max_drafts for r in requests)):
+            batch = flatten(runs, self.block_size)
+            last_rows = batch.query_start[1:] - 1
+            logits = self.runner.forward(batch, last_rows)
+            for i, run in zip(active, runs, strict=True):
+                self._computed[requests[i].seq.seq_id] = run.start_position + len(run.token_ids)
+            rows = [self._row(requests[i].seq, tokens[i]) for i in active]
+            drafted, q = self._sample(logits, rows)
+            keep_probs = keep_probs or q is not None
+            for row, i in enumerate(active):
+                tokens[i].append(drafted[row])
+                if q is not None:
+                    probs[i].append(q[row])
+            active = [i for i in active if requests[i].max_drafts > step + 1]
+            runs = [
+                TokenRun(
+                    [tokens[i][-1]], requests[i].seq.num_tokens + step, requests[i].seq.block_table
+                )
+                for i in active
+            ]
+            if not active:
+                break
+        draft_probs = None
+        if keep_probs:
+            draft_probs = torch.stack([row for per_request in probs for row in per_request])
+        return Proposal(tokens, draft_probs)
+
+    def _row(self, seq: Sequence, drafts: list[int]) -> SamplingRow:
+        return SamplingRow(
+            seq.params,
+            seq.prompt_token_ids,
+            seq.output_token_ids + drafts if seq.params.has_penalties else (),
+            position=seq.num_tokens + len(drafts),
+            banned_token_ids=self.banned_token_ids(seq, len(drafts)),
+        )
+
+    def _sample(
+        self, logits: torch.Tensor, rows: list[SamplingRow]
+    ) -> tuple[list[int], torch.Tensor | None]:
+        """Draft tokens and, unless every row is greedy, their distributions q."""
+        t = SamplingTensors.build(rows, logits.shape[1], logits.device)
+        if t.all_greedy:
+            return apply_penalties(logits, t).argmax(-1).tolist(), None
+        q = target_probs(logits, t)
+        drafted = q.argmax(-1)
+        random_rows = [
+            i for i, r in enumerate(rows) if not r.params.greedy and r.params.seed is None
+        ]
+        if random_rows:
+            index = torch.tensor(random_rows)
+            uniforms = torch.rand(len(random_rows), dtype=torch.float64, generator=self.generator)
+            drafted[index] = inverse_cdf(q[index], uniforms)
+        for i, row in enumerate(rows):
+            if row.params.seed is not None and not row.params.greedy:
+                # Same noise as the target's row for this position: the coupled proposal.
+                noise = gumbel_noise(row.params.seed, row.position, q.shape[1], q.device)
+                drafted[i] = gumbel_argmax(q[i], noise)
+        return drafted.tolist(), q
+
+    def on_verified(self, seq: Sequence) -> None:
+        held = self._computed.get(seq.seq_id)
+        if held is not None:
+            self._computed[seq.seq_id] = min(held, seq.num_computed_tokens)
+
+    def forget(self, seq: Sequence) -> None:
+        self._computed.pop(seq.seq_id, None)

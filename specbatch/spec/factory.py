@@ -1,0 +1,81 @@
+"""Building the proposer a :class:`SpeculativeConfig` asks for, refusing incompatible drafts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from specbatch.errors import ConfigError, ModelLoadError
+from specbatch.models import load_model, resolve_model_path
+from specbatch.models.llama import LlamaForCausalLM
+from specbatch.spec.config import SpeculativeConfig
+from specbatch.spec.draft_model import BannedTokens, DraftModelProposer
+from specbatch.spec.ngram import NgramProposer
+from specbatch.spec.proposer import Proposer
+from specbatch.tokenizer import Tokenizer, load_tokenizer
+
+_PROBE = "Hello, world! 12345 naïve café 你好 🙂\n    def f(x):\n        return x * 2"
+
+
+def load_draft_model(
+    spec: SpeculativeConfig,
+    target: LlamaForCausalLM,
+    target_tokenizer: Tokenizer,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> LlamaForCausalLM | None:
+    """The draft model for ``method == "draft_model"`` (None for other methods)."""
+    if spec.method != "draft_model":
+        return None
+    if spec.model is None:
+        raise ConfigError("speculative_config method 'draft_model' needs 'model' (a draft path)")
+    path = resolve_model_path(spec.model)
+    draft = load_model(path, dtype, device)
+    check_draft_compatible(path, draft, target, target_tokenizer)
+    return draft
+
+
+def check_draft_compatible(
+    path: Path, draft: LlamaForCausalLM, target: LlamaForCausalLM, target_tokenizer: Tokenizer
+) -> None:
+    """Refuse a draft whose vocabulary or tokenizer differs from the target's."""
+    if draft.config.vocab_size != target.config.vocab_size:
+        raise ConfigError(
+            f"draft model {path} has a vocabulary of {draft.config.vocab_size} tokens, the "
+            f"target {target.config.vocab_size}: a draft must share the target's tokenizer"
+        )
+    try:
+        draft_tokenizer = load_tokenizer(path)
+    except ModelLoadError:
+        return  # a bare checkpoint: the vocabulary size is all there is to compare
+    if (
+        draft_tokenizer.encode(_PROBE, add_special_tokens=False)
+        != target_tokenizer.encode(_PROBE, add_special_tokens=False)
+        or draft_tokenizer.eos_token_ids != target_tokenizer.eos_token_ids
+    ):
+        raise ConfigError(
+            f"draft model {path} tokenizes text differently from the target (same vocabulary "
+            "size, different tokenizer): its drafts would be meaningless"
+        )
+
+
+def build_proposer(
+    spec: SpeculativeConfig,
+    draft: LlamaForCausalLM | None,
+    num_blocks: int,
+    block_size: int,
+    generator: torch.Generator,
+    banned_token_ids: BannedTokens,
+    external: Proposer | None = None,
+) -> Proposer:
+    if (spec.method == "external") != (external is not None):
+        raise ConfigError(
+            "pass a proposer to LLMEngine exactly when speculative_config method is 'external'"
+        )
+    if external is not None:
+        return external
+    if spec.method == "ngram":
+        return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+    assert draft is not None
+    return DraftModelProposer(draft, num_blocks, block_size, generator, banned_token_ids)

@@ -1,0 +1,46 @@
+"""The proposer interface: draft tokens for every decoding sequence of a step, at once."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from specbatch.engine.sequence import Sequence
+
+
+@dataclass
+class DraftRequest:
+    """One decoding sequence and how many draft tokens it may get this step (>= 1)."""
+
+    seq: Sequence
+    max_drafts: int
+
+
+@dataclass
+class Proposal:
+    """Draft tokens per request (possibly fewer than asked, possibly none).
+
+    ``draft_probs`` holds, for proposers that sample from a distribution, the processed draft
+    distribution q of every proposed token, ``[sum of len(tokens), vocab]`` in request order;
+    ``None`` marks a proposer without one (each draft is a point mass).
+    """
+
+    tokens: list[list[int]]
+    draft_probs: torch.Tensor | None = None
+
+
+class Proposer(ABC):
+    """Drafts tokens for a batch of decoding sequences; never decides what is emitted."""
+
+    @abstractmethod
+    def propose(self, requests: list[DraftRequest]) -> Proposal:
+        """Draft up to ``max_drafts`` tokens for each request, batched across requests."""
+
+    # Optional hooks: a stateless proposer (n-gram) keeps these no-ops.
+    def on_verified(self, seq: Sequence) -> None:  # noqa: B027
+        """The target accepted drafts: ``seq.num_computed_tokens`` is the valid prefix now."""
+
+    def forget(self, seq: Sequence) -> None:  # noqa: B027
+        """The sequence finished, was aborted or preempted (its cache is gone)."""

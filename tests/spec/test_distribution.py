@@ -1,0 +1,152 @@
+"""The contract: speculative sampling is distributed exactly as the target sampling alone.
+
+Tiny random target and draft (vocabulary 32); 20,000 requests of 3 tokens each through the
+engine, compared by chi-square with the exact distribution of the first three tokens computed
+from the target model with the same sampling processing.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from specbatch import LLMEngine, SamplingParams
+from specbatch.config import EngineConfig
+from specbatch.kernels.sampling import SamplingRow, SamplingTensors, target_probs
+from specbatch.models import load_model
+from tests.helpers import PagedHarness, write_tiny_model
+
+V = 32
+N = 20000
+# every vocabulary id appears in the prompt, so a 1-gram always finds a continuation
+PROMPT = [int(t) for t in np.random.default_rng(0).permutation(np.arange(3, V))] + [5, 6, 7]
+
+PARAMS = {
+    "plain": SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True),
+    "top-k-top-p": SamplingParams(
+        temperature=0.8, top_k=10, top_p=0.85, max_tokens=3, ignore_eos=True
+    ),
+    "penalties": SamplingParams(
+        temperature=1.0,
+        repetition_penalty=1.5,
+        presence_penalty=0.8,
+        frequency_penalty=0.4,
+        max_tokens=3,
+        ignore_eos=True,
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    base = tmp_path_factory.mktemp("dist")
+    target = write_tiny_model(base / "target", seed=10, vocab_size=V)
+    draft = write_tiny_model(base / "draft", seed=11, vocab_size=V)
+    return target, draft
+
+
+def exact_distribution(target: Path, params: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
+    """P(t1, t2) as [V, V] and P(t3) as [V], from the target with the same processing."""
+    model = load_model(target)
+
+    def probs(histories: list[list[int]]) -> torch.Tensor:
+        harness = PagedHarness(model, num_blocks=len(histories) * 3 + 8, block_size=16)
+        logits = harness.forward([(i, PROMPT + h) for i, h in enumerate(histories)])
+        last = torch.stack([row[-1] for row in logits])
+        rows = [SamplingRow(params, PROMPT, h, len(PROMPT) + len(h)) for h in histories]
+        return target_probs(last, SamplingTensors.build(rows, V, last.device)).double()
+
+    p1 = probs([[]])[0]
+    p2 = probs([[a] for a in range(V)])  # [V, V]: row a = p(t2 | t1 = a)
+    joint12 = p1[:, None] * p2
+    p3 = probs([[a, b] for a in range(V) for b in range(V)]).view(V, V, V)
+    marginal3 = (joint12[:, :, None] * p3).sum((0, 1))
+    return joint12.numpy(), marginal3.numpy()
+
+
+def sample_engine(
+    target: Path, speculative: dict[str, Any] | None, params: SamplingParams, seeded: bool = False
+) -> np.ndarray:
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(target),
+            num_kv_blocks=1400,
+            block_size=16,
+            max_model_len=64,
+            max_num_seqs=256,
+            max_num_batched_tokens=4096,
+            speculative_config=speculative,
+            seed=123,
+        )
+    )
+    tokens = np.zeros((N, 3), dtype=np.int64)
+    pending = list(range(N))
+    while pending or engine.has_unfinished_requests():
+        while pending and engine.num_unfinished_requests() < 256:
+            i = pending.pop()
+            engine.add_request(str(i), PROMPT, params.clone(seed=i) if seeded else params)
+        for out in engine.step():
+            if out.finished:
+                tokens[int(out.request_id)] = out.outputs[0].token_ids
+    if speculative is not None:
+        assert engine.stats.num_draft_tokens > N // 2  # the verify path really ran
+    return tokens
+
+
+def assert_matches(tokens: np.ndarray, joint12: np.ndarray, marginal3: np.ndarray) -> None:
+    observed12 = np.bincount(tokens[:, 0] * V + tokens[:, 1], minlength=V * V).astype(float)
+    expected12 = joint12.reshape(-1) * N
+    _assert_chisquare(observed12, expected12)
+    _assert_chisquare(np.bincount(tokens[:, 2], minlength=V).astype(float), marginal3 * N)
+
+
+def _assert_chisquare(observed: np.ndarray, expected: np.ndarray) -> None:
+    # Cells expected below 5 are pooled into one, as the chi-square approximation needs.
+    small = expected < 5
+    assert observed[expected == 0].sum() == 0, "a token of probability 0 was produced"
+    obs = np.append(observed[~small], observed[small].sum())
+    exp = np.append(expected[~small], expected[small].sum())
+    keep = exp > 0
+    obs, exp = obs[keep], exp[keep] * obs[keep].sum() / exp[keep].sum()
+    assert chisquare(obs, exp)[1] > 1e-3
+
+
+CASES = [
+    ("ngram", "plain"),
+    ("ngram", "top-k-top-p"),
+    ("ngram", "penalties"),
+    ("draft_model", "plain"),
+    ("draft_model", "top-k-top-p"),
+    ("draft_model", "penalties"),
+]
+
+
+@pytest.mark.parametrize(("method", "params_name"), CASES)
+def test_speculative_sampling_matches_target(
+    models: tuple[Path, Path], method: str, params_name: str
+) -> None:
+    target, draft = models
+    params = PARAMS[params_name]
+    spec: dict[str, Any] = {"method": method, "num_speculative_tokens": 2}
+    if method == "draft_model":
+        spec["model"] = str(draft)
+    joint12, marginal3 = exact_distribution(target, params)
+    assert_matches(sample_engine(target, spec, params), joint12, marginal3)
+
+
+def test_seeded_speculative_sampling_matches_target(models: tuple[Path, Path]) -> None:
+    target, draft = models
+    spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 2}
+    joint12, marginal3 = exact_distribution(target, PARAMS["plain"])
+    assert_matches(sample_engine(target, spec, PARAMS["plain"], seeded=True), joint12, marginal3)
+
+
+def test_plain_sampling_matches_target(models: tuple[Path, Path]) -> None:
+    target, _ = models
+    joint12, marginal3 = exact_distribution(target, PARAMS["penalties"])
+    assert_matches(sample_engine(target, None, PARAMS["penalties"]), joint12, marginal3)

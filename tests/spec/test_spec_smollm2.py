@@ -1,0 +1,57 @@
+"""Speculative decoding on the real default model: greedy output equals speculation off."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from specbatch import LLM, SamplingParams
+from tests.prompts import prompt_set
+
+pytestmark = pytest.mark.slow
+
+PARAMS = SamplingParams(temperature=0.0, max_tokens=32)
+ENGINE = {
+    "dtype": "float32",
+    "max_model_len": 512,
+    "num_kv_blocks": 1200,
+    "max_num_batched_tokens": 1024,
+}
+
+
+@pytest.fixture(scope="module")
+def prompts_and_reference() -> tuple[list[str], list[list[int]]]:
+    llm = LLM(**ENGINE)
+    prompts = prompt_set(llm.get_tokenizer())
+    outputs = llm.generate(prompts, PARAMS, use_tqdm=False)
+    return prompts, [o.outputs[0].token_ids for o in outputs]
+
+
+@pytest.mark.parametrize("method", ["ngram", "self_draft"])
+def test_greedy_identity_k_1_3_5_batch_1_and_16(
+    default_gguf: Path, prompts_and_reference: tuple[list[str], list[list[int]]], method: str
+) -> None:
+    prompts, reference = prompts_and_reference
+    assert len(prompts) >= 30
+    for k in (1, 3, 5):
+        spec: dict[str, Any] = {"method": "ngram", "num_speculative_tokens": k}
+        if method == "self_draft":
+            spec = {
+                "method": "draft_model",
+                "model": str(default_gguf),
+                "num_speculative_tokens": k,
+            }
+        llm = LLM(speculative_config=spec, **ENGINE, max_num_seqs=16)
+        batched = [o.outputs[0].token_ids for o in llm.generate(prompts, PARAMS, use_tqdm=False)]
+        assert batched == reference, f"k={k}, batch 16"
+        one_by_one = [
+            llm.generate([p], PARAMS, use_tqdm=False)[0].outputs[0].token_ids for p in prompts
+        ]
+        assert one_by_one == reference, f"k={k}, batch 1"
+        stats = llm.llm_engine.stats
+        assert stats.num_draft_tokens > 0
+        if method == "self_draft":
+            # SmolLM2 drafting for itself agrees with itself: ~100% acceptance
+            assert stats.num_accepted_tokens / stats.num_draft_tokens > 0.97
