@@ -127,6 +127,51 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_distill(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("distill-draft", help="train a draft model for a target")
+    p.add_argument("--target", default=None, help="target model (default: SmolLM2-135M)")
+    p.add_argument("--work", required=True, help="work directory (resumable stages)")
+    p.add_argument("--out", required=True, help="where to write the chosen draft")
+    p.add_argument(
+        "--sizes",
+        default="4x256",
+        help="comma-separated student shapes LAYERSxHIDDEN (default 4x256)",
+    )
+    p.add_argument("--num-prompts", type=int, default=2000)
+    p.add_argument("--answer-tokens", type=int, default=192)
+    p.add_argument("--text-chars", type=int, default=1_500_000)
+    p.add_argument("--vocab-size", type=int, default=8192)
+    p.add_argument("--steps", type=int, default=3000)
+    p.add_argument("--tokens-per-batch", type=int, default=4096)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(handler=_distill)
+
+
+def _distill(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from specbatch.spec.distill import DistillConfig, parse_shape, run
+
+    run(
+        DistillConfig(
+            work=Path(args.work),
+            out=Path(args.out),
+            target=args.target,
+            shapes=[parse_shape(s) for s in args.sizes.split(",")],
+            num_prompts=args.num_prompts,
+            answer_tokens=args.answer_tokens,
+            text_chars=args.text_chars,
+            vocab_size=args.vocab_size,
+            steps=args.steps,
+            tokens_per_batch=args.tokens_per_batch,
+            lr=args.lr,
+            seed=args.seed,
+        )
+    )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="specbatch",
@@ -134,6 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     subparsers = parser.add_subparsers(dest="command", required=True)
     _add_generate(subparsers)
+    _add_distill(subparsers)
     return parser
 
 

@@ -54,6 +54,11 @@ class ModelConfig:
     attention_bias: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Draft models with a reduced vocabulary: row i of the embedding and of the output layer is
+    # the target's token token_map[i]; the last row (vocab_size - 1) stands for every other
+    # target token on input and is never produced.
+    token_map: tuple[int, ...] | None = None
+    target_vocab_size: int | None = None
 
     def __post_init__(self) -> None:
         for name in (
@@ -76,10 +81,29 @@ class ModelConfig:
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})"
             )
+        if self.token_map is not None:
+            target = self.target_vocab_size
+            if target is None or len(self.token_map) != self.vocab_size - 1:
+                raise ModelLoadError(
+                    "a token map needs target_vocab_size and vocab_size - 1 entries "
+                    f"(got {len(self.token_map)} entries for vocab_size {self.vocab_size})"
+                )
+            if len(set(self.token_map)) != len(self.token_map) or not all(
+                0 <= t < target for t in self.token_map
+            ):
+                raise ModelLoadError(f"token map entries must be distinct ids in [0, {target})")
         if self.head_dim % 2:
             raise ModelLoadError(
                 f"head_dim must be even for rotary embeddings, got {self.head_dim}"
             )
+
+    @property
+    def output_vocab_size(self) -> int:
+        """Size of the vocabulary the model's token ids live in (the target's, for a draft
+        with a reduced vocabulary)."""
+        if self.token_map is not None and self.target_vocab_size is not None:
+            return self.target_vocab_size
+        return self.vocab_size
 
     @property
     def num_queries_per_kv(self) -> int:
@@ -123,6 +147,10 @@ class ModelConfig:
                 attention_bias=bool(raw.get("attention_bias", architecture == "Qwen2ForCausalLM")),
                 bos_token_id=raw.get("bos_token_id"),
                 eos_token_ids=eos_ids,
+                token_map=tuple(raw["specbatch_token_map"])
+                if "specbatch_token_map" in raw
+                else None,
+                target_vocab_size=raw.get("specbatch_target_vocab_size"),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ModelLoadError(f"invalid model config: {type(exc).__name__}: {exc}") from None

@@ -56,8 +56,6 @@ class LlamaAttention(nn.Module):
     def forward(
         self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, metadata: object
     ) -> torch.Tensor:
-        if self.kv_cache is None:
-            raise RuntimeError("no KV cache bound to the model: call bind_kv_caches first")
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
         # q and k rotate together: one set of rotary ops per layer instead of two.
@@ -135,6 +133,7 @@ class LlamaForCausalLM(nn.Module):
         if not config.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self._packed_tied_head: torch.Tensor | None = None
+        self._token_maps: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @property
     def dtype(self) -> torch.dtype:
@@ -156,7 +155,12 @@ class LlamaForCausalLM(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: object
     ) -> torch.Tensor:
-        """Final-norm hidden states ``[T, hidden]`` for a flat ragged batch of ``T`` tokens."""
+        """Final-norm hidden states ``[T, hidden]`` for a flat ragged batch of ``T`` tokens.
+
+        ``input_ids`` are always target-vocabulary ids (a reduced-vocabulary draft maps them).
+        """
+        if self.config.token_map is not None:
+            input_ids = self._maps(input_ids.device)[0][input_ids]
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         for layer in self.model.layers:
@@ -177,6 +181,28 @@ class LlamaForCausalLM(nn.Module):
         packed = [m.packed for m in self.modules() if isinstance(m, Linear)]
         packed.append(self._packed_tied_head)
         return total + sum(t.numel() * t.element_size() for t in packed if t is not None)
+
+    def logits_in_output_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """Logits over the target vocabulary: a reduced-vocabulary draft's rows scattered to their
+        target ids, every other id at -inf (probability 0); unchanged for other models."""
+        if self.config.token_map is None:
+            return logits
+        _, draft_to_target = self._maps(logits.device)
+        out = logits.new_full((logits.shape[0], self.config.output_vocab_size), float("-inf"))
+        out[:, draft_to_target] = logits[:, : len(draft_to_target)]
+        return out
+
+    def _maps(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(target id -> draft row, draft row -> target id) for a reduced-vocabulary draft."""
+        if device not in self._token_maps:
+            assert self.config.token_map is not None
+            assert self.config.target_vocab_size is not None
+            draft_to_target = torch.tensor(self.config.token_map, dtype=torch.long)
+            other = len(draft_to_target)
+            target_to_draft = torch.full((self.config.target_vocab_size,), other, dtype=torch.long)
+            target_to_draft[draft_to_target] = torch.arange(other)
+            self._token_maps[device] = (target_to_draft.to(device), draft_to_target.to(device))
+        return self._token_maps[device]
 
     def pack_for_cpu(self) -> bool:
         """Re-lay every linear weight out for oneDNN (inference only; see ``kernels.linear``).
@@ -221,6 +247,24 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
             raise ModelLoadError(f"{source}: missing {len(missing)} tensor(s): {shown}")
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """The weights under HF names, fused matrices split back (inverse of load_weights)."""
+        out: dict[str, torch.Tensor] = {}
+        shard_names: dict[str, dict[int, str]] = {}
+        for hf_stem, (fused_name, index) in _FUSED_SHARDS.items():
+            shard_names.setdefault(fused_name, {})[index] = hf_stem
+        for name, param in self.named_parameters():
+            stem, _, kind = name.rpartition(".")
+            fused = next((f for f in shard_names if stem.endswith(f)), None)
+            if fused is None:
+                out[name] = param.detach()
+                continue
+            prefix = stem[: -len(fused)]
+            sizes = self._shard_sizes(name)
+            for index, part in enumerate(param.detach().split(sizes, dim=0)):
+                out[f"{prefix}{shard_names[fused][index]}.{kind}"] = part
+        return out
 
     @staticmethod
     def _target_of(name: str) -> tuple[str, int | None]:

@@ -68,7 +68,7 @@ class DraftModelProposer(Proposer):
         for step in range(max(r.max_drafts for r in requests)):
             batch = flatten(runs, self.block_size)
             last_rows = batch.query_start[1:] - 1
-            logits = self.runner.forward(batch, last_rows)
+            logits = self.model.logits_in_output_vocab(self.runner.forward(batch, last_rows))
             for i, run in zip(active, runs, strict=True):
                 self._computed[requests[i].seq.seq_id] = run.start_position + len(run.token_ids)
             rows = [self._row(requests[i].seq, tokens[i]) for i in active]

@@ -40,10 +40,10 @@ def check_draft_compatible(
     path: Path, draft: LlamaForCausalLM, target: LlamaForCausalLM, target_tokenizer: Tokenizer
 ) -> None:
     """Refuse a draft whose vocabulary or tokenizer differs from the target's."""
-    if draft.config.vocab_size != target.config.vocab_size:
+    if draft.config.output_vocab_size != target.config.vocab_size:
         raise ConfigError(
-            f"draft model {path} has a vocabulary of {draft.config.vocab_size} tokens, the "
-            f"target {target.config.vocab_size}: a draft must share the target's tokenizer"
+            f"draft model {path} has a vocabulary of {draft.config.output_vocab_size} tokens, "
+            f"the target {target.config.vocab_size}: a draft must share the target's tokenizer"
         )
     try:
         draft_tokenizer = load_tokenizer(path)

@@ -82,7 +82,7 @@ class AttentionBackend(ABC):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        kv_cache: LayerKVCache,
+        kv_cache: LayerKVCache | None,
         metadata: Any,
     ) -> torch.Tensor:
         """Write ``k``/``v`` at the slot mapping, attend ``q`` through the block tables.

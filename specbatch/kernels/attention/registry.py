@@ -16,10 +16,17 @@ def _torch_backend() -> type[AttentionBackend]:
     return TorchAttentionBackend
 
 
+def _dense_causal_backend() -> type[AttentionBackend]:
+    from specbatch.kernels.attention.dense_causal import DenseCausalBackend
+
+    return DenseCausalBackend
+
+
 # Imports are deferred so that optional packages (triton, flash-attn, xformers) are only touched
 # when their backend is asked for.
 _BACKENDS: dict[str, Callable[[], type[AttentionBackend]]] = {
     "torch": _torch_backend,
+    "dense_causal": _dense_causal_backend,
 }
 
 

@@ -147,9 +147,11 @@ class TorchAttentionBackend(AttentionBackend):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        kv_cache: LayerKVCache,
+        kv_cache: LayerKVCache | None,
         metadata: TorchAttentionMetadata,
     ) -> torch.Tensor:
+        if kv_cache is None:
+            raise RuntimeError("no KV cache bound to the model: call bind_kv_caches first")
         num_tokens = q.shape[0]
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
         group = heads // kv_heads

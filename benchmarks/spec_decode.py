@@ -1,0 +1,255 @@
+"""Speculative decoding vs speculation off, per Spec-Bench category and batch size, same run.
+
+    python benchmarks/spec_decode.py --dataset ../shared/data/specbench_dev.jsonl \
+        --batch-sizes 1 4 16 64 --proposers ngram draft --plot spec.png --json spec.json
+
+For every category and batch size, each engine (speculation off, then each proposer) generates
+greedily for the same chat-formatted first turns (cycled to fill the batch), stopping at EOS or
+``--max-tokens``; outputs are identical across engines (greedy identity), so tok/s compare equal
+work. Reported per row: tok/s, speedup over off, mean accepted length (tokens per verify step,
+bonus included), per-draft acceptance rate, and c, the measured cost of one draft step relative
+to one speculation-off target step at that batch size (proposal time for n-gram).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.code_edit_prompt import CODE_EDIT_PROMPTS
+from benchmarks.common import Prompt, load_specbench, print_conditions, write_json
+from specbatch import LLMEngine, SamplingParams
+from specbatch.config import EngineConfig
+
+
+class Timer:
+    """Accumulates the time and calls of a wrapped method."""
+
+    def __init__(self, owner: Any, name: str) -> None:
+        self.seconds, self.calls = 0.0, 0
+        original = getattr(owner, name)
+
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - start
+                self.calls += 1
+
+        setattr(owner, name, wrapped)
+
+    def reset(self) -> None:
+        self.seconds, self.calls = 0.0, 0
+
+    @property
+    def mean(self) -> float:
+        return self.seconds / self.calls if self.calls else 0.0
+
+
+def build_engines(args: argparse.Namespace) -> dict[str, LLMEngine]:
+    common = {
+        "model": args.model,
+        "dtype": args.dtype,
+        "max_model_len": 2048,
+        "max_num_seqs": max(args.batch_sizes),
+        "enable_prefix_caching": False,
+    }
+    engines = {"off": LLMEngine(EngineConfig(**common))}
+    for name in args.proposers:
+        spec: dict[str, Any] = {"num_speculative_tokens": args.k}
+        if name == "ngram":
+            spec.update(
+                method="ngram", prompt_lookup_min=args.ngram_min, prompt_lookup_max=args.ngram_max
+            )
+        else:
+            spec.update(method="draft_model", model=args.draft_model)
+        engines[name] = LLMEngine(EngineConfig(**common, speculative_config=spec))
+    return engines
+
+
+def run(
+    engine: LLMEngine, prompts: list[list[int]], max_tokens: int, concurrency: int
+) -> dict[str, float]:
+    """Generate for every prompt with at most ``concurrency`` requests in flight."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    before = (
+        engine.stats.num_drafts,
+        engine.stats.num_draft_tokens,
+        engine.stats.num_accepted_tokens,
+    )
+    start = time.perf_counter()
+    pending = list(enumerate(prompts))
+    tokens = 0
+    while pending or engine.has_unfinished_requests():
+        while pending and engine.num_unfinished_requests() < concurrency:
+            i, prompt = pending.pop(0)
+            engine.add_request(f"spec-{time.monotonic_ns()}-{i}", prompt, params)
+        for out in engine.step():
+            if out.finished:
+                tokens += len(out.outputs[0].token_ids)
+    elapsed = time.perf_counter() - start
+    drafts = engine.stats.num_drafts - before[0]
+    drafted = engine.stats.num_draft_tokens - before[1]
+    accepted = engine.stats.num_accepted_tokens - before[2]
+    return {
+        "tokens": tokens,
+        "seconds": elapsed,
+        "tok_s": tokens / elapsed,
+        "mean_accepted_length": 1 + accepted / drafts if drafts else 1.0,
+        "acceptance_rate": accepted / drafted if drafted else 0.0,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--dataset", required=True, help="Spec-Bench jsonl")
+    parser.add_argument("--categories", nargs="*", default=None)
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16, 64])
+    parser.add_argument("--proposers", nargs="+", default=["ngram"], choices=["ngram", "draft"])
+    parser.add_argument("--draft-model", default=None)
+    parser.add_argument("-k", type=int, default=4)
+    parser.add_argument("--ngram-min", type=int, default=1)
+    parser.add_argument("--ngram-max", type=int, default=4)
+    parser.add_argument(
+        "--prompts-per-category",
+        type=int,
+        default=2,
+        help="distinct prompts per category (cycled to fill larger batches)",
+    )
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--max-prompt-len", type=int, default=1024)
+    parser.add_argument(
+        "--code-edit",
+        action="store_true",
+        help="add a 'code_editing' category (prompts that copy given code)",
+    )
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--plot", default=None)
+    args = parser.parse_args()
+
+    engines = build_engines(args)
+    off = engines["off"]
+    target_timer = {name: Timer(e.runner, "forward") for name, e in engines.items()}
+    draft_timer = {
+        name: Timer(e.proposer, "propose") for name, e in engines.items() if e.proposer is not None
+    }
+    tokenizer = off.tokenizer
+    by_category: dict[str, list[list[int]]] = defaultdict(list)
+    prompts = load_specbench(args.dataset, args.categories)
+    if args.code_edit:
+        prompts += [Prompt(text, "code_editing") for text in CODE_EDIT_PROMPTS]
+    for prompt in prompts:
+        if len(by_category[prompt.category]) < args.prompts_per_category:
+            text = tokenizer.apply_chat_template([{"role": "user", "content": prompt.text}])
+            ids = tokenizer.encode(text, add_special_tokens=False)[-args.max_prompt_len :]
+            by_category[prompt.category].append(ids)
+    print_conditions(
+        "speculative decoding vs off (greedy, EOS or max tokens)",
+        model=off.model_path.name,
+        dtype=args.dtype,
+        device=off.device,
+        k=args.k,
+        proposers=args.proposers,
+        draft_model=args.draft_model or "-",
+        ngram=f"{args.ngram_min}..{args.ngram_max}",
+        batch_sizes=args.batch_sizes,
+        max_tokens=args.max_tokens,
+        dataset=args.dataset,
+        categories=sorted(by_category),
+        prompts_per_category=args.prompts_per_category,
+    )
+    for engine in engines.values():  # warm-up
+        run(engine, [by_category[next(iter(by_category))][0]], 8, 1)
+
+    rows = []
+    for category, prompts in sorted(by_category.items()):
+        for batch in args.batch_sizes:
+            batch_prompts = (prompts * (batch // len(prompts) + 1))[: max(batch, len(prompts))]
+            results = {}
+            for name, engine in engines.items():
+                target_timer[name].reset()
+                if name in draft_timer:
+                    draft_timer[name].reset()
+                results[name] = run(engine, batch_prompts, args.max_tokens, batch)
+                results[name]["target_step_s"] = target_timer[name].mean
+                if name in draft_timer:
+                    # per draft forward: a propose call runs k forwards (n-gram: one lookup)
+                    per_call = 1 if name == "ngram" else args.k
+                    results[name]["draft_step_s"] = draft_timer[name].mean / per_call
+            base = results["off"]
+            for name, r in results.items():
+                row = {
+                    "category": category,
+                    "batch": batch,
+                    "proposer": name,
+                    "tok_s": r["tok_s"],
+                    "speedup": r["tok_s"] / base["tok_s"],
+                    "mean_accepted_length": r["mean_accepted_length"],
+                    "acceptance_rate": r["acceptance_rate"],
+                    "c": r.get("draft_step_s", 0.0) / base["target_step_s"],
+                    "tokens": r["tokens"],
+                    "same_tokens": r["tokens"] == base["tokens"],
+                }
+                rows.append(row)
+                print(
+                    f"{category:>18} b={batch:<3} {name:>6}: {r['tok_s']:7.1f} tok/s "
+                    f"x{row['speedup']:.2f} len {row['mean_accepted_length']:.2f} "
+                    f"c {row['c']:.3f}",
+                    flush=True,
+                )
+    print()
+    print(
+        f"{'category':>18} {'batch':>5} {'proposer':>8} {'tok/s':>8} {'speedup':>8} "
+        f"{'acc.len':>7} {'acc.rate':>8} {'c':>6}"
+    )
+    for r in rows:
+        print(
+            f"{r['category']:>18} {r['batch']:>5} {r['proposer']:>8} {r['tok_s']:>8.1f} "
+            f"{r['speedup']:>7.2f}x {r['mean_accepted_length']:>7.2f} "
+            f"{100 * r['acceptance_rate']:>7.1f}% {r['c']:>6.3f}"
+        )
+    write_json(args.json, {"conditions": vars(args), "rows": rows})
+    if args.plot:
+        plot(rows, args)
+
+
+def plot(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    proposers = [p for p in dict.fromkeys(r["proposer"] for r in rows) if p != "off"]
+    fig, axes = plt.subplots(1, len(proposers), figsize=(6 * len(proposers), 4.5), squeeze=False)
+    for ax, proposer in zip(axes[0], proposers, strict=True):
+        for category in sorted({r["category"] for r in rows}):
+            points = [
+                (r["batch"], r["speedup"])
+                for r in rows
+                if r["proposer"] == proposer and r["category"] == category
+            ]
+            ax.plot(*zip(*points, strict=True), marker="o", label=category)
+        ax.axhline(1.0, color="grey", linewidth=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("batch size")
+        ax.set_ylabel("speedup over speculation off")
+        ax.set_title(f"{proposer}, k={args.k}")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(args.plot, dpi=120)
+    print(f"wrote {args.plot}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,118 @@
+"""Soft labels: the target's next-token distribution at every corpus position, top-K kept.
+
+The target scores whole sequences (dense causal attention, no cache). Its distribution is
+restricted to the draft's vocabulary and its K most likely entries are stored (draft row ids as
+int16, probabilities as float16) in safetensors shards of ``SHARD_SEQUENCES`` sequences each;
+existing shards are skipped, so an interrupted run resumes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from tqdm.auto import tqdm
+
+from specbatch.kernels.attention.dense_causal import DenseCausalMetadata
+from specbatch.models.llama import LlamaForCausalLM
+
+SHARD_SEQUENCES = 256
+
+
+@dataclass
+class SoftLabels:
+    """One shard: sequences concatenated, with per-position top-K teacher probabilities."""
+
+    input_ids: torch.Tensor  # [total] int32 (target ids)
+    topk_ids: torch.Tensor  # [total, K] int16 (draft rows)
+    topk_probs: torch.Tensor  # [total, K] float16
+    lengths: torch.Tensor  # [S] int32
+
+    def sequences(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        out, start = [], 0
+        for n in self.lengths.tolist():
+            out.append(
+                (
+                    self.input_ids[start : start + n],
+                    self.topk_ids[start : start + n],
+                    self.topk_probs[start : start + n],
+                )
+            )
+            start += n
+        return out
+
+
+def dense_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
+    """Indices grouped by similar length so that ``len(group) * longest <= max_tokens``."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    groups: list[list[int]] = []
+    current: list[int] = []
+    for i in order:
+        if current and (len(current) + 1) * lengths[i] > max_tokens:
+            groups.append(current)
+            current = []
+        current.append(i)
+    if current:
+        groups.append(current)
+    return groups
+
+
+def run_dense(model: LlamaForCausalLM, rows: list[list[int]], pad: int = 0) -> torch.Tensor:
+    """Logits ``[B, L, vocab]`` of right-padded rows (padding never influences real tokens)."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, : len(row)] = torch.tensor(row)
+    positions = torch.arange(width).repeat(len(rows))
+    hidden = model(ids.view(-1), positions, DenseCausalMetadata(len(rows), width))
+    return model.compute_logits(hidden).view(len(rows), width, -1)
+
+
+def score_corpus(
+    teacher: LlamaForCausalLM,
+    sequences: list[list[int]],
+    token_map: list[int],
+    work: Path,
+    top_k: int,
+    max_tokens: int,
+) -> list[Path]:
+    """Write (or reuse) the soft-label shards of ``sequences``; returns their paths."""
+    directory = work / "teacher"
+    directory.mkdir(parents=True, exist_ok=True)
+    columns = torch.tensor(token_map, dtype=torch.long)
+    paths = []
+    starts = range(0, len(sequences), SHARD_SEQUENCES)
+    for number, start in enumerate(tqdm(starts, desc="teacher shards")):
+        path = directory / f"shard-{number:05d}.safetensors"
+        paths.append(path)
+        if path.exists():
+            continue
+        chunk = sequences[start : start + SHARD_SEQUENCES]
+        ids, probs = [torch.empty(0)] * len(chunk), [torch.empty(0)] * len(chunk)
+        for group in dense_batches([len(s) for s in chunk], max_tokens):
+            with torch.no_grad():
+                logits = run_dense(teacher, [chunk[i] for i in group])
+                dist = logits.float().softmax(-1).index_select(-1, columns)
+                top_p, top_i = dist.topk(top_k, dim=-1)
+            for row, i in enumerate(group):
+                n = len(chunk[i])
+                ids[i], probs[i] = top_i[row, :n].to(torch.int16), top_p[row, :n].half()
+        tensors = {
+            "input_ids": torch.tensor([t for s in chunk for t in s], dtype=torch.int32),
+            "topk_ids": torch.cat(ids),
+            "topk_probs": torch.cat(probs),
+            "lengths": torch.tensor([len(s) for s in chunk], dtype=torch.int32),
+        }
+        tmp = path.with_suffix(".tmp")
+        save_file(tensors, str(tmp))
+        tmp.replace(path)
+    return paths
+
+
+def load_shards(paths: list[Path]) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    sequences = []
+    for path in paths:
+        sequences += SoftLabels(**load_file(str(path))).sequences()
+    return sequences
