@@ -10,12 +10,12 @@ from collections.abc import Sequence
 from specbatch.errors import SpecbatchError
 
 
-def _add_speculative_args(parser: argparse.ArgumentParser) -> None:
+def _add_speculative_args(parser: argparse.ArgumentParser, default: str = "ngram") -> None:
     parser.add_argument(
         "--speculative",
         choices=["off", "ngram", "draft"],
-        default="ngram",
-        help="speculative decoding proposer (default: ngram, prompt lookup)",
+        default=default,
+        help=f"speculative decoding proposer (default: {default})",
     )
     parser.add_argument(
         "--draft-model", default=None, help="draft model path for --speculative draft"
@@ -127,6 +127,37 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_serve(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    _add_engine_args(p)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    p.add_argument(
+        "--max-queued",
+        type=int,
+        default=256,
+        help="waiting requests beyond which new ones get HTTP 429",
+    )
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=10.0,
+        help="seconds in-flight requests get to finish on shutdown",
+    )
+    p.add_argument("--log-level", default="info")
+    _add_speculative_args(p, default="off")
+    p.set_defaults(handler=_serve)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from specbatch.server.serve import serve
+
+    return serve(args, speculative_config(args))
+
+
 def _add_distill(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("distill-draft", help="train a draft model for a target")
     p.add_argument("--target", default=None, help="target model (default: SmolLM2-135M)")
@@ -179,6 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     subparsers = parser.add_subparsers(dest="command", required=True)
     _add_generate(subparsers)
+    _add_serve(subparsers)
     _add_distill(subparsers)
     return parser
 

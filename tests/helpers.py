@@ -121,6 +121,12 @@ TINY_CORPUS = (
 )
 
 
+TINY_CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
 def write_tiny_tokenizer(directory: Path, vocab_size: int = 300) -> int:
     """Train a small byte-level BPE (ids 0-2: <unk>, <s>, </s>) into ``directory``; returns its
     vocabulary size."""
@@ -139,7 +145,14 @@ def write_tiny_tokenizer(directory: Path, vocab_size: int = 300) -> int:
     directory.mkdir(parents=True, exist_ok=True)
     tokenizer.save(str(directory / "tokenizer.json"))
     (directory / "tokenizer_config.json").write_text(
-        json.dumps({"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": False})
+        json.dumps(
+            {
+                "bos_token": "<s>",
+                "eos_token": "</s>",
+                "add_bos_token": False,
+                "chat_template": TINY_CHAT_TEMPLATE,
+            }
+        )
     )
     return tokenizer.get_vocab_size()
 

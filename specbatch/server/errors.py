@@ -1,0 +1,90 @@
+"""OpenAI-style error bodies and the exception handlers that produce them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "invalid_request_error",
+    404: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "service_unavailable",
+}
+
+
+_UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+class APIError(Exception):
+    """An error to send as ``{"error": {...}}`` with an HTTP status."""
+
+    def __init__(
+        self, status: int, message: str, param: str | None = None, code: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+
+def error_body(
+    status: int, message: str, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    return {
+        "error": {
+            "message": message,
+            "type": _TYPES.get(status, "server_error"),
+            "param": param,
+            "code": code,
+        }
+    }
+
+
+def error_response(
+    status: int, message: str, param: str | None = None, code: str | None = None
+) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param, code), status_code=status)
+
+
+def param_of(message: str) -> str | None:
+    """The field a SamplingParams/engine ValueError names (its first word), if any."""
+    first = message.split(" ", 1)[0].split("[", 1)[0]
+    return first if first.isidentifier() else None
+
+
+def install_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc.status, exc.message, exc.param, exc.code)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        location = []
+        for part in first.get("loc", ()):
+            if part == "body":
+                continue
+            if isinstance(part, str) and (part in _UNION_TAGS or "[" in part or "-" in part):
+                break  # pydantic names the union member it tried: not part of the field path
+            location.append(str(part))
+        if first.get("type") == "json_invalid":
+            return error_response(400, "the request body is not valid JSON", None, "json_invalid")
+        param = ".".join(location) or None
+        message = (
+            f"{param}: {first.get('msg', 'invalid value')}"
+            if param
+            else str(first.get("msg", "invalid request"))
+        )
+        return error_response(400, message, param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        detail = exc.detail if isinstance(exc.detail, str) else "request error"
+        if exc.status_code == 400 and "parsing the body" in detail:
+            detail = "the request body is not valid JSON (or not UTF-8)"
+        return error_response(exc.status_code, detail)

@@ -1,0 +1,193 @@
+"""Engine outputs as OpenAI response bodies and server-sent-event chunks."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from specbatch.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from specbatch.tokenizer import Tokenizer
+
+
+def sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def _token_text(tokenizer: Tokenizer, token: int, entry: PositionLogprobs) -> str:
+    logprob = entry.get(token)
+    if logprob is not None and logprob.decoded_token is not None:
+        return logprob.decoded_token
+    return tokenizer.decode([token])
+
+
+def _top(entry: PositionLogprobs, n: int) -> list[tuple[int, float]]:
+    ranked = sorted((lp.rank, token, lp.logprob) for token, lp in entry.items() if lp.rank <= n)
+    return [(token, logprob) for _, token, logprob in ranked[:n]]
+
+
+def completion_logprobs(
+    c: CompletionOutput, top_n: int, tokenizer: Tokenizer, offset: int = 0
+) -> dict[str, Any] | None:
+    if c.logprobs is None:
+        return None
+    tokens, token_logprobs, tops, offsets = [], [], [], []
+    for token, entry in zip(c.token_ids, c.logprobs, strict=False):
+        text = _token_text(tokenizer, token, entry)
+        tokens.append(text)
+        token_logprobs.append(entry[token].logprob if token in entry else None)
+        top: dict[str, float] = {}
+        for t, lp in _top(entry, top_n):  # best first: a token text seen twice keeps its best
+            top.setdefault(_token_text(tokenizer, t, entry), lp)
+        tops.append(top)
+        offsets.append(offset)
+        offset += len(text)
+    return {
+        "tokens": tokens,
+        "token_logprobs": token_logprobs,
+        "top_logprobs": tops,
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(c: CompletionOutput, top_n: int, tokenizer: Tokenizer) -> dict[str, Any] | None:
+    if c.logprobs is None:
+        return None
+    content = []
+    for token, entry in zip(c.token_ids, c.logprobs, strict=False):
+        text = _token_text(tokenizer, token, entry)
+        content.append(
+            {
+                "token": text,
+                "logprob": entry[token].logprob if token in entry else None,
+                "bytes": list(text.encode("utf-8")),
+                "top_logprobs": [
+                    {
+                        "token": (t_text := _token_text(tokenizer, t, entry)),
+                        "logprob": lp,
+                        "bytes": list(t_text.encode("utf-8")),
+                    }
+                    for t, lp in _top(entry, top_n)
+                ],
+            }
+        )
+    return {"content": content}
+
+
+def completion_response(
+    rid: str,
+    created: int,
+    model: str,
+    finals: list[RequestOutput],
+    n: int,
+    top_n: int,
+    tokenizer: Tokenizer,
+) -> dict[str, Any]:
+    choices = []
+    for prompt_index, output in enumerate(finals):
+        for c in output.outputs:
+            choices.append(
+                {
+                    "index": prompt_index * n + c.index,
+                    "text": c.text,
+                    "logprobs": completion_logprobs(c, top_n, tokenizer),
+                    "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason,
+                }
+            )
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "usage": usage(
+            sum(len(o.prompt_token_ids) for o in finals),
+            sum(len(c.token_ids) for o in finals for c in o.outputs),
+        ),
+    }
+
+
+def completion_chunk(
+    rid: str,
+    created: int,
+    model: str,
+    index: int,
+    c: CompletionOutput,
+    top_n: int,
+    tokenizer: Tokenizer,
+) -> dict[str, Any]:
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [
+            {
+                "index": index,
+                "text": c.text,
+                "logprobs": completion_logprobs(c, top_n, tokenizer),
+                "finish_reason": c.finish_reason,
+            }
+        ],
+    }
+
+
+def chat_response(
+    rid: str,
+    created: int,
+    model: str,
+    final: RequestOutput,
+    top_n: int | None,
+    tokenizer: Tokenizer,
+) -> dict[str, Any]:
+    choices = [
+        {
+            "index": c.index,
+            "message": {"role": "assistant", "content": c.text},
+            "logprobs": chat_logprobs(c, top_n, tokenizer) if top_n is not None else None,
+            "finish_reason": c.finish_reason,
+            "stop_reason": c.stop_reason,
+        }
+        for c in final.outputs
+    ]
+    return {
+        "id": rid,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "usage": usage(len(final.prompt_token_ids), sum(len(c.token_ids) for c in final.outputs)),
+    }
+
+
+def chat_chunk(
+    rid: str,
+    created: int,
+    model: str,
+    c: CompletionOutput,
+    started: set[int],
+    top_n: int | None,
+    tokenizer: Tokenizer,
+) -> dict[str, Any]:
+    delta: dict[str, Any] = {"content": c.text}
+    if c.index not in started:
+        started.add(c.index)
+        delta["role"] = "assistant"
+    choice: dict[str, Any] = {"index": c.index, "delta": delta, "finish_reason": c.finish_reason}
+    if top_n is not None:
+        choice["logprobs"] = chat_logprobs(c, top_n, tokenizer)
+    return {
+        "id": rid,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "choices": [choice],
+    }

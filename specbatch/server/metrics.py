@@ -1,0 +1,122 @@
+"""Prometheus metrics: engine counters and gauges read at scrape time, latency histograms.
+
+Names follow vLLM's where vLLM has the concept (``vllm:`` becomes ``specbatch_``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from specbatch.engine.async_engine import AsyncEngine
+from specbatch.outputs import RequestOutput
+
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_TOKEN_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
+
+
+class _EngineCollector(Collector):
+    """Reads the engine's monotonic counters and current gauges on every scrape."""
+
+    def __init__(self, engine: AsyncEngine, model: str) -> None:
+        self.engine = engine
+        self.model = model
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        stats = self.engine.engine.stats
+        labels = ["model_name"]
+        for name, doc, value in [
+            ("specbatch_prompt_tokens", "Prefill tokens computed.", stats.num_prompt_tokens),
+            ("specbatch_generation_tokens", "Tokens generated.", stats.num_generation_tokens),
+            ("specbatch_num_preemptions", "Sequences preempted.", stats.num_preemptions),
+            ("specbatch_spec_decode_num_drafts", "Verify steps with drafts.", stats.num_drafts),
+            (
+                "specbatch_spec_decode_num_draft_tokens",
+                "Draft tokens proposed.",
+                stats.num_draft_tokens,
+            ),
+            (
+                "specbatch_spec_decode_num_accepted_tokens",
+                "Draft tokens accepted.",
+                stats.num_accepted_tokens,
+            ),
+        ]:
+            family = CounterMetricFamily(name, doc, labels=labels)
+            family.add_metric([self.model], value)
+            yield family
+        rate = stats.num_accepted_tokens / stats.num_draft_tokens if stats.num_draft_tokens else 0.0
+        gauges: list[tuple[str, str, float]] = [
+            ("specbatch_num_requests_running", "Sequences running.", stats.num_running),
+            ("specbatch_num_requests_waiting", "Requests waiting.", self.engine.num_waiting()),
+            (
+                "specbatch_kv_cache_usage_perc",
+                "Fraction of KV blocks in use.",
+                stats.kv_cache_usage,
+            ),
+            ("specbatch_spec_decode_acceptance_rate", "Accepted / proposed draft tokens.", rate),
+        ]
+        for gauge_name, gauge_doc, level in gauges:
+            gauge = GaugeMetricFamily(gauge_name, gauge_doc, labels=labels)
+            gauge.add_metric([self.model], level)
+            yield gauge
+
+
+class ServerMetrics:
+    """Every metric of one server, in its own registry (several servers may share a process)."""
+
+    def __init__(self, engine: AsyncEngine, model: str) -> None:
+        self.model = model
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineCollector(engine, model))
+        self.requests = Counter(
+            "specbatch_request_success",
+            "Finished requests.",
+            ["model_name", "finished_reason"],
+            registry=self.registry,
+        )
+        self.rejected = Counter(
+            "specbatch_request_rejected",
+            "Requests refused (4xx).",
+            ["model_name", "status"],
+            registry=self.registry,
+        )
+        self.ttft = Histogram(
+            "specbatch_time_to_first_token_seconds",
+            "Time to first token.",
+            ["model_name"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.tpot = Histogram(
+            "specbatch_time_per_output_token_seconds",
+            "Mean time per output token after the first.",
+            ["model_name"],
+            buckets=_TOKEN_BUCKETS,
+            registry=self.registry,
+        )
+        self.e2e = Histogram(
+            "specbatch_e2e_request_latency_seconds",
+            "Request latency.",
+            ["model_name"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        engine.on_finished.append(self.observe_finished)
+
+    def observe_finished(self, output: RequestOutput) -> None:
+        m = output.metrics
+        reason = output.outputs[0].finish_reason or "abort"
+        self.requests.labels(self.model, reason).inc()
+        if m.first_token_time is not None:
+            self.ttft.labels(self.model).observe(m.first_token_time - m.arrival_time)
+            if m.finished_time is not None and m.num_generation_tokens > 1:
+                per_token = (m.finished_time - m.first_token_time) / (m.num_generation_tokens - 1)
+                self.tpot.labels(self.model).observe(per_token)
+        if m.finished_time is not None:
+            self.e2e.labels(self.model).observe(m.finished_time - m.arrival_time)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,213 @@
+"""The server under stress: disconnects, malformed bodies, limits, keys, metrics, shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.server.conftest import RunningServer, tiny_engine
+
+
+def wait_until(condition: Any, timeout: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.05)
+    return condition()
+
+
+def test_many_streams_with_early_disconnects(server: RunningServer) -> None:
+    url = f"{server.url}/v1/completions"
+    prompts = [f"prompt number {i} says" for i in range(51)]
+    expected = {}
+    with httpx.Client(timeout=120) as client:
+        for i in range(0, 51, 3):
+            body = {"prompt": prompts[i + 1], "max_tokens": 24, "temperature": 0}
+            expected[i + 1] = client.post(url, json=body).json()["choices"][0]["text"]
+
+    async def one(client: httpx.AsyncClient, i: int) -> tuple[int, str | None]:
+        body = {"prompt": prompts[i], "max_tokens": 24, "temperature": 0, "stream": True}
+        async with client.stream("POST", url, json=body) as response:
+            if response.status_code >= 500:
+                return response.status_code, None
+            text = ""
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                text += json.loads(line[6:])["choices"][0]["text"]
+                if i % 3 == 0 and text:
+                    return response.status_code, None  # disconnect early
+            return response.status_code, text
+
+    async def run_all() -> list[tuple[int, str | None]]:
+        async with httpx.AsyncClient(timeout=120) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(51)))
+
+    results = asyncio.run(run_all())
+    assert all(status == 200 for status, _ in results)
+    for i in range(1, 51, 3):
+        assert results[i][1] == expected[i]
+    engine = server.engine
+    assert wait_until(lambda: engine.cache.num_free_blocks == engine.num_kv_blocks)
+    assert not engine.has_unfinished_requests()
+    engine.cache.pool.check_consistency()
+
+
+MALFORMED: list[tuple[str, Any, int, str | None]] = [
+    ("/v1/completions", b"{not json", 400, None),
+    ("/v1/completions", b'{"prompt": "\xff\xfe bad utf8"}', 400, None),
+    ("/v1/completions", {"max_tokens": 5}, 400, "prompt"),
+    ("/v1/completions", {"prompt": 5}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": -3}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": "ten"}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "temperature": -1}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "hi", "temperature": "hot"}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "hi", "top_p": 0}, 400, "top_p"),
+    ("/v1/completions", {"prompt": "hi", "n": 100000}, 400, "n"),
+    ("/v1/completions", {"prompt": "hi", "stream": "yes"}, 400, "stream"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 99}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": "hi", "stop": [1, 2]}, 400, "stop"),
+    ("/v1/completions", {"prompt": "hi", "suffix": "x"}, 400, "suffix"),
+    ("/v1/completions", {"prompt": "hi " * 400}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [1, 2, 999999]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, 404, "model"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": "hello"}, 400, "messages"),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "wizard", "content": "x"}]},
+        400,
+        "messages.0.role",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user"}], "top_logprobs": 50},
+        400,
+        "top_logprobs",
+    ),
+    ("/v1/chat/completions", [1, 2, 3], 400, None),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "status", "param"), MALFORMED)
+def test_malformed_requests(
+    server: RunningServer, path: str, body: Any, status: int, param: str | None
+) -> None:
+    with httpx.Client(base_url=server.url, timeout=30) as client:
+        if isinstance(body, bytes):
+            response = client.post(path, content=body, headers={"content-type": "application/json"})
+        else:
+            response = client.post(path, json=body)
+        assert response.status_code == status, response.text
+        error = response.json()["error"]
+        assert error["message"]
+        if param is not None:
+            assert error["param"] == param, error
+        ok = client.post("/v1/completions", json={"prompt": "still alive", "max_tokens": 2})
+        assert ok.status_code == 200
+
+
+def test_metrics_parse_and_move(server: RunningServer) -> None:
+    def scrape() -> dict[str, float]:
+        text = httpx.get(f"{server.url}/metrics").text
+        values = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                values[sample.name] = values.get(sample.name, 0.0) + sample.value
+        return values
+
+    before = scrape()
+    httpx.post(
+        f"{server.url}/v1/completions",
+        json={"prompt": "metrics", "max_tokens": 5, "temperature": 0},
+        timeout=30,
+    )
+    after = scrape()
+    assert (
+        after["specbatch_generation_tokens_total"]
+        >= before["specbatch_generation_tokens_total"] + 5
+    )
+    assert after["specbatch_request_success_total"] > before.get(
+        "specbatch_request_success_total", 0
+    )
+    assert after["specbatch_time_to_first_token_seconds_count"] > before.get(
+        "specbatch_time_to_first_token_seconds_count", 0
+    )
+    for name in (
+        "specbatch_num_requests_running",
+        "specbatch_num_requests_waiting",
+        "specbatch_kv_cache_usage_perc",
+        "specbatch_spec_decode_num_draft_tokens_total",
+        "specbatch_spec_decode_acceptance_rate",
+    ):
+        assert name in after
+
+
+def test_api_key(tiny_model_dir: Path) -> None:
+    server = RunningServer(tiny_engine(tiny_model_dir, num_kv_blocks=64), api_key="sekret")
+    try:
+        body = {"prompt": "hi", "max_tokens": 2}
+        url = f"{server.url}/v1/completions"
+        assert httpx.post(url, json=body).status_code == 401
+        wrong = httpx.post(url, json=body, headers={"authorization": "Bearer nope"})
+        assert wrong.status_code == 401
+        assert wrong.json()["error"]["code"] == "invalid_api_key"
+        good = httpx.post(url, json=body, headers={"authorization": "Bearer sekret"}, timeout=30)
+        assert good.status_code == 200
+        assert httpx.get(f"{server.url}/health").status_code == 200
+    finally:
+        server.stop()
+
+
+def test_queue_limit_gives_429(tiny_model_dir: Path) -> None:
+    server = RunningServer(
+        tiny_engine(tiny_model_dir, max_num_seqs=1, num_kv_blocks=64), max_queued=2
+    )
+
+    async def flood() -> list[int]:
+        async with httpx.AsyncClient(timeout=120) as client:
+            body = {"prompt": "slow", "max_tokens": 60, "ignore_eos": True}
+            responses = await asyncio.gather(
+                *(client.post(f"{server.url}/v1/completions", json=body) for _ in range(8))
+            )
+            return [r.status_code for r in responses]
+
+    try:
+        statuses = asyncio.run(flood())
+        assert 429 in statuses
+        assert 200 in statuses
+        assert set(statuses) <= {200, 429}
+    finally:
+        server.stop()
+
+
+def test_graceful_shutdown_ends_open_streams(tiny_model_dir: Path) -> None:
+    engine = tiny_engine(tiny_model_dir, num_kv_blocks=64)
+    server = RunningServer(engine, shutdown_timeout=0.5)
+    events: list[str] = []
+
+    def reader() -> None:
+        body = {"prompt": "go", "max_tokens": 200, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line:
+                    events.append(line)
+
+    import threading
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    assert wait_until(lambda: len(events) > 2)
+    server.stop()
+    thread.join(timeout=30)
+    assert not thread.is_alive()
+    assert events[-1] == "data: [DONE]"
+    assert engine.cache.num_free_blocks == engine.num_kv_blocks
