@@ -1,0 +1,207 @@
+"""Online serving: Poisson arrivals against a specbatch server over loopback.
+
+    python benchmarks/serve.py --dataset ../shared/data/specbench_dev.jsonl \
+        --rates 0.5 2 --num-requests 40 --speculative off ngram
+
+For each speculation setting a server is started (``specbatch serve`` in a subprocess, on a
+free port), warmed up, then for each request rate ``--num-requests`` streaming chat requests
+arrive as a Poisson process (bounded by ``--max-seconds``). Reported: TTFT, TPOT (per request,
+after the first token), ITL (between streamed chunks) at p50/p99, request throughput and output
+tok/s — per setting and rate, in one table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import httpx
+
+from benchmarks.common import load_specbench, print_conditions, write_json
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def start_server(args: argparse.Namespace, speculative: str) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    command = [
+        sys.executable,
+        "-m",
+        "specbatch.cli",
+        "serve",
+        "--port",
+        str(port),
+        "--speculative",
+        speculative,
+        "--max-num-seqs",
+        str(args.max_num_seqs),
+        "--max-model-len",
+        "2048",
+        "--log-level",
+        "warning",
+    ]
+    if args.model:
+        command += ["--model", args.model]
+    process = subprocess.Popen(command)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return process, url
+        except httpx.HTTPError:
+            time.sleep(0.5)
+    process.kill()
+    raise RuntimeError("server did not start")
+
+
+async def one_request(
+    client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int
+) -> dict[str, Any]:
+    body = {
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    start = time.perf_counter()
+    arrivals: list[float] = []
+    tokens = 0
+    async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
+                arrivals.append(time.perf_counter())
+    end = time.perf_counter()
+    ttft = (arrivals[0] - start) if arrivals else end - start
+    itl = [b - a for a, b in itertools.pairwise(arrivals)]
+    tpot = (end - arrivals[0]) / max(tokens - 1, 1) if arrivals else 0.0
+    return {"ttft": ttft, "tpot": tpot, "itl": itl, "tokens": tokens, "latency": end - start}
+
+
+async def run_rate(
+    url: str, prompts: list[str], rate: float, args: argparse.Namespace
+) -> dict[str, Any]:
+    rng = random.Random(args.seed)
+    tasks = []
+    start = time.perf_counter()
+    async with httpx.AsyncClient(timeout=600) as client:
+        for i in range(args.num_requests):
+            if time.perf_counter() - start > args.max_seconds:
+                break
+            tasks.append(
+                asyncio.create_task(
+                    one_request(client, url, prompts[i % len(prompts)], args.max_tokens)
+                )
+            )
+            await asyncio.sleep(rng.expovariate(rate))
+        results = await asyncio.gather(*tasks)
+    elapsed = time.perf_counter() - start
+
+    def pct(values: list[float], q: float) -> float:
+        if not values:
+            return float("nan")
+        ordered = sorted(values)
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+    itl = [x for r in results for x in r["itl"]]
+    return {
+        "requests": len(results),
+        "seconds": elapsed,
+        "req_s": len(results) / elapsed,
+        "out_tok_s": sum(r["tokens"] for r in results) / elapsed,
+        "ttft_p50": pct([r["ttft"] for r in results], 0.5),
+        "ttft_p99": pct([r["ttft"] for r in results], 0.99),
+        "tpot_p50": pct([r["tpot"] for r in results], 0.5),
+        "tpot_p99": pct([r["tpot"] for r in results], 0.99),
+        "itl_p50": pct(itl, 0.5),
+        "itl_p99": pct(itl, 0.99),
+        "mean_latency": statistics.mean(r["latency"] for r in results),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--dataset", required=True)
+    parser.add_argument("--rates", type=float, nargs="+", default=[0.5, 2.0])
+    parser.add_argument("--num-requests", type=int, default=40)
+    parser.add_argument("--max-seconds", type=float, default=300)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--max-num-seqs", type=int, default=32)
+    parser.add_argument("--speculative", nargs="+", default=["off", "ngram"])
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    prompts = [p.text for p in load_specbench(args.dataset)]
+    random.Random(args.seed).shuffle(prompts)
+    print_conditions(
+        "online serving (Poisson arrivals, loopback, streaming chat, greedy)",
+        model=args.model or "SmolLM2-135M-Instruct",
+        rates=args.rates,
+        num_requests=args.num_requests,
+        max_tokens=args.max_tokens,
+        max_num_seqs=args.max_num_seqs,
+        speculative=args.speculative,
+        dataset=args.dataset,
+    )
+    rows = []
+    for setting in args.speculative:
+        process, url = start_server(args, setting)
+        try:
+            asyncio.run(
+                run_rate(
+                    url,
+                    prompts[:2],
+                    10.0,
+                    argparse.Namespace(**{**vars(args), "num_requests": 2, "max_tokens": 8}),
+                )
+            )  # warm-up
+            for rate in args.rates:
+                result = asyncio.run(run_rate(url, prompts, rate, args))
+                rows.append({"speculative": setting, "rate": rate, **result})
+                print(f"{setting} @ {rate} req/s: {result}", flush=True)
+        finally:
+            process.terminate()
+            process.wait(timeout=60)
+    print()
+    print(
+        f"{'spec':>6} {'rate':>5} {'req/s':>6} {'tok/s':>7} {'TTFT p50':>9} {'p99':>7} "
+        f"{'TPOT p50':>9} {'p99':>7} {'ITL p50':>8} {'p99':>7}"
+    )
+    for r in rows:
+        print(
+            f"{r['speculative']:>6} {r['rate']:>5} {r['req_s']:>6.2f} {r['out_tok_s']:>7.1f} "
+            f"{1000 * r['ttft_p50']:>8.0f}ms {1000 * r['ttft_p99']:>6.0f}ms "
+            f"{1000 * r['tpot_p50']:>8.1f}ms {1000 * r['tpot_p99']:>6.1f}ms "
+            f"{1000 * r['itl_p50']:>7.1f}ms {1000 * r['itl_p99']:>6.1f}ms"
+        )
+    write_json(args.json, {"conditions": vars(args), "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
