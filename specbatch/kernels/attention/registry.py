@@ -22,12 +22,29 @@ def _dense_causal_backend() -> type[AttentionBackend]:
     return DenseCausalBackend
 
 
+def _triton_backend() -> type[AttentionBackend]:
+    try:
+        from specbatch.kernels.attention.triton_backend import TritonAttentionBackend
+    except ImportError as exc:
+        raise ConfigError(
+            f"attention backend 'triton' needs the triton package (pip install triton): {exc}"
+        ) from None
+    return TritonAttentionBackend
+
+
 # Imports are deferred so that optional packages (triton, flash-attn, xformers) are only touched
 # when their backend is asked for.
 _BACKENDS: dict[str, Callable[[], type[AttentionBackend]]] = {
     "torch": _torch_backend,
     "dense_causal": _dense_causal_backend,
+    "triton": _triton_backend,
 }
+
+
+def _importable(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
 
 
 def available_backends() -> list[str]:
@@ -38,7 +55,7 @@ def available_backends() -> list[str]:
 def attention_backend_class(name: str | None, device: torch.device) -> type[AttentionBackend]:
     """Return the backend called ``name``, or the default for ``device`` when ``name`` is None."""
     if name is None:
-        name = "torch"
+        name = "triton" if device.type == "cuda" and _importable("triton") else "torch"
     if name not in _BACKENDS:
         raise ConfigError(
             f"unknown attention backend {name!r}; available: {', '.join(available_backends())}"

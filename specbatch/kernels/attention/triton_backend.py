@@ -1,0 +1,202 @@
+"""The Triton paged-attention backend (CUDA default; runs on CPU under ``TRITON_INTERPRET=1``)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from specbatch.kernels.attention.base import AttentionBackend, AttentionInputs, LayerKVCache
+from specbatch.kernels.attention.triton_kernels import (
+    paged_attention_kernel,
+    reduce_splits_kernel,
+    write_kv_kernel,
+)
+
+_MIN_ROWS = 16  # tl.dot needs at least 16 rows
+# The interpreter's tl.dot mishandles bfloat16 (numpy has no such type): upcast tiles there.
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+_LONG_CONTEXT = 2048  # split-KV is considered from this many KV positions on
+_MAX_SPLITS = 16
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+@dataclass
+class TritonMetadata:
+    """Device tensors of one step for :class:`TritonAttentionBackend`."""
+
+    query_start: torch.Tensor  # [B + 1] int32
+    seq_lens: torch.Tensor  # [B] int32
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    slot_mapping: torch.Tensor  # [T] int64
+    program_seq: torch.Tensor  # [P] int32: the sequence of each query-block program
+    program_qstart: torch.Tensor  # [P] int32: its first query index in that sequence
+    tree_mask: torch.Tensor | None  # [T, max_query_len] int8
+    block_size: int
+    block_q: int
+    block_m: int
+    num_splits: int
+
+
+class TritonAttentionBackend(AttentionBackend):
+    """Paged FlashAttention-style attention; one kernel for prefill, decode and verify."""
+
+    name = "triton"
+    block_n = 32  # KV positions per tile
+    force_splits: int | None = None  # tests pin the split-KV path
+
+    def build_metadata(self, inputs: AttentionInputs, device: torch.device) -> TritonMetadata:
+        group = self.num_heads // self.num_kv_heads
+        max_query = int(inputs.query_lens.max()) if len(inputs.query_lens) else 1
+        rows = 64 if max_query * group > 16 else _MIN_ROWS
+        block_m = max(rows, _pow2(group))
+        block_q = max(1, block_m // group)
+        programs = -(-inputs.query_lens.astype(np.int64) // block_q)
+        program_seq = np.repeat(np.arange(len(programs)), programs)
+        first = np.concatenate([[0], np.cumsum(programs)[:-1]]).astype(np.int64)
+        program_qstart = (np.arange(len(program_seq)) - first[program_seq]) * block_q
+        tree = None
+        if inputs.tree_mask is not None:
+            tree = torch.from_numpy(inputs.tree_mask.astype(np.int8)).to(device)
+        return TritonMetadata(
+            query_start=_tensor(inputs.query_start_loc, device, torch.int32),
+            seq_lens=_tensor(inputs.seq_lens, device, torch.int32),
+            block_tables=_tensor(inputs.block_tables, device, torch.int32),
+            slot_mapping=_tensor(inputs.slot_mapping, device, torch.int64),
+            program_seq=_tensor(program_seq, device, torch.int32),
+            program_qstart=_tensor(program_qstart, device, torch.int32),
+            tree_mask=tree,
+            block_size=inputs.block_size,
+            block_q=block_q,
+            block_m=block_m,
+            num_splits=self._splits(len(program_seq), int(inputs.seq_lens.max(initial=0)), device),
+        )
+
+    def _splits(self, programs: int, longest: int, device: torch.device) -> int:
+        if self.force_splits is not None:
+            return self.force_splits
+        if device.type != "cuda" or longest < _LONG_CONTEXT:
+            return 1
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        busy = programs * self.num_kv_heads
+        if busy >= sms:
+            return 1
+        return int(min(_MAX_SPLITS, -(-sms // busy), longest // 512))
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: LayerKVCache | None,
+        metadata: TritonMetadata,
+    ) -> torch.Tensor:
+        if kv_cache is None:
+            raise RuntimeError("no KV cache bound to the model: call bind_kv_caches first")
+        key_cache, value_cache = kv_cache
+        tokens = q.shape[0]
+        row = self.num_kv_heads * self.head_dim
+        if tokens:
+            write_kv_kernel[(tokens,)](
+                k,
+                v,
+                key_cache,
+                value_cache,
+                metadata.slot_mapping,
+                k.stride(0),
+                v.stride(0),
+                ROW=row,
+                ROW_POW2=_pow2(row),
+            )
+        out = torch.empty(tokens, self.num_heads, self.head_dim, dtype=q.dtype, device=q.device)
+        programs = metadata.program_seq.shape[0]
+        if programs == 0:
+            return out
+        self.attend(q, key_cache, value_cache, out, metadata)
+        return out
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        out: torch.Tensor,
+        metadata: TritonMetadata,
+    ) -> None:
+        """The attention launch alone (K/V already in the cache)."""
+        group = self.num_heads // self.num_kv_heads
+        splits = metadata.num_splits
+        dim_pow2 = max(16, _pow2(self.head_dim))
+        programs = metadata.program_seq.shape[0]
+        grid = (programs, self.num_kv_heads, splits)
+        parts = [out, out, out]  # unused unless split
+        if splits > 1:
+            shape = (programs, self.num_kv_heads, splits, metadata.block_m)
+            parts = [
+                torch.empty(*shape, dim_pow2, dtype=torch.float32, device=q.device),
+                torch.empty(shape, dtype=torch.float32, device=q.device),
+                torch.empty(shape, dtype=torch.float32, device=q.device),
+            ]
+        tree = metadata.tree_mask
+        paged_attention_kernel[grid](
+            q,
+            key_cache,
+            value_cache,
+            out,
+            metadata.block_tables,
+            metadata.seq_lens,
+            metadata.query_start,
+            metadata.program_seq,
+            metadata.program_qstart,
+            tree if tree is not None else metadata.seq_lens,
+            parts[0],
+            parts[1],
+            parts[2],
+            self.scale,
+            q.stride(0),
+            q.stride(1),
+            out.stride(0),
+            out.stride(1),
+            metadata.block_tables.stride(0),
+            tree.stride(0) if tree is not None else 0,
+            BLOCK_SIZE=metadata.block_size,
+            NUM_KV_HEADS=self.num_kv_heads,
+            HEAD_DIM=self.head_dim,
+            HEAD_DIM_POW2=dim_pow2,
+            GROUP=group,
+            BLOCK_Q=metadata.block_q,
+            BLOCK_M=metadata.block_m,
+            BLOCK_N=self.block_n,
+            NUM_SPLITS=splits,
+            HAS_TREE=tree is not None,
+            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            DOT_FP32=_INTERPRETED or q.dtype == torch.float32,
+        )
+        if splits > 1:
+            reduce_splits_kernel[(programs, self.num_kv_heads)](
+                out,
+                parts[0],
+                parts[1],
+                parts[2],
+                metadata.program_seq,
+                metadata.program_qstart,
+                metadata.query_start,
+                out.stride(0),
+                out.stride(1),
+                NUM_KV_HEADS=self.num_kv_heads,
+                HEAD_DIM=self.head_dim,
+                HEAD_DIM_POW2=dim_pow2,
+                GROUP=group,
+                BLOCK_Q=metadata.block_q,
+                BLOCK_M=metadata.block_m,
+                NUM_SPLITS=splits,
+            )
+
+
+def _tensor(array: np.ndarray, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(array)).to(device=device, dtype=dtype)

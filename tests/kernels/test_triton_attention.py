@@ -1,0 +1,133 @@
+"""The Triton paged-attention kernel against the slow reference (CPU: TRITON_INTERPRET=1)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from specbatch.kernels.attention import PAD_SLOT, AttentionInputs  # noqa: E402
+from specbatch.kernels.attention.triton_backend import TritonAttentionBackend  # noqa: E402
+from tests.kernels.reference_attention import random_step, reference_attention  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+MIXES = {
+    "prefill": ["prefill"],
+    "chunk": ["chunk"],
+    "decodes": ["decode", "decode", "decode"],
+    "verify": ["verify", "verify"],
+    "mixed": ["prefill", "decode", "chunk", "verify", "decode"],
+}
+
+
+def run(backend: TritonAttentionBackend, step, inputs: AttentionInputs) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    t, dim = step.q.shape[0], backend.head_dim
+    metadata = backend.build_metadata(inputs, DEVICE)
+    cache = (step.key_cache.to(DEVICE), step.value_cache.to(DEVICE))
+    out = backend.forward(
+        step.q.view(t, -1, dim).to(DEVICE),
+        step.k.view(t, -1, dim).to(DEVICE),
+        step.v.view(t, -1, dim).to(DEVICE),
+        cache,
+        metadata,
+    )
+    step.key_cache.copy_(cache[0].cpu())
+    step.value_cache.copy_(cache[1].cpu())
+    return out.reshape(t, -1).float().cpu()
+
+
+CASES = [
+    # (mix, heads, kv_heads, head_dim, block_size)
+    ("mixed", 4, 4, 64, 16),
+    ("mixed", 6, 2, 64, 32),
+    ("mixed", 8, 1, 128, 16),
+    ("prefill", 3, 1, 64, 32),
+    ("chunk", 8, 1, 64, 16),
+    ("decodes", 6, 2, 128, 32),
+    ("verify", 4, 4, 128, 16),
+]
+
+
+@pytest.mark.parametrize(("mix", "heads", "kv_heads", "dim", "block_size"), CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_matches_reference(
+    mix: str, heads: int, kv_heads: int, dim: int, block_size: int, dtype: torch.dtype
+) -> None:
+    rng = np.random.default_rng(hash((mix, heads, dim, block_size)) % 2**32)
+    step = random_step(rng, MIXES[mix], heads, kv_heads, dim, block_size, dtype=dtype)
+    backend = TritonAttentionBackend(heads, kv_heads, dim, dim**-0.5)
+    ref_k, ref_v = step.key_cache.float(), step.value_cache.float()
+    expected = reference_attention(
+        step.q.float(), step.k.float(), step.v.float(), ref_k, ref_v, step.inputs, dim**-0.5
+    )
+    got = run(backend, step, step.inputs)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got, expected, rtol=tol, atol=tol)
+    torch.testing.assert_close(step.key_cache.float(), ref_k, rtol=0, atol=0)
+
+
+def test_split_kv_equals_single_pass() -> None:
+    rng = np.random.default_rng(11)
+    step = random_step(rng, ["decode", "verify", "chunk"], 4, 2, 64, 16)
+    expected = reference_attention(
+        step.q, step.k, step.v, step.key_cache.clone(), step.value_cache.clone(), step.inputs, 0.125
+    )
+    backend = TritonAttentionBackend(4, 2, 64, 0.125)
+    backend.block_n = 16
+    backend.force_splits = 3
+    got = run(backend, step, step.inputs)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_tree_mask() -> None:
+    rng = np.random.default_rng(5)
+    step = random_step(rng, ["verify", "verify", "chunk"], 4, 2, 64, 16, tree=True)
+    expected = reference_attention(
+        step.q, step.k, step.v, step.key_cache.clone(), step.value_cache.clone(), step.inputs, 0.125
+    )
+    got = run(TritonAttentionBackend(4, 2, 64, 0.125), step, step.inputs)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_pad_slot_is_never_written() -> None:
+    rng = np.random.default_rng(2)
+    step = random_step(rng, ["decode", "verify"], 4, 2, 64, 16)
+    slots = step.inputs.slot_mapping.copy()
+    slots[[0, len(slots) - 1]] = PAD_SLOT
+    inputs = AttentionInputs(
+        step.inputs.query_lens, step.inputs.seq_lens, step.inputs.block_tables, slots, 16
+    )
+    before = step.key_cache.clone()
+    expected = reference_attention(
+        step.q, step.k, step.v, before.clone(), step.value_cache.clone(), inputs, 0.125
+    )
+    got = run(TritonAttentionBackend(4, 2, 64, 0.125), step, inputs)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    flat = step.key_cache.view(-1, 2, 64)
+    for t in (0, len(slots) - 1):
+        original = step.inputs.slot_mapping[t]
+        torch.testing.assert_close(flat[original], before.view(-1, 2, 64)[original])
+
+
+def test_engine_with_triton_backend_equals_torch_backend(tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
+    from specbatch import LLM, SamplingParams
+
+    prompts = [[5, 6, 7, 8, 9] * 4, [30, 31], list(range(40, 75))]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    kwargs = {
+        "num_kv_blocks": 64,
+        "block_size": 16,
+        "max_model_len": 128,
+        "speculative_config": {"method": "ngram", "num_speculative_tokens": 3},
+    }
+    torch_out = LLM(str(tiny_model_dir), attention_backend="torch", **kwargs).generate(
+        prompts, params, use_tqdm=False
+    )
+    triton_out = LLM(str(tiny_model_dir), attention_backend="triton", **kwargs).generate(
+        prompts, params, use_tqdm=False
+    )
+    assert [o.outputs[0].token_ids for o in triton_out] == [
+        o.outputs[0].token_ids for o in torch_out
+    ]
