@@ -8,9 +8,9 @@ import torch
 
 pytest.importorskip("triton")
 
-from specbatch.kernels.attention import PAD_SLOT, AttentionInputs  # noqa: E402
-from specbatch.kernels.attention.triton_backend import TritonAttentionBackend  # noqa: E402
-from tests.kernels.reference_attention import random_step, reference_attention  # noqa: E402
+from specbatch.kernels.attention import PAD_SLOT, AttentionInputs
+from specbatch.kernels.attention.triton_backend import TritonAttentionBackend
+from tests.kernels.reference_attention import random_step, reference_attention
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 MIXES = {
