@@ -16,7 +16,10 @@ exactly as the plain sampler would (``target_probs``). Then:
   first mismatch is replaced by it. Every emitted token is then exactly the target's own seeded
   sample, so a seeded request's output does not depend on k, the proposer or its batch-mates.
 
-Each rule emits tokens distributed exactly as sampling the target alone.
+Everything runs on padded ``[S, k_max + 1]`` tensors on the logits' device; the host sees one
+transfer per step (the accepted counts and tokens). Random sequences draw ``k_max + 1``
+uniforms each from the engine's generator: column j < k decides draft j, column ``k_max`` the
+final token.
 """
 
 from __future__ import annotations
@@ -43,6 +46,33 @@ class VerifyResult:
     tokens: list[list[int]]  # accepted drafts plus the correction or bonus token
 
 
+@dataclass
+class _Layout:
+    """Where each sequence's rows and drafts are, padded to ``[S, k_max (+ 1)]``."""
+
+    num_drafts: torch.Tensor  # [S]
+    drafts: torch.Tensor  # [S, k_max], -1 past a sequence's drafts
+    rows: torch.Tensor  # [S, k_max + 1] target row of (s, j), clamped into the sequence
+    q_rows: torch.Tensor  # [S, k_max] draft-probability row of (s, j), clamped
+    k_max: int
+
+    @classmethod
+    def of(cls, drafts: Sequence[Sequence[int]], device: torch.device) -> _Layout:
+        counts = [len(d) for d in drafts]
+        k_max = max(counts, default=0)
+        num = torch.tensor(counts, dtype=torch.long, device=device)
+        padded = torch.full((len(drafts), k_max), -1, dtype=torch.long)
+        for s, d in enumerate(drafts):
+            padded[s, : len(d)] = torch.tensor(list(d), dtype=torch.long)
+        starts = torch.cumsum(num + 1, 0) - (num + 1)
+        q_starts = torch.cumsum(num, 0) - num
+        j = torch.arange(k_max + 1, device=device)
+        rows = starts[:, None] + torch.minimum(j[None, :], num[:, None])
+        q_rows = q_starts[:, None] + torch.minimum(j[None, :k_max], (num - 1).clamp(min=0)[:, None])
+        q_rows = q_rows.clamp(max=max(sum(counts) - 1, 0))  # sequences without drafts
+        return cls(num, padded.to(device), rows, q_rows, k_max)
+
+
 def verify(
     logits: torch.Tensor,
     rows: Sequence[SamplingRow],
@@ -55,121 +85,95 @@ def verify(
     ``logits``/``rows`` hold ``len(drafts[s]) + 1`` rows per sequence, sequence after sequence;
     ``draft_probs`` holds one q row per draft in the same order, or is None (point masses).
     """
-    starts = _starts([len(d) + 1 for d in drafts])
-    t = SamplingTensors.build(rows, logits.shape[1], logits.device)
+    device = logits.device
+    layout = _Layout.of(drafts, device)
+    t = SamplingTensors.build(rows, logits.shape[1], device)
     if t.all_greedy:
-        targets = apply_penalties(logits.float(), t).argmax(-1).tolist()
-        return _match_targets(drafts, starts, targets)
+        targets = apply_penalties(logits.float(), t).argmax(-1)
+        accepted, final = _match(layout, targets[layout.rows])
+        return _result(layout, accepted, final)
     p = target_probs(logits, t)
-    accepted: list[int] = [0] * len(drafts)
-    tokens: list[list[int]] = [[] for _ in drafts]
-    random_seqs = []
-    for s, draft in enumerate(drafts):
-        params = rows[starts[s]].params
-        if params.greedy or params.seed is not None:
-            targets = [
-                _deterministic_token(p[starts[s] + j], rows[starts[s] + j])
-                for j in range(len(draft) + 1)
-            ]
-            m = _leading_matches(draft, targets)
-            accepted[s], tokens[s] = m, list(draft[:m]) + [targets[m]]
-        else:
-            random_seqs.append(s)
-    if random_seqs:
-        q_starts = _starts([len(d) for d in drafts])
-        _rejection_sample(
-            p, drafts, draft_probs, starts, q_starts, random_seqs, generator, accepted, tokens
-        )
-    return VerifyResult(accepted, tokens)
+    first_rows, total = [], 0
+    for d in drafts:
+        first_rows.append(total)
+        total += len(d) + 1
+    random_seq = torch.tensor(
+        [not (rows[i].params.greedy or rows[i].params.seed is not None) for i in first_rows],
+        dtype=torch.bool,
+        device=device,
+    )
+    targets = _deterministic_targets(p, rows)
+    accepted, final = _match(layout, targets[layout.rows])
+    if bool(random_seq.any()):
+        r_accepted, r_final = _rejection(p, layout, draft_probs, generator)
+        accepted = torch.where(random_seq, r_accepted, accepted)
+        final = torch.where(random_seq, r_final, final)
+    return _result(layout, accepted, final)
 
 
-def _starts(lengths: Sequence[int]) -> list[int]:
-    starts, total = [], 0
-    for n in lengths:
-        starts.append(total)
-        total += n
-    return starts
+def _deterministic_targets(p: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Per row: the argmax, or for seeded random rows their Gumbel-max sample."""
+    targets = p.argmax(-1)
+    for i, row in enumerate(rows):
+        if row.params.seed is not None and not row.params.greedy:
+            noise = gumbel_noise(row.params.seed, row.position, p.shape[1], p.device)
+            targets[i] = gumbel_argmax(p[i], noise)
+    return targets
 
 
-def _leading_matches(draft: Sequence[int], targets: Sequence[int]) -> int:
-    m = 0
-    while m < len(draft) and draft[m] == targets[m]:
-        m += 1
-    return m
+def _match(layout: _Layout, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Drafts accepted while they equal the targets; the final token is the next target."""
+    k = layout.k_max
+    valid = torch.arange(k, device=targets.device)[None, :] < layout.num_drafts[:, None]
+    equal = (layout.drafts == targets[:, :k]) & valid
+    accepted = equal.long().cumprod(1).sum(1)
+    final = targets.gather(1, accepted[:, None]).squeeze(1)
+    return accepted, final
 
 
-def _match_targets(
-    drafts: Sequence[Sequence[int]], starts: list[int], targets: list[int]
-) -> VerifyResult:
-    accepted, tokens = [], []
-    for s, draft in enumerate(drafts):
-        row_targets = targets[starts[s] : starts[s] + len(draft) + 1]
-        m = _leading_matches(draft, row_targets)
-        accepted.append(m)
-        tokens.append(list(draft[:m]) + [row_targets[m]])
-    return VerifyResult(accepted, tokens)
-
-
-def _deterministic_token(probs: torch.Tensor, row: SamplingRow) -> int:
-    if row.params.greedy or row.params.seed is None:
-        return int(probs.argmax())
-    noise = gumbel_noise(row.params.seed, row.position, probs.shape[0], probs.device)
-    return int(gumbel_argmax(probs, noise))
-
-
-def _rejection_sample(
+def _rejection(
     p: torch.Tensor,
-    drafts: Sequence[Sequence[int]],
+    layout: _Layout,
     draft_probs: torch.Tensor | None,
-    starts: list[int],
-    q_starts: list[int],
-    seqs: list[int],
     generator: torch.Generator,
-    accepted: list[int],
-    tokens: list[list[int]],
-) -> None:
-    """Modified rejection sampling for unseeded random sequences (fills accepted/tokens)."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Modified rejection sampling for every sequence (callers keep the random ones)."""
+    k, device = layout.k_max, p.device
     uniforms = torch.rand(
-        sum(len(drafts[s]) + 1 for s in seqs), dtype=torch.float64, generator=generator
-    ).tolist()
-    flat_rows = [starts[s] + j for s in seqs for j in range(len(drafts[s]))]
-    flat_tokens = [t for s in seqs for t in drafts[s]]
-    p_draft = p[flat_rows, flat_tokens].double().tolist() if flat_rows else []
-    q_draft = [1.0] * len(flat_rows)
-    if draft_probs is not None and flat_rows:
-        q_rows = [q_starts[s] + j for s in seqs for j in range(len(drafts[s]))]
-        q_draft = draft_probs[q_rows, flat_tokens].double().tolist()
-    finals, final_uniforms, cursor, flat = [], [], 0, 0
-    for s in seqs:
-        k = len(drafts[s])
-        m = 0
-        while m < k and uniforms[cursor + m] * q_draft[flat + m] < p_draft[flat + m]:
-            m += 1
-        row = p[starts[s] + m]
-        if m < k:
-            row = _residual(
-                row, drafts[s][m], None if draft_probs is None else draft_probs[q_starts[s] + m]
-            )
-        finals.append(row)
-        final_uniforms.append(uniforms[cursor + k])
-        accepted[s] = m
-        tokens[s] = list(drafts[s][:m])
-        cursor += k + 1
-        flat += k
-    picked = inverse_cdf(
-        torch.stack(finals), torch.tensor(final_uniforms, dtype=torch.float64)
-    ).tolist()
-    for s, token in zip(seqs, picked, strict=True):
-        tokens[s].append(int(token))
+        len(layout.num_drafts),
+        k + 1,
+        dtype=torch.float64,
+        generator=generator,
+        device=generator.device,
+    ).to(device)
+    drafts = layout.drafts.clamp(min=0)
+    p_draft = p[layout.rows[:, :k], drafts].double()
+    q_draft = torch.ones_like(p_draft)
+    if draft_probs is not None and k:
+        q_draft = draft_probs[layout.q_rows, drafts].double()
+    valid = torch.arange(k, device=device)[None, :] < layout.num_drafts[:, None]
+    passed = (uniforms[:, :k] * q_draft < p_draft) & valid
+    accepted = passed.long().cumprod(1).sum(1)
+    final_rows = p[layout.rows.gather(1, accepted[:, None]).squeeze(1)]
+    rejected = accepted < layout.num_drafts
+    if bool(rejected.any()):
+        position = accepted.clamp(max=max(k - 1, 0))[:, None]
+        rejected_token = drafts.gather(1, position).squeeze(1) if k else accepted
+        if draft_probs is None:
+            residual = final_rows.scatter(1, rejected_token[:, None], 0.0)
+        else:
+            q_row = draft_probs[layout.q_rows.gather(1, position).squeeze(1)]
+            residual = (final_rows - q_row).clamp(min=0.0)
+        # p == q up to rounding makes the residual empty: the rejection was an artefact
+        usable = rejected & (residual.sum(-1) > 0)
+        final_rows = torch.where(usable[:, None], residual, final_rows)
+    final = inverse_cdf(final_rows, uniforms[:, k])
+    return accepted, final
 
 
-def _residual(p_row: torch.Tensor, rejected: int, q_row: torch.Tensor | None) -> torch.Tensor:
-    """``norm(max(0, p - q))``; a point-mass q removes the rejected token from p."""
-    if q_row is None:
-        residual = p_row.clone()
-        residual[rejected] = 0.0
-    else:
-        residual = (p_row - q_row).clamp_(min=0.0)
-    if float(residual.sum()) <= 0.0:
-        return p_row  # p == q up to rounding: rejection was a rounding artefact
-    return residual
+def _result(layout: _Layout, accepted: torch.Tensor, final: torch.Tensor) -> VerifyResult:
+    # The one device-to-host transfer of the step.
+    packed = torch.cat([layout.drafts, accepted[:, None], final[:, None]], dim=1).tolist()
+    k = layout.k_max
+    tokens = [row[: row[k]] + [row[k + 1]] for row in packed]
+    return VerifyResult([row[k] for row in packed], tokens)

@@ -21,7 +21,8 @@ def reference(
     q_rows: list[torch.Tensor] | None,
     uniforms: list[float],
 ) -> list[int]:
-    """Leviathan et al.'s algorithm for one sequence, one draft at a time (k + 1 uniforms)."""
+    """Leviathan et al.'s algorithm for one sequence: uniforms[j] decides draft j, the last
+    uniform samples the final token."""
     out = []
     for j, d in enumerate(drafts):
         q = 1.0 if q_rows is None else float(q_rows[j][d])
@@ -35,8 +36,8 @@ def reference(
             residual = (p_rows[j].double() - q_rows[j].double()).clamp(min=0)
         if float(residual.sum()) <= 0:
             residual = p_rows[j].double()
-        return [*out, _pick(residual, uniforms[len(drafts)])]
-    return [*out, _pick(p_rows[len(drafts)].double(), uniforms[len(drafts)])]
+        return [*out, _pick(residual, uniforms[-1])]
+    return [*out, _pick(p_rows[len(drafts)].double(), uniforms[-1])]
 
 
 def _pick(weights: torch.Tensor, u: float) -> int:
@@ -79,17 +80,11 @@ def test_matches_reference_on_random_rows(point_mass: bool) -> None:
     result = verify(logits, rows, drafts, q, torch.Generator().manual_seed(5))
 
     stream = torch.Generator().manual_seed(5)
-    total = sum(len(d) + 1 for d in drafts)
-    uniforms = torch.rand(total, dtype=torch.float64, generator=stream).tolist()
-    cursor = 0
+    # u[s, j] decides draft j of sequence s; u[s, k_max] samples its final token
+    k_max = max(len(d) for d in drafts)
+    uniforms = torch.rand(len(drafts), k_max + 1, dtype=torch.float64, generator=stream).tolist()
     for s, draft in enumerate(drafts):
-        expected = reference(
-            p_rows[s],
-            draft,
-            None if point_mass else q_rows[s],
-            uniforms[cursor : cursor + len(draft) + 1],
-        )
-        cursor += len(draft) + 1
+        expected = reference(p_rows[s], draft, None if point_mass else q_rows[s], uniforms[s])
         assert result.tokens[s] == expected, f"sequence {s}"
         assert result.num_accepted[s] == len(expected) - 1
 
@@ -159,3 +154,15 @@ def test_emitted_tokens_follow_the_target_distribution(point_mass: bool) -> None
     counts = np.bincount(second, minlength=V)
     expected = p[1].double().numpy()
     assert chisquare(counts, expected / expected.sum() * len(second))[1] > 1e-3
+
+
+def test_sequences_without_drafts_mixed_with_drafted_ones() -> None:
+    gen = torch.Generator().manual_seed(9)
+    p = torch.stack([random_dist(gen, "dense") for _ in range(5)])
+    q = torch.stack([random_dist(gen, "dense") for _ in range(2)])
+    rows = [SamplingRow(RANDOM, [], [], 0)] * 5
+    # sequence 0: no drafts (1 row); sequence 1: two drafts (3 rows); sequence 2: none, last
+    result = verify(p.log(), rows, [[], [1, 2], []], q, torch.Generator())
+    assert len(result.tokens) == 3
+    assert result.num_accepted[0] == result.num_accepted[2] == 0
+    assert len(result.tokens[0]) == len(result.tokens[2]) == 1
