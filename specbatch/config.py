@@ -22,6 +22,7 @@ class EngineConfig:
     ``max_num_batched_tokens`` is the per-step token budget (prefill chunks are cut to fit it).
     ``cpu_weight_packing`` re-lays float32 weights out for oneDNN on the CPU (much faster small
     matmuls; see ``specbatch.kernels.linear``).
+    ``enforce_eager`` disables CUDA graphs (captured on CUDA for decode and verify steps).
     ``speculative_config`` turns speculative decoding on (see ``specbatch.spec.SpeculativeConfig``).
     """
 
@@ -41,6 +42,7 @@ class EngineConfig:
     attention_backend: str | None = None
     num_threads: int | None = None
     cpu_weight_packing: bool = True
+    enforce_eager: bool = False
     speculative_config: Any = None
 
     def __post_init__(self) -> None:

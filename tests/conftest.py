@@ -38,3 +38,13 @@ def tiny_draft_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from tests.helpers import write_tiny_model
 
     return write_tiny_model(tmp_path_factory.mktemp("tiny-draft"), seed=1)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``cuda`` skip cleanly on machines without a GPU."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)

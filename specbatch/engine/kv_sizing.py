@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from specbatch.cache.kv_tensors import kv_bytes_per_block
+from specbatch.cache.kv_tensors import allocate_kv_caches, kv_bytes_per_block
 from specbatch.config import EngineConfig
 from specbatch.errors import ConfigError
 from specbatch.models.config import ModelConfig
+from specbatch.models.llama import LlamaForCausalLM
 
 
 def available_host_memory() -> int:
@@ -32,6 +33,38 @@ def release_freed_memory() -> None:
         pass
 
 
+def profile_activation_bytes(
+    model: LlamaForCausalLM, num_tokens: int, num_logit_rows: int, block_size: int
+) -> int:
+    """Peak CUDA memory of one forward of ``num_tokens`` tokens (0 off CUDA): what the KV
+    cache must leave free."""
+    if model.device.type != "cuda":
+        return 0
+    from specbatch.engine.flat_batch import TokenRun, flatten
+
+    blocks = -(-num_tokens // block_size)
+    model.bind_kv_caches(
+        allocate_kv_caches(model.config, blocks, block_size, model.dtype, model.device)
+    )
+    torch.cuda.synchronize(model.device)
+    torch.cuda.reset_peak_memory_stats(model.device)
+    baseline = torch.cuda.memory_allocated(model.device)
+    batch = flatten([TokenRun([0] * num_tokens, 0, list(range(blocks)))], block_size)
+    metadata = model.backend.build_metadata(batch.attention, model.device)
+    with torch.no_grad():
+        hidden = model(
+            torch.from_numpy(batch.input_ids).to(model.device),
+            torch.from_numpy(batch.positions).to(model.device),
+            metadata,
+        )
+        model.compute_logits(hidden[-min(num_logit_rows, num_tokens) :])
+    torch.cuda.synchronize(model.device)
+    peak = torch.cuda.max_memory_allocated(model.device) - baseline
+    model.bind_kv_caches([(torch.empty(0), torch.empty(0))] * model.config.num_hidden_layers)
+    torch.cuda.empty_cache()
+    return int(peak)
+
+
 def choose_num_kv_blocks(
     config: EngineConfig,
     model_config: ModelConfig,
@@ -40,11 +73,13 @@ def choose_num_kv_blocks(
     max_model_len: int,
     lookahead: int,
     extra_bytes_per_block: int = 0,
+    reserved_bytes: int = 0,
 ) -> int:
     """Blocks for the cache: explicit, or sized from free memory, never more than
     ``max_num_seqs`` full-length sequences need. Fails at start-up if one sequence cannot fit.
 
-    ``extra_bytes_per_block`` accounts for a draft model's cache, which shares the block ids.
+    ``extra_bytes_per_block`` accounts for a draft model's cache, which shares the block ids;
+    ``reserved_bytes`` is memory the forward passes need (see ``profile_activation_bytes``).
     """
     block_size = config.block_size
     per_block = kv_bytes_per_block(model_config, block_size, dtype) + extra_bytes_per_block
@@ -54,7 +89,7 @@ def choose_num_kv_blocks(
     else:
         if device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(device)
-            budget = int(free * config.kv_cache_memory_fraction)
+            budget = int(free * config.kv_cache_memory_fraction) - reserved_bytes
         else:
             budget = min(
                 int(available_host_memory() * config.kv_cache_memory_fraction),

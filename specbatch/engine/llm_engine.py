@@ -6,6 +6,7 @@ import itertools
 import time
 from collections.abc import Sequence as SequenceT
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -14,7 +15,11 @@ from specbatch.cache.kv_cache_manager import KVCacheManager
 from specbatch.cache.kv_tensors import allocate_kv_caches, kv_bytes_per_block
 from specbatch.config import EngineConfig
 from specbatch.engine.flat_batch import TokenRun, flatten
-from specbatch.engine.kv_sizing import choose_num_kv_blocks, release_freed_memory
+from specbatch.engine.kv_sizing import (
+    choose_num_kv_blocks,
+    profile_activation_bytes,
+    release_freed_memory,
+)
 from specbatch.engine.model_runner import ModelRunner
 from specbatch.engine.request_state import RequestState
 from specbatch.engine.sequence import Sequence
@@ -28,6 +33,9 @@ from specbatch.spec.factory import build_proposer, load_draft_model
 from specbatch.spec.proposer import DraftRequest, Proposal, Proposer
 from specbatch.spec.rejection import VerifyResult, verify
 from specbatch.tokenizer import Tokenizer, load_tokenizer
+
+if TYPE_CHECKING:
+    from specbatch.engine.cuda_graphs import CudaGraphRunner
 
 
 @dataclass
@@ -85,6 +93,12 @@ class LLMEngine:
         draft_bytes = 0
         if self.draft_model is not None:
             draft_bytes = kv_bytes_per_block(self.draft_model.config, config.block_size, self.dtype)
+        reserved = profile_activation_bytes(
+            self.model,
+            config.max_num_batched_tokens,
+            config.max_num_seqs * (k + 1),
+            config.block_size,
+        )
         self.num_kv_blocks = choose_num_kv_blocks(
             config,
             model_config,
@@ -93,6 +107,7 @@ class LLMEngine:
             self.max_model_len,
             lookahead=k,
             extra_bytes_per_block=draft_bytes,
+            reserved_bytes=reserved,
         )
         self.model.bind_kv_caches(
             allocate_kv_caches(
@@ -111,8 +126,8 @@ class LLMEngine:
             ),
             self.cache,
         )
-        self.runner = ModelRunner(self.model)
-        self.generator = torch.Generator().manual_seed(config.seed)
+        self.runner = ModelRunner(self.model, self._capture_graphs(k))
+        self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.proposer: Proposer | None = None
         if spec is not None:
             self.proposer = build_proposer(
@@ -130,6 +145,26 @@ class LLMEngine:
         self._seq_owner: dict[int, tuple[RequestState, int]] = {}
         self._seq_ids = itertools.count()
         self.stats = EngineStats()
+
+    def _capture_graphs(self, k: int) -> CudaGraphRunner | None:
+        """CUDA graphs for decode (and verify, with k drafts) steps, unless disabled."""
+        if self.device.type != "cuda" or self.config.enforce_eager:
+            return None
+        from specbatch.engine.cuda_graphs import CudaGraphRunner
+        from specbatch.kernels.attention.triton_backend import TritonAttentionBackend
+
+        if not isinstance(self.model.backend, TritonAttentionBackend):
+            return None
+        bs = self.config.block_size
+        runner = CudaGraphRunner(
+            self.model,
+            bs,
+            -(-(self.max_model_len + k) // bs),
+            (1,) if k == 0 else (1, k + 1),
+            self.config.max_num_seqs,
+        )
+        runner.capture()
+        return runner
 
     @classmethod
     def from_args(cls, **kwargs: object) -> LLMEngine:
@@ -238,18 +273,7 @@ class LLMEngine:
         sampling = [s for s in scheduled if s.completes_sequence]
         proposal = self._propose(sampling)
         drafts = dict(zip((s.seq.seq_id for s in sampling), proposal.tokens, strict=True))
-        batch = flatten(
-            [
-                TokenRun(
-                    s.seq.token_ids[s.seq.num_computed_tokens :][: s.num_new_tokens]
-                    + drafts.get(s.seq.seq_id, []),
-                    s.seq.num_computed_tokens,
-                    s.seq.block_table,
-                )
-                for s in scheduled
-            ],
-            self.config.block_size,
-        )
+        batch = flatten([self._token_run(s, drafts) for s in scheduled], self.config.block_size)
         rows, prompt_rows = self._logit_rows(scheduled, batch.query_start, drafts)
         logits = self.runner.forward(
             batch, np.array(rows + [r for _, r, _ in prompt_rows], dtype=np.int64)
@@ -262,6 +286,17 @@ class LLMEngine:
         self.stats.num_steps += 1
         self._update_gauges()
         return self._outputs(touched)
+
+    def _token_run(self, s: ScheduledSequence, drafts: dict[int, list[int]]) -> TokenRun:
+        seq = s.seq
+        tokens = seq.token_ids[seq.num_computed_tokens :][: s.num_new_tokens]
+        drafted = drafts.get(seq.seq_id, [])
+        if self.runner.graphs is not None and s.num_lookahead > len(drafted):
+            # Uniform query lengths let the step replay a CUDA graph. The filler tokens sit in
+            # reserved lookahead slots and are treated like rejected drafts: never verified,
+            # overwritten before anything reads them.
+            drafted = drafted + [seq.last_token_id] * (s.num_lookahead - len(drafted))
+        return TokenRun(tokens + drafted, seq.num_computed_tokens, seq.block_table)
 
     def _propose(self, sampling: list[ScheduledSequence]) -> Proposal:
         """Drafts for every sampling sequence that reserved lookahead slots (others: none)."""

@@ -2,27 +2,37 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
 
 from specbatch.engine.flat_batch import FlatBatch
 from specbatch.models.llama import LlamaForCausalLM
 
+if TYPE_CHECKING:  # triton is optional: only CUDA engines build graphs
+    from specbatch.engine.cuda_graphs import CudaGraphRunner
+
 
 class ModelRunner:
-    """Owns the host-to-device step: metadata, one forward, logits at chosen rows only."""
+    """Owns the host-to-device step: metadata, one forward (a CUDA-graph replay when the step
+    has a captured shape), logits at chosen rows only."""
 
-    def __init__(self, model: LlamaForCausalLM) -> None:
+    def __init__(self, model: LlamaForCausalLM, graphs: CudaGraphRunner | None = None) -> None:
         self.model = model
         self.device = model.device
+        self.graphs = graphs
 
     def forward(self, batch: FlatBatch, logit_rows: np.ndarray) -> torch.Tensor:
         """Float32 logits ``[len(logit_rows), vocab]`` for a batch (K/V written to the cache)."""
-        metadata = self.model.backend.build_metadata(batch.attention, self.device)
-        input_ids = torch.from_numpy(batch.input_ids).to(self.device)
-        positions = torch.from_numpy(batch.positions).to(self.device)
         with torch.no_grad():
-            hidden = self.model(input_ids, positions, metadata)
+            if self.graphs is not None and self.graphs.can_run(batch):
+                hidden = self.graphs.forward_hidden(batch)
+            else:
+                metadata = self.model.backend.build_metadata(batch.attention, self.device)
+                input_ids = torch.from_numpy(batch.input_ids).to(self.device)
+                positions = torch.from_numpy(batch.positions).to(self.device)
+                hidden = self.model(input_ids, positions, metadata)
             every_row_in_order = len(logit_rows) == batch.num_tokens and bool(
                 np.all(logit_rows == np.arange(batch.num_tokens))
             )

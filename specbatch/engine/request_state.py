@@ -204,7 +204,8 @@ class RequestState:
         return metrics
 
     def decode_logprobs(self, entries: dict[int, tuple[float, int]]) -> PositionLogprobs:
+        size = self.tokenizer.vocab_size
         return {
-            token: Logprob(logprob, rank, self.tokenizer.decode([token]))
+            token: Logprob(logprob, rank, self.tokenizer.decode([token]) if token < size else "")
             for token, (logprob, rank) in entries.items()
         }

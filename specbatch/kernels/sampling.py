@@ -232,7 +232,9 @@ def sample_rows(
     unseeded = [i for i, r in enumerate(rows) if r.params.seed is None and not r.params.greedy]
     if unseeded:
         index = torch.tensor(unseeded, device=probs.device)
-        uniforms = torch.rand(len(unseeded), dtype=torch.float64, generator=generator)
+        uniforms = torch.rand(
+            len(unseeded), dtype=torch.float64, generator=generator, device=generator.device
+        )
         tokens[index] = inverse_cdf(probs[index], uniforms.to(probs.device))
     for i in seeded:
         row = rows[i]

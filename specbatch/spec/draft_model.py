@@ -114,8 +114,13 @@ class DraftModelProposer(Proposer):
             i for i, r in enumerate(rows) if not r.params.greedy and r.params.seed is None
         ]
         if random_rows:
-            index = torch.tensor(random_rows)
-            uniforms = torch.rand(len(random_rows), dtype=torch.float64, generator=self.generator)
+            index = torch.tensor(random_rows, device=q.device)
+            uniforms = torch.rand(
+                len(random_rows),
+                dtype=torch.float64,
+                generator=self.generator,
+                device=self.generator.device,
+            ).to(q.device)
             drafted[index] = inverse_cdf(q[index], uniforms)
         for i, row in enumerate(rows):
             if row.params.seed is not None and not row.params.greedy:

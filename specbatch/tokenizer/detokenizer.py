@@ -50,8 +50,13 @@ class IncrementalDetokenizer:
         return list(self._ids)
 
     def push(self, new_ids: Sequence[int]) -> str:
-        """Append generated ids; return the text they complete (possibly empty)."""
-        self._ids.extend(new_ids)
+        """Append generated ids; return the text they complete (possibly empty).
+
+        Ids past the tokenizer's vocabulary (a model's embedding is often padded beyond it)
+        have no text and are dropped.
+        """
+        size = self._tokenizer.vocab_size
+        self._ids.extend(t for t in new_ids if 0 <= t < size)
         return self._advance(final=False)
 
     def flush(self) -> str:

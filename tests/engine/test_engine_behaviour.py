@@ -298,3 +298,17 @@ def test_bad_requests_are_refused_cleanly(tiny_model_dir: Path) -> None:
 def test_attention_inputs_reject_inconsistent_layouts() -> None:
     with pytest.raises(ValueError, match="one entry per query token"):
         AttentionInputs(np.array([2]), np.array([2]), np.zeros((1, 1)), np.array([0]), 16)
+
+
+def test_model_vocabulary_beyond_the_tokenizer(tmp_path: Path) -> None:
+    """Padded embeddings: ids past the tokenizer decode to nothing instead of failing."""
+    from tests.helpers import write_tiny_model
+
+    model_dir = write_tiny_model(tmp_path, vocab_size=320)  # tokenizer has 300 ids
+    llm = make_llm(model_dir)
+    beyond = SamplingParams(temperature=0, max_tokens=4, logit_bias={310: 100.0}, logprobs=2)
+    out = llm.generate([[5, 6, 7]], beyond, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == [310] * 4
+    assert out.text == ""
+    assert out.logprobs is not None
+    assert out.logprobs[0][310].decoded_token == ""

@@ -32,12 +32,35 @@ def _triton_backend() -> type[AttentionBackend]:
     return TritonAttentionBackend
 
 
+def _flash_attn_backend() -> type[AttentionBackend]:
+    from specbatch.kernels.attention.optional_backends import (
+        FlashAttnBackend,
+        flash_attn_available,
+    )
+
+    if not flash_attn_available():
+        raise ConfigError("attention backend 'flash_attn' needs CUDA and the flash-attn package")
+    return FlashAttnBackend
+
+
+def _xformers_backend() -> type[AttentionBackend]:
+    from specbatch.kernels.attention.optional_backends import XformersBackend, xformers_available
+
+    if not xformers_available():
+        raise ConfigError(
+            "attention backend 'xformers' needs CUDA and an xformers build with CUDA kernels"
+        )
+    return XformersBackend
+
+
 # Imports are deferred so that optional packages (triton, flash-attn, xformers) are only touched
 # when their backend is asked for.
 _BACKENDS: dict[str, Callable[[], type[AttentionBackend]]] = {
     "torch": _torch_backend,
     "dense_causal": _dense_causal_backend,
     "triton": _triton_backend,
+    "flash_attn": _flash_attn_backend,
+    "xformers": _xformers_backend,
 }
 
 

@@ -1,0 +1,500 @@
+"""One-call GPU check: CUDA tests, attention kernel, engine decode, speculative decoding.
+
+On the device machine (no network; the machine's own torch and Triton):
+
+    pip install --no-build-isolation --no-deps -e . && python benchmarks/gpu_check.py
+
+Prints one table at the end (and writes it, with JSON, under ``$OUT`` when set):
+
+(a) the Triton paged-attention kernel: max error against a float32 reference and its time
+    against torch's FlashAttention (``scaled_dot_product_attention``, flash backend) on equal
+    contiguous prefill shapes; decode bandwidth (KV bytes read / time) at batch 64 x 4K context;
+(b) engine decode steps on a Llama-3.2-1B-shaped model with random bf16 weights at batch 1, 16,
+    64 (CUDA graphs): ms per step and tok/s, against the linear-layer floor measured in the same
+    run (the same weights as a chain of matmuls in a CUDA graph) and HF transformers ``generate``;
+(c) speculative decoding on that target with a test-only proposer that knows the greedy output
+    and is right with probability alpha: speedup over speculation off by alpha, k and batch, and
+    the measured cost ratio c of a small random draft model.
+
+``--small`` runs tiny shapes (on CPU under TRITON_INTERPRET=1 it checks that the script works).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import numpy as np
+import torch
+
+LINES: list[str] = []
+
+
+def say(line: str = "") -> None:
+    print(line, flush=True)
+    LINES.append(line)
+
+
+def timeit(fn: Any, device: torch.device, repeats: int = 20, warmup: int = 3) -> float:
+    """Median seconds of ``fn()`` (CUDA events on the GPU)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) / 1000)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def model_shape(small: bool) -> dict[str, Any]:
+    if small:
+        return {
+            "hidden_size": 128,
+            "intermediate_size": 256,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 32,
+            "vocab_size": 512,
+            "max_position_embeddings": 2048,
+        }
+    return {
+        "hidden_size": 2048,
+        "intermediate_size": 8192,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+        "vocab_size": 128256,
+        "max_position_embeddings": 8192,
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 32.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    }
+
+
+def write_random_model(
+    directory: Path, shape: dict[str, Any], dtype: torch.dtype, seed: int
+) -> None:
+    """A HF directory with random weights (and a tiny tokenizer: prompts are token ids)."""
+    from safetensors.torch import save_file
+
+    from specbatch.kernels.attention.dense_causal import DenseCausalBackend
+    from specbatch.models.config import ModelConfig
+    from specbatch.models.llama import LlamaForCausalLM
+    from specbatch.spec.distill.student import hf_config_dict
+    from tests.helpers import write_tiny_tokenizer
+
+    raw = {
+        "architectures": ["LlamaForCausalLM"],
+        "rope_theta": 500000.0,
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": False,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        **shape,
+    }
+    config = ModelConfig.from_hf_dict(raw)
+    torch.manual_seed(seed)
+    with torch.device("cpu"):
+        model = LlamaForCausalLM(config, DenseCausalBackend(1, 1, 2, 1.0))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(
+                1.0 + 0.02 * torch.randn_like(param)
+                if "norm" in name
+                else 0.02 * torch.randn_like(param)
+            )
+    directory.mkdir(parents=True, exist_ok=True)
+    cfg = hf_config_dict(config)
+    for key in ("specbatch_token_map", "specbatch_target_vocab_size"):
+        cfg.pop(key)
+    cfg["rope_scaling"] = raw.get("rope_scaling")
+    (directory / "config.json").write_text(json.dumps(cfg))
+    state = {k: v.to(dtype).contiguous() for k, v in model.hf_state_dict().items()}
+    save_file(state, str(directory / "model.safetensors"))
+    write_tiny_tokenizer(directory)
+
+
+def section_attention(device: torch.device, small: bool) -> dict[str, Any]:
+    """(a) kernel error and speed; decode bandwidth."""
+    import torch.nn.functional as F
+
+    from specbatch.kernels.attention import AttentionInputs
+    from specbatch.kernels.attention.triton_backend import TritonAttentionBackend
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    heads, kv_heads, dim, block = (32, 8, 128, 16) if not small else (4, 2, 64, 16)
+    batch, length = (4, 2048) if not small else (2, 64)
+    blocks_per_seq = length // block
+    num_blocks = batch * blocks_per_seq
+    rng = np.random.default_rng(0)
+    table = rng.permutation(num_blocks).reshape(batch, blocks_per_seq)
+    positions = np.tile(np.arange(length), batch)
+    slots = (
+        table[np.repeat(np.arange(batch), length), positions // block] * block + positions % block
+    )
+    inputs = AttentionInputs(np.full(batch, length), np.full(batch, length), table, slots, block)
+    q = torch.randn(batch * length, heads, dim, device=device, dtype=dtype)
+    k = torch.randn(batch * length, kv_heads, dim, device=device, dtype=dtype)
+    v = torch.randn_like(k)
+    cache = (
+        torch.zeros(num_blocks, block, kv_heads, dim, device=device, dtype=dtype),
+        torch.zeros(num_blocks, block, kv_heads, dim, device=device, dtype=dtype),
+    )
+    backend = TritonAttentionBackend(heads, kv_heads, dim, dim**-0.5)
+    metadata = backend.build_metadata(inputs, device)
+    out = backend.forward(q, k, v, cache, metadata)
+    q4 = q.view(batch, length, heads, dim).transpose(1, 2)
+    k4 = (
+        k.view(batch, length, kv_heads, dim).transpose(1, 2).repeat_interleave(heads // kv_heads, 1)
+    )
+    v4 = (
+        v.view(batch, length, kv_heads, dim).transpose(1, 2).repeat_interleave(heads // kv_heads, 1)
+    )
+    reference = F.scaled_dot_product_attention(q4.float(), k4.float(), v4.float(), is_causal=True)
+    error = float(
+        (out.float().view(batch, length, heads, dim).transpose(1, 2) - reference).abs().max()
+    )
+    ours = timeit(lambda: backend.forward(q, k, v, cache, metadata), device)
+    flash_fn = lambda: F.scaled_dot_product_attention(q4, k4, v4, is_causal=True)  # noqa: E731
+    if device.type == "cuda":
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            flash = timeit(flash_fn, device)
+    else:
+        flash = timeit(flash_fn, device)
+    result = {
+        "prefill_shape": f"{batch}x{length}, {heads}/{kv_heads} heads, d={dim}",
+        "max_abs_error": error,
+        "triton_ms": 1000 * ours,
+        "torch_flash_ms": 1000 * flash,
+        "ratio_vs_flash": flash / ours,
+    }
+    result.update(decode_bandwidth(device, small, dtype))
+    return result
+
+
+def decode_bandwidth(device: torch.device, small: bool, dtype: torch.dtype) -> dict[str, Any]:
+    from specbatch.kernels.attention import AttentionInputs
+    from specbatch.kernels.attention.triton_backend import TritonAttentionBackend
+
+    heads, kv_heads, dim, block = (32, 8, 128, 16) if not small else (4, 2, 64, 16)
+    batch, context = (64, 4096) if not small else (4, 128)
+    per_seq = context // block
+    num_blocks = batch * per_seq
+    table = np.random.default_rng(1).permutation(num_blocks).reshape(batch, per_seq)
+    slots = table[:, -1] * block + (context - 1) % block
+    inputs = AttentionInputs(
+        np.ones(batch, dtype=np.int64), np.full(batch, context), table, slots, block
+    )
+    cache = (
+        torch.randn(num_blocks, block, kv_heads, dim, device=device, dtype=dtype),
+        torch.randn(num_blocks, block, kv_heads, dim, device=device, dtype=dtype),
+    )
+    q = torch.randn(batch, heads, dim, device=device, dtype=dtype)
+    backend = TritonAttentionBackend(heads, kv_heads, dim, dim**-0.5)
+    metadata = backend.build_metadata(inputs, device)
+    out = torch.empty_like(q)
+    seconds = timeit(lambda: backend.attend(q, cache[0], cache[1], out, metadata), device)
+    kv_bytes = 2 * batch * context * kv_heads * dim * cache[0].element_size()
+    return {
+        "decode_shape": f"batch {batch} x context {context}",
+        "decode_ms": 1000 * seconds,
+        "decode_tb_s": kv_bytes / seconds / 1e12,
+        "decode_splits": metadata.num_splits,
+    }
+
+
+def section_engine(device: torch.device, small: bool, work: Path) -> dict[str, Any]:
+    """(b) decode steps vs the linear floor and HF generate; (c) speculation by alpha, k, batch."""
+    from specbatch import LLMEngine, SamplingParams
+    from specbatch.config import EngineConfig
+    from specbatch.spec.oracle import OracleProposer
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    shape = model_shape(small)
+    target = work / "target"
+    write_random_model(target, shape, dtype, seed=0)
+    batches = [1, 16, 64] if not small else [1, 4]
+    context, new_tokens = (512, 64) if not small else (32, 8)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, shape["vocab_size"], context).tolist() for _ in range(max(batches))]
+    common = {
+        "model": str(target),
+        "device": str(device),
+        "dtype": str(dtype).split(".")[1],
+        "max_model_len": context + new_tokens + 32,
+        "max_num_seqs": max(batches),
+        "max_num_batched_tokens": 8192,
+        "enable_prefix_caching": False,
+    }
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    results: dict[str, Any] = {"decode": [], "spec": []}
+
+    off = LLMEngine(EngineConfig(**common))
+    truth: dict[str, list[int]] = {}
+    for b in batches:
+        run = decode_run(off, prompts[:b], params, tag=str(b))
+        truth.update(run["outputs"])
+        floor = linear_floor(off.model, b, device)
+        results["decode"].append(
+            {
+                "batch": b,
+                "ms_per_step": 1000 * run["step_s"],
+                "tok_s": run["tok_s"],
+                "linear_floor_ms": 1000 * floor,
+                "vs_floor": run["step_s"] / floor,
+            }
+        )
+    results["hf"] = hf_generate(target, prompts, batches, new_tokens, device, dtype)
+    del off
+    for k in (2, 4):
+        proposer = OracleProposer(truth, 1.0, shape["vocab_size"], seed=1)
+        spec = {"method": "external", "num_speculative_tokens": k}
+        engine = LLMEngine(EngineConfig(**common, speculative_config=spec), proposer=proposer)
+        for alpha in (0.5, 0.8, 0.95):
+            proposer.acceptance = alpha
+            for b in batches:
+                run = decode_run(engine, prompts[:b], params, tag=str(b))
+                base = next(d for d in results["decode"] if d["batch"] == b)
+                results["spec"].append(
+                    {
+                        "k": k,
+                        "alpha": alpha,
+                        "batch": b,
+                        "ms_per_step": 1000 * run["step_s"],
+                        "tokens_per_step": run["tokens_per_step"],
+                        "speedup": run["tok_s"] / base["tok_s"],
+                    }
+                )
+        del engine
+    results["draft_c"] = draft_cost(target, work, shape, device, dtype, small)
+    return results
+
+
+def decode_run(engine: Any, prompts: list[list[int]], params: Any, tag: str) -> dict[str, Any]:
+    """Decode-phase speed once every sequence is decoding (the prefill step is excluded)."""
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"{tag}-{i}", prompt, params)
+    engine.step()  # prefill (and the first token)
+    generated = engine.stats.num_generation_tokens
+    outputs: dict[str, list[int]] = {}
+    steps, start = 0, time.perf_counter()
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = out.outputs[0].token_ids
+        steps += 1
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize()
+    elapsed = time.perf_counter() - start
+    tokens = engine.stats.num_generation_tokens - generated
+    return {
+        "outputs": outputs,
+        "step_s": elapsed / max(steps, 1),
+        "tok_s": tokens / elapsed,
+        "tokens_per_step": tokens / max(steps, 1),
+    }
+
+
+def linear_floor(model: Any, batch: int, device: torch.device) -> float:
+    """One step's linear layers as a plain chain of matmuls (CUDA graph on the GPU)."""
+    weights = [
+        m.weight
+        for m in model.modules()
+        if hasattr(m, "weight")
+        and getattr(m, "weight", None) is not None
+        and m.weight.dim() == 2
+        and m is not model.model.embed_tokens
+    ]
+    x = torch.randn(batch, model.config.hidden_size, device=device, dtype=model.dtype)
+
+    def chain() -> None:
+        for w in weights:
+            if w.shape[1] == x.shape[1]:
+                torch.matmul(x, w.t())
+            else:
+                torch.matmul(torch.zeros(batch, w.shape[1], device=device, dtype=x.dtype), w.t())
+
+    if device.type != "cuda":
+        return timeit(chain, device, repeats=5)
+    graph = torch.cuda.CUDAGraph()
+    chain()
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        chain()
+    return timeit(graph.replay, device)
+
+
+def hf_generate(
+    target: Path,
+    prompts: list[list[int]],
+    batches: list[int],
+    new_tokens: int,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> list[dict[str, float]]:
+    try:
+        from transformers import AutoModelForCausalLM
+    except ImportError:
+        return []
+    model = AutoModelForCausalLM.from_pretrained(str(target), dtype=dtype).to(device).eval()
+    rows = []
+    for b in batches:
+        ids = torch.tensor(prompts[:b], device=device)
+
+        def run(ids: torch.Tensor = ids) -> None:
+            with torch.no_grad():
+                model.generate(
+                    ids,
+                    attention_mask=torch.ones_like(ids),
+                    max_new_tokens=new_tokens,
+                    min_new_tokens=new_tokens,
+                    do_sample=False,
+                    pad_token_id=0,
+                )
+
+        seconds = timeit(run, device, repeats=2, warmup=1)
+        rows.append({"batch": b, "tok_s": b * new_tokens / seconds})
+    return rows
+
+
+def draft_cost(
+    target: Path,
+    work: Path,
+    shape: dict[str, Any],
+    device: torch.device,
+    dtype: torch.dtype,
+    small: bool,
+) -> dict[str, float]:
+    """c: one decode step of a small random draft over one of the target (batch 1)."""
+    from specbatch.models import load_model
+    from specbatch.spec.distill.pipeline import decode_ms
+
+    draft_shape = dict(
+        shape,
+        hidden_size=512 if not small else 64,
+        num_hidden_layers=2,
+        intermediate_size=1536 if not small else 128,
+        num_attention_heads=8 if not small else 2,
+        num_key_value_heads=4 if not small else 1,
+    )
+    draft = work / "draft"
+    write_random_model(draft, draft_shape, dtype, seed=1)
+    target_ms = decode_ms(load_model(target, dtype, device))
+    draft_ms = decode_ms(load_model(draft, dtype, device))
+    return {"target_ms": target_ms, "draft_ms": draft_ms, "c": draft_ms / target_ms}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--small", action="store_true")
+    parser.add_argument("--skip-tests", action="store_true")
+    args = parser.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
+    import triton
+
+    say(
+        f"versions: python {platform.python_version()}, torch {torch.__version__}, triton "
+        f"{triton.__version__}, cuda {torch.version.cuda}, device "
+        f"{torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}"
+    )
+    if not args.skip_tests:
+        tests = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pytest",
+                "-q",
+                "-m",
+                "cuda or not slow",
+                "tests/kernels",
+                "tests/engine/test_cuda_engine.py",
+                "-x",
+                "-p",
+                "no:cacheprovider",
+            ],
+            check=False,
+            capture_output=True,
+            text=True,
+        )
+        say(f"tests: {tests.stdout.strip().splitlines()[-1] if tests.stdout else tests.stderr}")
+    attention = section_attention(device, args.small)
+    with tempfile.TemporaryDirectory() as tmp:
+        engine = section_engine(device, args.small, Path(tmp))
+    report(attention, engine)
+    if out_dir is not None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "gpu_check.txt").write_text("\n".join(LINES) + "\n")
+        (out_dir / "gpu_check.json").write_text(
+            json.dumps({"attention": attention, "engine": engine}, indent=1, default=str)
+        )
+
+
+def report(attention: dict[str, Any], engine: dict[str, Any]) -> None:
+    say()
+    say("(a) attention")
+    say(
+        f"  prefill {attention['prefill_shape']}: max |err| {attention['max_abs_error']:.2e}, "
+        f"triton {attention['triton_ms']:.3f} ms, torch flash {attention['torch_flash_ms']:.3f} "
+        f"ms, ratio {attention['ratio_vs_flash']:.2f}x (>= 0.8 wanted)"
+    )
+    say(
+        f"  decode {attention['decode_shape']}: {attention['decode_ms']:.3f} ms, "
+        f"{attention['decode_tb_s']:.2f} TB/s of KV (splits {attention['decode_splits']}; "
+        "copy ceiling 4.18 TB/s)"
+    )
+    say("(b) engine decode step (CUDA graphs)")
+    hf = {row["batch"]: row["tok_s"] for row in engine["hf"]}
+    for row in engine["decode"]:
+        b = row["batch"]
+        say(
+            f"  batch {b:>3}: {row['ms_per_step']:.3f} ms/step, {row['tok_s']:.0f} tok/s; "
+            f"linear floor {row['linear_floor_ms']:.3f} ms -> {row['vs_floor']:.2f}x floor; "
+            f"HF generate {hf.get(b, float('nan')):.1f} tok/s -> "
+            f"{row['tok_s'] / hf.get(b, float('nan')):.1f}x"
+        )
+    say("(c) speculative decoding (oracle proposer) speedup over off")
+    for row in engine["spec"]:
+        say(
+            f"  k={row['k']} alpha={row['alpha']:.2f} batch {row['batch']:>3}: "
+            f"{row['speedup']:.2f}x ({row['tokens_per_step']:.2f} tokens/step, "
+            f"{row['ms_per_step']:.3f} ms/step)"
+        )
+    c = engine["draft_c"]
+    say(
+        f"  small random draft: {c['draft_ms']:.3f} ms vs target {c['target_ms']:.3f} ms, "
+        f"c = {c['c']:.3f}"
+    )
+
+
+if __name__ == "__main__":
+    main()

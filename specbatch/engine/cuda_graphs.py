@@ -1,0 +1,118 @@
+"""CUDA graphs for decode and verify steps.
+
+A step whose sequences all have the same query length q (q = 1 for plain decoding, q = k + 1
+for verifying k drafts) has a fixed shape once the batch is padded to one of a ladder of sizes.
+For every (batch size, q) the model forward is captured once over static input, position and
+attention-metadata tensors; a replay copies the step's values into them (padding sequences get
+slot -1, so they write nothing, and a block table of zeros) and launches the whole forward as
+one graph. Logits are computed outside the graph, on the rows the step needs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from specbatch.engine.flat_batch import FlatBatch
+from specbatch.kernels.attention import PAD_SLOT, AttentionInputs
+from specbatch.kernels.attention.triton_backend import TritonAttentionBackend, TritonMetadata
+from specbatch.models.llama import LlamaForCausalLM
+
+BATCH_LADDER = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    input_ids: torch.Tensor  # [B * q]
+    positions: torch.Tensor  # [B * q]
+    metadata: TritonMetadata
+    hidden: torch.Tensor  # [B * q, hidden] (the captured output)
+
+
+class CudaGraphRunner:
+    """Captures and replays uniform decode/verify forwards of one model."""
+
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        block_size: int,
+        max_blocks_per_seq: int,
+        query_lens: tuple[int, ...],
+        max_batch: int,
+    ) -> None:
+        if not isinstance(model.backend, TritonAttentionBackend):
+            raise ValueError("CUDA graphs need the triton attention backend")
+        self.model = model
+        self.block_size = block_size
+        self.max_blocks = max_blocks_per_seq
+        self.query_lens = query_lens
+        self.batch_sizes = [b for b in BATCH_LADDER if b <= max_batch] or [1]
+        self.graphs: dict[tuple[int, int], _Graph] = {}
+        self.pool = torch.cuda.graph_pool_handle()
+
+    def capture(self) -> None:
+        """Capture every (batch size, query length), largest first so memory is shared."""
+        for q in self.query_lens:
+            for batch in sorted(self.batch_sizes, reverse=True):
+                self.graphs[(batch, q)] = self._capture(batch, q)
+
+    def _padded_inputs(self, batch: int, q: int) -> AttentionInputs:
+        return AttentionInputs(
+            query_lens=np.full(batch, q),
+            seq_lens=np.full(batch, q),
+            block_tables=np.zeros((batch, self.max_blocks), dtype=np.int64),
+            slot_mapping=np.full(batch * q, PAD_SLOT),
+            block_size=self.block_size,
+        )
+
+    def _capture(self, batch: int, q: int) -> _Graph:
+        device = self.model.device
+        metadata = self.model.backend.build_metadata(self._padded_inputs(batch, q), device)
+        metadata.num_splits = 1
+        input_ids = torch.zeros(batch * q, dtype=torch.long, device=device)
+        positions = torch.zeros(batch * q, dtype=torch.long, device=device)
+        with torch.no_grad():
+            for _ in range(2):  # warm up (Triton compiles, allocator settles)
+                self.model(input_ids, positions, metadata)
+            torch.cuda.synchronize(device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                hidden = self.model(input_ids, positions, metadata)
+        return _Graph(graph, input_ids, positions, metadata, hidden)
+
+    def can_run(self, batch: FlatBatch) -> bool:
+        lens = batch.attention.query_lens
+        if len(lens) == 0 or len(lens) > self.batch_sizes[-1]:
+            return False
+        q = int(lens[0])
+        return (
+            q in self.query_lens
+            and bool((lens == q).all())
+            and (batch.attention.block_tables.shape[1] <= self.max_blocks)
+        )
+
+    def forward_hidden(self, batch: FlatBatch) -> torch.Tensor:
+        """Hidden states of the step's real tokens, ``[T, hidden]``, through a graph replay."""
+        attention = batch.attention
+        real = len(attention.query_lens)
+        q = int(attention.query_lens[0])
+        size = next(b for b in self.batch_sizes if b >= real)
+        g = self.graphs[(size, q)]
+        tokens = real * q
+        g.input_ids[:tokens].copy_(torch.from_numpy(batch.input_ids), non_blocking=True)
+        g.input_ids[tokens:].zero_()
+        g.positions[:tokens].copy_(torch.from_numpy(batch.positions), non_blocking=True)
+        g.positions[tokens:].zero_()
+        m = g.metadata
+        m.seq_lens[:real].copy_(torch.from_numpy(attention.seq_lens.astype(np.int32)))
+        m.seq_lens[real:].fill_(q)
+        tables = np.zeros((size, self.max_blocks), dtype=np.int32)
+        tables[:real, : attention.block_tables.shape[1]] = attention.block_tables
+        m.block_tables.copy_(torch.from_numpy(tables))
+        m.slot_mapping[:tokens].copy_(torch.from_numpy(attention.slot_mapping.astype(np.int64)))
+        m.slot_mapping[tokens:].fill_(PAD_SLOT)
+        g.graph.replay()
+        return g.hidden[:tokens]
