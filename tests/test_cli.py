@@ -12,8 +12,20 @@ from specbatch.cli import build_parser, main, speculative_config
 def test_generate_streams_text_and_reports_speculation(
     tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    code = main(["generate", "The quick brown fox", "--model", str(tiny_model_dir),
-                 "--max-tokens", "12", "--max-model-len", "128", "-k", "3"])
+    code = main(
+        [
+            "generate",
+            "The quick brown fox",
+            "--model",
+            str(tiny_model_dir),
+            "--max-tokens",
+            "12",
+            "--max-model-len",
+            "128",
+            "-k",
+            "3",
+        ]
+    )
     assert code == 0
     out, err = capsys.readouterr()
     assert out.endswith("\n")
@@ -21,20 +33,43 @@ def test_generate_streams_text_and_reports_speculation(
     assert "finish: length" in err
 
 
-def test_generate_equals_library_output(tiny_model_dir: Path,
-                                        capsys: pytest.CaptureFixture[str]) -> None:
+def test_generate_equals_library_output(
+    tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     from specbatch import LLM, SamplingParams
 
     llm = LLM(str(tiny_model_dir), max_model_len=128, num_kv_blocks=64)
-    expected = llm.generate(["Hello there"], SamplingParams(temperature=0, max_tokens=10),
-                            use_tqdm=False)[0].outputs[0].text
-    assert main(["generate", "Hello there", "--model", str(tiny_model_dir), "--max-tokens",
-                 "10", "--max-model-len", "128", "--speculative", "off", "--quiet"]) == 0
+    expected = (
+        llm.generate(["Hello there"], SamplingParams(temperature=0, max_tokens=10), use_tqdm=False)[
+            0
+        ]
+        .outputs[0]
+        .text
+    )
+    assert (
+        main(
+            [
+                "generate",
+                "Hello there",
+                "--model",
+                str(tiny_model_dir),
+                "--max-tokens",
+                "10",
+                "--max-model-len",
+                "128",
+                "--speculative",
+                "off",
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     assert capsys.readouterr().out == expected + "\n"
 
 
-def test_bad_input_is_an_error_exit(tiny_model_dir: Path,
-                                    capsys: pytest.CaptureFixture[str]) -> None:
+def test_bad_input_is_an_error_exit(
+    tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert main(["generate", "x", "--model", str(tiny_model_dir), "--max-tokens", "0"]) == 2
     assert "max_tokens must be in [1, inf]" in capsys.readouterr().err
     assert main(["generate", "x", "--model", "/nonexistent/model"]) == 2
@@ -47,9 +82,14 @@ def test_speculative_flags() -> None:
     parser = build_parser()
     assert speculative_config(parser.parse_args(["generate", "x", "--speculative", "off"])) is None
     assert speculative_config(parser.parse_args(["generate", "x", "-k", "6"])) == {
-        "method": "ngram", "num_speculative_tokens": 6}
+        "method": "ngram",
+        "num_speculative_tokens": 6,
+    }
     draft = parser.parse_args(["generate", "x", "--speculative", "draft", "--draft-model", "d"])
-    assert speculative_config(draft) == {"method": "draft_model", "model": "d",
-                                         "num_speculative_tokens": 4}
+    assert speculative_config(draft) == {
+        "method": "draft_model",
+        "model": "d",
+        "num_speculative_tokens": 4,
+    }
     serve = parser.parse_args(["serve", "--port", "9000", "--api-key", "k"])
     assert (serve.port, serve.api_key, serve.speculative) == (9000, "k", "off")

@@ -26,6 +26,7 @@ from specbatch.engine.sequence import Sequence
 from specbatch.errors import ConfigError
 from specbatch.kernels.sampling import SamplingRow, raw_logprobs, sample
 from specbatch.models import load_model, resolve_model_path
+from specbatch.models.default_model import is_default_model_name
 from specbatch.outputs import RequestOutput
 from specbatch.sampling_params import SamplingParams
 from specbatch.scheduler import ScheduledSequence, Scheduler, SchedulerConfig
@@ -86,7 +87,12 @@ class LLMEngine:
         self.draft_model = None
         if spec is not None:
             self.draft_model = load_draft_model(
-                spec, self.model, self.tokenizer, self.dtype, self.device
+                spec,
+                self.model,
+                self.tokenizer,
+                self.dtype,
+                self.device,
+                target_is_default=is_default_model_name(config.model),
             )
             if self.draft_model is not None and config.cpu_weight_packing:
                 self.draft_model.pack_for_cpu()

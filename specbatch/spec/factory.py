@@ -10,6 +10,7 @@ from specbatch.errors import ConfigError, ModelLoadError
 from specbatch.models import load_model, resolve_model_path
 from specbatch.models.llama import LlamaForCausalLM
 from specbatch.spec.config import SpeculativeConfig
+from specbatch.spec.default_draft import default_draft_path
 from specbatch.spec.draft_model import BannedTokens, DraftModelProposer
 from specbatch.spec.ngram import NgramProposer
 from specbatch.spec.proposer import Proposer
@@ -24,13 +25,21 @@ def load_draft_model(
     target_tokenizer: Tokenizer,
     dtype: torch.dtype,
     device: torch.device,
+    target_is_default: bool = False,
 ) -> LlamaForCausalLM | None:
-    """The draft model for ``method == "draft_model"`` (None for other methods)."""
+    """The draft model for ``method == "draft_model"`` (None for other methods); without a
+    ``model`` the shipped draft, which exists for the default target only."""
     if spec.method != "draft_model":
         return None
     if spec.model is None:
-        raise ConfigError("speculative_config method 'draft_model' needs 'model' (a draft path)")
-    path = resolve_model_path(spec.model)
+        if not target_is_default:
+            raise ConfigError(
+                "speculative_config method 'draft_model' needs 'model' (a draft path); a "
+                "draft ships only for the default model SmolLM2-135M-Instruct"
+            )
+        path = default_draft_path()
+    else:
+        path = resolve_model_path(spec.model)
     draft = load_model(path, dtype, device)
     check_draft_compatible(path, draft, target, target_tokenizer)
     return draft

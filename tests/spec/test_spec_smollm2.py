@@ -12,7 +12,7 @@ from tests.prompts import prompt_set
 
 pytestmark = pytest.mark.slow
 
-PARAMS = SamplingParams(temperature=0.0, max_tokens=32)
+PARAMS = SamplingParams(temperature=0.0, max_tokens=24)
 ENGINE = {
     "dtype": "float32",
     "max_model_len": 512,

@@ -1,0 +1,33 @@
+"""The shipped draft model for the default target (SmolLM2-135M-Instruct).
+
+It was made by ``specbatch distill-draft`` (see ``docs/distillation.md`` for the command and the
+numbers) and lives in the package as an ordinary HF directory; its weights are checked against
+a known sha256 before use.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+from specbatch.errors import ConfigError, ModelLoadError
+
+DRAFT_DIR = Path(__file__).resolve().parent.parent / "assets" / "smollm2-135m-draft"
+DRAFT_SHA256 = ""  # set when the trained draft is committed
+
+
+def default_draft_path() -> Path:
+    """The verified shipped draft directory."""
+    weights = DRAFT_DIR / "model.safetensors"
+    if not DRAFT_SHA256 or not weights.is_file():
+        raise ConfigError(
+            "this installation ships no draft model; pass speculative_config 'model' or use "
+            "method 'ngram'"
+        )
+    digest = hashlib.sha256(weights.read_bytes()).hexdigest()
+    if digest != DRAFT_SHA256:
+        raise ModelLoadError(
+            f"{weights}: sha256 {digest} does not match the shipped draft ({DRAFT_SHA256}); "
+            "the package is damaged, reinstall it"
+        )
+    return DRAFT_DIR
