@@ -6,8 +6,12 @@ import argparse
 import sys
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 from specbatch.errors import SpecbatchError
+
+if TYPE_CHECKING:
+    from specbatch.config import EngineConfig
 
 
 def _add_speculative_args(parser: argparse.ArgumentParser, default: str = "ngram") -> None:
@@ -42,6 +46,21 @@ def speculative_config(args: argparse.Namespace) -> dict[str, object] | None:
     }
 
 
+def engine_config(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
+    """The EngineConfig of the shared engine flags (and the speculative ones)."""
+    from specbatch.config import EngineConfig
+
+    return EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        max_model_len=args.max_model_len,
+        num_threads=args.num_threads,
+        speculative_config=speculative_config(args),
+        **overrides,
+    )
+
+
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model", default=None, help="HF directory or .gguf file (default: SmolLM2-135M-Instruct)"
@@ -68,7 +87,6 @@ def _add_generate(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from specbatch.config import EngineConfig
     from specbatch.engine.llm_engine import LLMEngine
     from specbatch.sampling_params import OutputKind, SamplingParams
 
@@ -82,18 +100,7 @@ def _generate(args: argparse.Namespace) -> int:
         output_kind=OutputKind.DELTA,
     )
     started = time.monotonic()
-    engine = LLMEngine(
-        EngineConfig(
-            model=args.model,
-            dtype=args.dtype,
-            device=args.device,
-            max_model_len=args.max_model_len,
-            num_threads=args.num_threads,
-            max_num_seqs=1,
-            kv_cache_max_gib=1.0,
-            speculative_config=speculative_config(args),
-        )
-    )
+    engine = LLMEngine(engine_config(args, max_num_seqs=1, kv_cache_max_gib=1.0))
     loaded = time.monotonic()
     if args.chat:
         prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
@@ -155,7 +162,7 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
 def _serve(args: argparse.Namespace) -> int:
     from specbatch.server.serve import serve
 
-    return serve(args, speculative_config(args))
+    return serve(args, engine_config(args, max_num_seqs=args.max_num_seqs))
 
 
 def _add_distill(subparsers: argparse._SubParsersAction) -> None:

@@ -11,22 +11,13 @@ from specbatch.engine.llm_engine import LLMEngine
 from specbatch.models.default_model import DEFAULT_MODEL
 
 
-def serve(args: argparse.Namespace, speculative: dict[str, object] | None) -> int:
+def serve(args: argparse.Namespace, config: EngineConfig) -> int:
+    """Start the engine of ``config`` and serve it until interrupted."""
     import uvicorn
 
     from specbatch.server.app import ServerSettings, build_app
 
-    engine = LLMEngine(
-        EngineConfig(
-            model=args.model,
-            dtype=args.dtype,
-            device=args.device,
-            max_model_len=args.max_model_len,
-            num_threads=args.num_threads,
-            max_num_seqs=args.max_num_seqs,
-            speculative_config=speculative,
-        )
-    )
+    engine = LLMEngine(config)
     name = args.served_model_name or (
         DEFAULT_MODEL if args.model is None else engine.model_path.name
     )

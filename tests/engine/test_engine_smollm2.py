@@ -5,23 +5,9 @@ from __future__ import annotations
 import pytest
 
 from specbatch import LLM, SamplingParams
+from tests.prompts import PLAIN
 
 pytestmark = pytest.mark.slow
-
-PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):",
-    "Once upon a time, in a small village",
-    "List three primary colors:",
-    "The theory of relativity states that",
-    "import numpy as np\n\ndef normalize(x):",
-    "Translate to French: Good morning, how are you?",
-    "Q: What is 12 times 7?\nA:",
-    "The best way to learn a new language is",
-    "Write a SQL query that selects all users",
-    "Photosynthesis is the process by which",
-    "My favourite recipe for pancakes:",
-]
 
 
 @pytest.fixture(scope="module")
@@ -31,8 +17,9 @@ def llm() -> LLM:
 
 def test_batch_of_24_equals_each_alone(llm: LLM) -> None:
     tokenizer = llm.get_tokenizer()
-    prompts = PROMPTS + [
-        tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS
+    plain = PLAIN[:12]
+    prompts = plain + [
+        tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in plain
     ]
     assert len(prompts) == 24
     params = SamplingParams(temperature=0.0, max_tokens=24)
