@@ -6,37 +6,26 @@ import itertools
 import time
 from collections.abc import Sequence as SequenceT
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from specbatch.cache.kv_cache_manager import KVCacheManager
-from specbatch.cache.kv_tensors import allocate_kv_caches, kv_bytes_per_block
 from specbatch.config import EngineConfig
 from specbatch.engine.flat_batch import TokenRun, flatten
-from specbatch.engine.kv_sizing import (
-    choose_num_kv_blocks,
-    profile_activation_bytes,
-    release_freed_memory,
-)
+from specbatch.engine.logprobs import ranked_logprobs
 from specbatch.engine.model_runner import ModelRunner
 from specbatch.engine.request_state import RequestState
 from specbatch.engine.sequence import Sequence
+from specbatch.engine.setup import allocate_cache, capture_graphs, load_models
 from specbatch.errors import ConfigError
-from specbatch.kernels.sampling import SamplingRow, raw_logprobs, sample
-from specbatch.models import load_model, resolve_model_path
-from specbatch.models.default_model import is_default_model_name
+from specbatch.kernels.sampling import SamplingRow, sample
 from specbatch.outputs import RequestOutput
 from specbatch.sampling_params import SamplingParams
 from specbatch.scheduler import ScheduledSequence, Scheduler, SchedulerConfig
-from specbatch.spec.factory import build_proposer, load_draft_model
+from specbatch.spec.factory import build_proposer
 from specbatch.spec.proposer import DraftRequest, Proposal, Proposer
 from specbatch.spec.rejection import VerifyResult, verify
-from specbatch.tokenizer import Tokenizer, load_tokenizer
-
-if TYPE_CHECKING:
-    from specbatch.engine.cuda_graphs import CudaGraphRunner
 
 
 @dataclass
@@ -66,60 +55,16 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, proposer: Proposer | None = None) -> None:
         self.config = config
-        if config.num_threads is not None:
-            torch.set_num_threads(config.num_threads)
-        self.device = config.resolved_device()
-        self.dtype = config.resolved_dtype(self.device)
-        model_path = resolve_model_path(config.model)
-        self.model_path = model_path
-        self.model = load_model(model_path, self.dtype, self.device, config.attention_backend)
-        if config.cpu_weight_packing and self.model.pack_for_cpu():
-            release_freed_memory()  # the plain weights just dropped
-        self.tokenizer: Tokenizer = load_tokenizer(config.tokenizer or model_path)
-        model_config = self.model.config
-        self.max_model_len = min(
-            config.max_model_len or model_config.max_position_embeddings,
-            model_config.max_position_embeddings,
+        models = load_models(config)
+        self.device, self.dtype = models.device, models.dtype
+        self.model_path, self.model, self.tokenizer = (
+            models.model_path,
+            models.model,
+            models.tokenizer,
         )
-        spec = config.speculative_config
-        self.speculative_config = spec
-        k = spec.num_speculative_tokens if spec is not None else 0
-        self.draft_model = None
-        if spec is not None:
-            self.draft_model = load_draft_model(
-                spec,
-                self.model,
-                self.tokenizer,
-                self.dtype,
-                self.device,
-                target_is_default=is_default_model_name(config.model),
-            )
-            if self.draft_model is not None and config.cpu_weight_packing:
-                self.draft_model.pack_for_cpu()
-        draft_bytes = 0
-        if self.draft_model is not None:
-            draft_bytes = kv_bytes_per_block(self.draft_model.config, config.block_size, self.dtype)
-        reserved = profile_activation_bytes(
-            self.model,
-            config.max_num_batched_tokens,
-            config.max_num_seqs * (k + 1),
-            config.block_size,
-        )
-        self.num_kv_blocks = choose_num_kv_blocks(
-            config,
-            model_config,
-            self.dtype,
-            self.device,
-            self.max_model_len,
-            lookahead=k,
-            extra_bytes_per_block=draft_bytes,
-            reserved_bytes=reserved,
-        )
-        self.model.bind_kv_caches(
-            allocate_kv_caches(
-                model_config, self.num_kv_blocks, config.block_size, self.dtype, self.device
-            )
-        )
+        self.draft_model, self.max_model_len = models.draft, models.max_model_len
+        self.speculative_config = spec = config.speculative_config
+        self.num_kv_blocks = allocate_cache(config, models)
         self.cache = KVCacheManager(
             self.num_kv_blocks, config.block_size, config.enable_prefix_caching
         )
@@ -128,11 +73,11 @@ class LLMEngine:
                 config.max_num_seqs,
                 config.max_num_batched_tokens,
                 self.max_model_len,
-                num_speculative_tokens=k,
+                models.num_speculative_tokens,
             ),
             self.cache,
         )
-        self.runner = ModelRunner(self.model, self._capture_graphs(k))
+        self.runner = ModelRunner(self.model, capture_graphs(config, models))
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.proposer: Proposer | None = None
         if spec is not None:
@@ -151,26 +96,6 @@ class LLMEngine:
         self._seq_owner: dict[int, tuple[RequestState, int]] = {}
         self._seq_ids = itertools.count()
         self.stats = EngineStats()
-
-    def _capture_graphs(self, k: int) -> CudaGraphRunner | None:
-        """CUDA graphs for decode (and verify, with k drafts) steps, unless disabled."""
-        if self.device.type != "cuda" or self.config.enforce_eager:
-            return None
-        from specbatch.engine.cuda_graphs import CudaGraphRunner
-        from specbatch.kernels.attention.triton_backend import TritonAttentionBackend
-
-        if not isinstance(self.model.backend, TritonAttentionBackend):
-            return None
-        bs = self.config.block_size
-        runner = CudaGraphRunner(
-            self.model,
-            bs,
-            -(-(self.max_model_len + k) // bs),
-            (1,) if k == 0 else (1, k + 1),
-            self.config.max_num_seqs,
-        )
-        runner.capture()
-        return runner
 
     @classmethod
     def from_args(cls, **kwargs: object) -> LLMEngine:
@@ -372,27 +297,17 @@ class LLMEngine:
         state, _ = self._seq_owner[seq.seq_id]
         return state.banned_token_ids(seq, extra_outputs)
 
-    def _token_logprobs(
-        self, logits: torch.Tensor, seq: Sequence, tokens: list[int]
-    ) -> list[dict[int, tuple[float, int]]] | None:
-        """Raw logprobs of each emitted token from its target row (row j emits token j)."""
-        if seq.params.logprobs is None:
-            return None
-        logprobs = raw_logprobs(logits[: len(tokens)])
-        return _top_logprobs(logprobs, torch.tensor(tokens), seq.params.logprobs)
-
     def _record_prompt_logprobs(
         self, prompt_rows: list[tuple[Sequence, int, int]], logits: torch.Tensor
     ) -> None:
-        logprobs = raw_logprobs(logits)
         for row, (seq, _, position) in enumerate(prompt_rows):
             state, _ = self._seq_owner[seq.seq_id]
             assert state.prompt_logprobs is not None
             if position + 1 != len(state.prompt_logprobs):
                 continue  # recomputed after preemption: recorded already
-            target = torch.tensor([seq.prompt_token_ids[position + 1]])
-            entries = _top_logprobs(logprobs[row], target, seq.params.prompt_logprobs or 0)[0]
-            state.prompt_logprobs.append(state.decode_logprobs(entries))
+            target = seq.prompt_token_ids[position + 1]
+            entries = ranked_logprobs(logits[row], [target], seq.params.prompt_logprobs or 0)
+            state.prompt_logprobs.append(state.decode_logprobs(entries[0]))
 
     def _update(
         self,
@@ -443,8 +358,10 @@ class LLMEngine:
             self.stats.num_drafts += 1
             self.stats.num_draft_tokens += len(drafted)
             self.stats.num_accepted_tokens += accepted
-        entries = self._token_logprobs(logits, seq, new_tokens)
-        positions = None if entries is None else [state.decode_logprobs(e) for e in entries]
+        positions = None
+        if seq.params.logprobs is not None:  # row j of the step emitted token j
+            entries = ranked_logprobs(logits[: len(new_tokens)], new_tokens, seq.params.logprobs)
+            positions = [state.decode_logprobs(e) for e in entries]
         self.stats.num_generation_tokens += state.append_tokens(index, new_tokens, positions)
         if self.proposer is not None:
             self.proposer.on_verified(seq)
@@ -483,22 +400,3 @@ class LLMEngine:
         self.stats.num_running = len(self.scheduler.running)
         self.stats.num_waiting = len(self.scheduler.waiting)
         self.stats.kv_cache_usage = self.cache.usage
-
-
-def _top_logprobs(
-    logprobs: torch.Tensor, chosen: torch.Tensor, top_n: int
-) -> list[dict[int, tuple[float, int]]]:
-    """Per row: the chosen token and the ``top_n`` most likely, as ``{token: (logprob, rank)}``."""
-    rows = logprobs.view(-1, logprobs.shape[-1])
-    result = []
-    for r in range(rows.shape[0]):
-        row = rows[r]
-        token = int(chosen[r])
-        value = row[token]
-        entries = {token: (float(value), int((row > value).sum()) + 1)}
-        if top_n:
-            values, ids = row.topk(top_n)
-            for rank, (v, t) in enumerate(zip(values.tolist(), ids.tolist(), strict=True), 1):
-                entries.setdefault(t, (v, rank))
-        result.append(entries)
-    return result

@@ -1,0 +1,126 @@
+"""Building an engine's parts: models, tokenizer, KV cache of the right size, CUDA graphs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from specbatch.cache.kv_tensors import allocate_kv_caches, kv_bytes_per_block
+from specbatch.config import EngineConfig
+from specbatch.engine.kv_sizing import (
+    choose_num_kv_blocks,
+    profile_activation_bytes,
+    release_freed_memory,
+)
+from specbatch.models import load_model, resolve_model_path
+from specbatch.models.default_model import is_default_model_name
+from specbatch.models.llama import LlamaForCausalLM
+from specbatch.spec.factory import load_draft_model
+from specbatch.tokenizer import Tokenizer, load_tokenizer
+
+if TYPE_CHECKING:
+    from specbatch.engine.cuda_graphs import CudaGraphRunner
+
+
+@dataclass
+class Models:
+    """The loaded target (and draft), on their device, with the step limits they imply."""
+
+    device: torch.device
+    dtype: torch.dtype
+    model_path: Path
+    model: LlamaForCausalLM
+    tokenizer: Tokenizer
+    draft: LlamaForCausalLM | None
+    max_model_len: int
+    num_speculative_tokens: int
+
+
+def load_models(config: EngineConfig) -> Models:
+    if config.num_threads is not None:
+        torch.set_num_threads(config.num_threads)
+    device = config.resolved_device()
+    dtype = config.resolved_dtype(device)
+    path = resolve_model_path(config.model)
+    model = load_model(path, dtype, device, config.attention_backend)
+    if config.cpu_weight_packing and model.pack_for_cpu():
+        release_freed_memory()  # the plain weights just dropped
+    tokenizer = load_tokenizer(config.tokenizer or path)
+    positions = model.config.max_position_embeddings
+    spec = config.speculative_config
+    draft = None
+    if spec is not None:
+        draft = load_draft_model(
+            spec,
+            model,
+            tokenizer,
+            dtype,
+            device,
+            target_is_default=is_default_model_name(config.model),
+        )
+        if draft is not None and config.cpu_weight_packing:
+            draft.pack_for_cpu()
+    return Models(
+        device,
+        dtype,
+        path,
+        model,
+        tokenizer,
+        draft,
+        max_model_len=min(config.max_model_len or positions, positions),
+        num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
+    )
+
+
+def allocate_cache(config: EngineConfig, models: Models) -> int:
+    """Size the paged cache from the budget, allocate it, bind it to the target; block count."""
+    k = models.num_speculative_tokens
+    draft_bytes = 0
+    if models.draft is not None:
+        draft_bytes = kv_bytes_per_block(models.draft.config, config.block_size, models.dtype)
+    reserved = profile_activation_bytes(
+        models.model,
+        config.max_num_batched_tokens,
+        config.max_num_seqs * (k + 1),
+        config.block_size,
+    )
+    num_blocks = choose_num_kv_blocks(
+        config,
+        models.model.config,
+        models.dtype,
+        models.device,
+        models.max_model_len,
+        lookahead=k,
+        extra_bytes_per_block=draft_bytes,
+        reserved_bytes=reserved,
+    )
+    models.model.bind_kv_caches(
+        allocate_kv_caches(
+            models.model.config, num_blocks, config.block_size, models.dtype, models.device
+        )
+    )
+    return num_blocks
+
+
+def capture_graphs(config: EngineConfig, models: Models) -> CudaGraphRunner | None:
+    """CUDA graphs for decode (and verify, with k drafts) steps, unless disabled."""
+    if models.device.type != "cuda" or config.enforce_eager:
+        return None
+    from specbatch.engine.cuda_graphs import CudaGraphRunner
+    from specbatch.kernels.attention.triton_backend import TritonAttentionBackend
+
+    if not isinstance(models.model.backend, TritonAttentionBackend):
+        return None
+    k, bs = models.num_speculative_tokens, config.block_size
+    runner = CudaGraphRunner(
+        models.model,
+        bs,
+        -(-(models.max_model_len + k) // bs),
+        (1,) if k == 0 else (1, k + 1),
+        config.max_num_seqs,
+    )
+    runner.capture()
+    return runner
