@@ -94,7 +94,8 @@ def build_student(
         student.model.embed_tokens.weight.copy_(embedding)
         assert student.lm_head is not None
         assert student.lm_head.weight is not None
-        student.lm_head.weight.copy_(embedding)
+        # normed hidden states have unit RMS per component: scale so initial logits are O(1)
+        student.lm_head.weight.copy_(embedding / config.hidden_size**0.5)
     return student
 
 
