@@ -152,7 +152,9 @@ class Scheduler:
     def _admit(self, out: SchedulerOutput) -> None:
         while self.waiting and self._budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            prefix = self.cache.find_cached_prefix(seq)
+            # A request asking for prompt logprobs must compute every prompt position.
+            wants_prompt_rows = seq.params.prompt_logprobs is not None
+            prefix = [] if wants_prompt_rows else self.cache.find_cached_prefix(seq)
             cached_tokens = len(prefix) * self.cache.block_size
             num_new = min(seq.num_tokens - seq.num_computed_tokens - cached_tokens, self._budget)
             if not self.cache.allocate(seq, num_new, 0, prefix):

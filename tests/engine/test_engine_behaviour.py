@@ -312,3 +312,15 @@ def test_model_vocabulary_beyond_the_tokenizer(tmp_path: Path) -> None:
     assert out.text == ""
     assert out.logprobs is not None
     assert out.logprobs[0][310].decoded_token == ""
+
+
+def test_prompt_logprobs_are_complete_despite_a_cached_prefix(tiny_model_dir: Path) -> None:
+    llm = make_llm(tiny_model_dir, enable_prefix_caching=True)
+    prompt = list(range(3, 40))
+    llm.generate([prompt], SamplingParams(max_tokens=2), use_tqdm=False)  # fills the cache
+    out = llm.generate([prompt], SamplingParams(max_tokens=2, prompt_logprobs=1),
+                       use_tqdm=False)[0]
+    assert out.prompt_logprobs is not None
+    assert len(out.prompt_logprobs) == len(prompt)
+    assert all(entry is not None for entry in out.prompt_logprobs[1:])
+    assert out.metrics.num_cached_tokens == 0
