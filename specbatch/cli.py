@@ -14,12 +14,13 @@ if TYPE_CHECKING:
     from specbatch.config import EngineConfig
 
 
-def _add_speculative_args(parser: argparse.ArgumentParser, default: str = "ngram") -> None:
+def _add_speculative_args(parser: argparse.ArgumentParser, default: str = "auto") -> None:
     parser.add_argument(
         "--speculative",
-        choices=["off", "ngram", "draft"],
+        choices=["auto", "off", "ngram", "draft"],
         default=default,
-        help=f"speculative decoding proposer (default: {default})",
+        help=f"speculative decoding proposer (default: {default}; 'auto' is the shipped draft "
+        "model for the default target, n-gram prompt lookup otherwise)",
     )
     parser.add_argument(
         "--draft-model", default=None, help="draft model path for --speculative draft"
@@ -35,15 +36,28 @@ def _add_speculative_args(parser: argparse.ArgumentParser, default: str = "ngram
 
 def speculative_config(args: argparse.Namespace) -> dict[str, object] | None:
     """The engine's speculative_config for the command-line flags."""
-    if args.speculative == "off":
+    method = resolved_method(args)
+    if method == "off":
         return None
-    if args.speculative == "ngram":
+    if method == "ngram":
         return {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens}
     return {
         "method": "draft_model",
         "model": args.draft_model,
         "num_speculative_tokens": args.num_speculative_tokens,
     }
+
+
+def resolved_method(args: argparse.Namespace) -> str:
+    """``--speculative`` with 'auto' resolved: a draft model when one is given or ships for the
+    default target, n-gram prompt lookup otherwise."""
+    from specbatch.spec.default_draft import shipped_draft_available
+
+    if args.speculative != "auto":
+        return str(args.speculative)
+    if args.draft_model is not None or (args.model is None and shipped_draft_available()):
+        return "draft"
+    return "ngram"
 
 
 def engine_config(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
@@ -122,7 +136,7 @@ def _generate(args: argparse.Namespace) -> int:
         spec = ""
         if metrics is not None and metrics.num_drafts:
             spec = (
-                f"; {args.speculative} k={args.num_speculative_tokens}: mean accepted "
+                f"; {resolved_method(args)} k={args.num_speculative_tokens}: mean accepted "
                 f"length {metrics.mean_accepted_length:.2f}, acceptance "
                 f"{metrics.acceptance_rate:.0%}"
             )
@@ -178,6 +192,12 @@ def _add_distill(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--num-prompts", type=int, default=2000)
     p.add_argument("--answer-tokens", type=int, default=192)
     p.add_argument("--text-chars", type=int, default=1_500_000)
+    p.add_argument(
+        "--text-share",
+        type=float,
+        default=0.3,
+        help="largest share of training tokens taken from plain text (default 0.3)",
+    )
     p.add_argument("--vocab-size", type=int, default=8192)
     p.add_argument("--steps", type=int, default=3000)
     p.add_argument("--tokens-per-batch", type=int, default=4096)
@@ -200,6 +220,7 @@ def _distill(args: argparse.Namespace) -> int:
             num_prompts=args.num_prompts,
             answer_tokens=args.answer_tokens,
             text_chars=args.text_chars,
+            text_share=args.text_share,
             vocab_size=args.vocab_size,
             steps=args.steps,
             tokens_per_batch=args.tokens_per_batch,

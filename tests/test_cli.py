@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from specbatch.cli import build_parser, main, speculative_config
+from specbatch.spec import default_draft
 
 
 def test_generate_streams_text_and_reports_speculation(
@@ -78,13 +79,19 @@ def test_bad_input_is_an_error_exit(
         build_parser().parse_args(["generate", "x", "--speculative", "bogus"])
 
 
-def test_speculative_flags() -> None:
+def test_speculative_flags(monkeypatch: pytest.MonkeyPatch) -> None:
     parser = build_parser()
     assert speculative_config(parser.parse_args(["generate", "x", "--speculative", "off"])) is None
-    assert speculative_config(parser.parse_args(["generate", "x", "-k", "6"])) == {
-        "method": "ngram",
-        "num_speculative_tokens": 6,
-    }
+    ngram = {"method": "ngram", "num_speculative_tokens": 6}
+    shipped = {"method": "draft_model", "model": None, "num_speculative_tokens": 6}
+    # 'auto' (the default): the shipped draft for the default target when it is installed,
+    # n-gram for any other target or when no draft ships.
+    monkeypatch.setattr(default_draft, "shipped_draft_available", lambda: True)
+    assert speculative_config(parser.parse_args(["generate", "x", "-k", "6"])) == shipped
+    other = parser.parse_args(["generate", "x", "-k", "6", "--model", "m.gguf"])
+    assert speculative_config(other) == ngram
+    monkeypatch.setattr(default_draft, "shipped_draft_available", lambda: False)
+    assert speculative_config(parser.parse_args(["generate", "x", "-k", "6"])) == ngram
     draft = parser.parse_args(["generate", "x", "--speculative", "draft", "--draft-model", "d"])
     assert speculative_config(draft) == {
         "method": "draft_model",

@@ -16,6 +16,11 @@ DRAFT_DIR = Path(__file__).resolve().parent.parent / "assets" / "smollm2-135m-dr
 DRAFT_SHA256 = ""  # set when the trained draft is committed
 
 
+def shipped_draft_available() -> bool:
+    """Whether this installation carries the trained draft (checked in full at load)."""
+    return bool(DRAFT_SHA256) and (DRAFT_DIR / "model.safetensors").is_file()
+
+
 def default_draft_path() -> Path:
     """The verified shipped draft directory."""
     weights = DRAFT_DIR / "model.safetensors"

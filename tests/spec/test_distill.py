@@ -6,14 +6,16 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from specbatch import LLM, SamplingParams
 from specbatch.models import load_model
 from specbatch.spec.distill import DistillConfig, parse_shape, run
 from specbatch.spec.distill.corpus import load_sequences
+from specbatch.spec.distill.pipeline import mix, split_corpus
 from specbatch.spec.distill.student import build_student, student_config
 from specbatch.spec.distill.teacher import load_shards, score_corpus
-from specbatch.spec.distill.train import train
+from specbatch.spec.distill.train import Example, train
 
 
 @pytest.fixture(scope="module")
@@ -93,3 +95,35 @@ def test_training_lowers_the_distillation_loss(
         seed=1,
     )
     assert sum(losses[-8:]) / 8 < 0.9 * sum(losses[:8]) / 8
+
+
+def _examples(lengths: list[int]) -> list[Example]:
+    return [
+        (torch.full((n,), i), torch.zeros(n, 2), torch.ones(n, 2)) for i, n in enumerate(lengths)
+    ]
+
+
+@pytest.mark.parametrize("share", [0.0, 0.1, 0.3, 0.6, 0.99])
+def test_mix_keeps_every_answer_and_caps_the_text_share(share: float) -> None:
+    answers = _examples([50] * 40)
+    text = _examples([37, 120, 64, 200, 90, 15, 300, 80] * 10)
+    mixed = mix(answers, text, share)
+    assert mixed[: len(answers)] == answers
+    text_tokens = sum(len(e[0]) for e in mixed[len(answers) :])
+    total = sum(len(e[0]) for e in mixed)
+    assert text_tokens <= share * total + 1e-9
+    if 0 < share < 0.9:  # the cap is reached to within one text sequence
+        assert text_tokens + 300 > share / (1 - share) * 2000
+    assert mix(answers, [], share) == answers
+
+
+def test_split_holds_out_part_of_each_kind_disjointly() -> None:
+    examples = _examples([10 + i for i in range(95)])
+    answers, text = split_corpus(examples, 65)
+    assert len(answers.held_out) == 2  # 65 answers: the 30th and 60th
+    assert len(text.held_out) == 1
+    ids = [int(e[0][0]) for part in (answers, text) for e in part.train + part.held_out]
+    assert sorted(ids) == list(range(95))
+    assert {int(e[0][0]) for e in answers.train + answers.held_out} == set(range(65))
+    small, _ = split_corpus(examples[:3], 3)
+    assert len(small.held_out) == 1

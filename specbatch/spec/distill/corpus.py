@@ -101,6 +101,12 @@ def tokenize_text(target: str | None, work: Path, max_chars: int) -> Path:
 
 
 def load_sequences(work: Path, max_len: int) -> list[list[int]]:
-    """Every corpus row, cut to ``max_len`` tokens, in a fixed order."""
+    """Every corpus row, cut to ``max_len`` tokens, in a fixed order: the target's answers
+    first (``num_answer_sequences`` of them), then the plain text."""
     rows = list(read_jsonl(work / "generations.jsonl")) + list(read_jsonl(work / "text.jsonl"))
     return [row["token_ids"][:max_len] for row in rows if len(row["token_ids"]) >= 8]
+
+
+def num_answer_sequences(work: Path) -> int:
+    """How many of ``load_sequences``' rows are the target's answers (they come first)."""
+    return sum(1 for row in read_jsonl(work / "generations.jsonl") if len(row["token_ids"]) >= 8)

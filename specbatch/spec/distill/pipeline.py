@@ -11,6 +11,8 @@ here), and keeps the shape with the best expected speedup
 from __future__ import annotations
 
 import json
+import math
+import random
 import shutil
 import statistics
 import time
@@ -24,7 +26,12 @@ from specbatch.engine.flat_batch import TokenRun, flatten
 from specbatch.engine.model_runner import ModelRunner
 from specbatch.models import load_model, resolve_model_path
 from specbatch.models.llama import LlamaForCausalLM
-from specbatch.spec.distill.corpus import generate_answers, load_sequences, tokenize_text
+from specbatch.spec.distill.corpus import (
+    generate_answers,
+    load_sequences,
+    num_answer_sequences,
+    tokenize_text,
+)
 from specbatch.spec.distill.student import (
     StudentShape,
     build_student,
@@ -35,6 +42,8 @@ from specbatch.spec.distill.student import (
 from specbatch.spec.distill.teacher import load_shards, run_dense, score_corpus
 from specbatch.spec.distill.train import Example, train
 from specbatch.tokenizer import load_tokenizer
+
+HELD_OUT_EVERY = 30
 
 
 @dataclass
@@ -48,6 +57,7 @@ class DistillConfig:
     num_prompts: int = 2000
     answer_tokens: int = 192
     text_chars: int = 1_500_000
+    text_share: float = 0.3
     vocab_size: int = 8192
     top_k: int = 16
     max_len: int = 512
@@ -83,10 +93,13 @@ def run(config: DistillConfig) -> Path:
     teacher.pack_for_cpu()
     shards = score_corpus(teacher, sequences, token_map, work, config.top_k, max_tokens=2048)
     examples = load_shards(shards)
-    held_out = max(8, len(examples) // 30)
-    train_set, valid_set = examples[:-held_out], examples[-held_out:]
+    answers, text = split_corpus(examples, num_answer_sequences(work))
+    train_set = mix(answers.train, text.train, config.text_share)
     print(
-        f"corpus: {len(examples)} sequences, {sum(len(e[0]) for e in examples)} tokens; "
+        f"corpus: {len(answers.train)} answers and {len(text.train)} text sequences for "
+        f"training ({_tokens(answers.train)} + {_tokens(text.train)} tokens; trained on "
+        f"{len(train_set)} sequences, {_tokens(train_set)} tokens, text share at most "
+        f"{config.text_share:.0%}), {len(answers.held_out) + len(text.held_out)} held out; "
         f"draft vocabulary {len(token_map)}",
         flush=True,
     )
@@ -108,7 +121,8 @@ def run(config: DistillConfig) -> Path:
             work / f"checkpoint-{name}",
             config.seed,
         )
-        alpha = greedy_agreement(student, valid_set)
+        alpha = greedy_agreement(student, answers.held_out)
+        alpha_text = greedy_agreement(student, text.held_out) if text.held_out else float("nan")
         directory = work / f"student-{name}"
         digest = save_student(student, directory, {"shape": shape.describe()})
         c = decode_ms(load_and_pack(str(directory))) / target_ms
@@ -118,13 +132,15 @@ def run(config: DistillConfig) -> Path:
                 "shape": name,
                 "describe": shape.describe(),
                 "alpha": alpha,
+                "alpha_text": alpha_text,
                 "c": c,
                 "expected_speedup_k4": speedup,
                 "sha256": digest,
             }
         )
         print(
-            f"student {shape.describe()}: alpha {alpha:.3f}, c {c:.3f}, expected speedup "
+            f"student {shape.describe()}: alpha {alpha:.3f} (answers; plain text "
+            f"{alpha_text:.3f}), c {c:.3f}, expected speedup "
             f"(k=4) {speedup:.2f}x",
             flush=True,
         )
@@ -135,6 +151,45 @@ def run(config: DistillConfig) -> Path:
     shutil.copytree(work / f"student-{best['shape']}", config.out)
     print(f"chose {best['describe']}; wrote {config.out}", flush=True)
     return config.out
+
+
+@dataclass
+class Split:
+    train: list[Example]
+    held_out: list[Example]
+
+
+def split_corpus(examples: list[Example], num_answers: int) -> tuple[Split, Split]:
+    """Answers and plain text, each with every ``HELD_OUT_EVERY``-th sequence held out (at
+    least one of a part of two or more)."""
+
+    def split(part: list[Example]) -> Split:
+        every = min(HELD_OUT_EVERY, max(2, len(part)))
+        held = [e for i, e in enumerate(part) if i % every == every - 1]
+        kept = [e for i, e in enumerate(part) if i % every != every - 1]
+        return Split(kept, held)
+
+    return split(examples[:num_answers]), split(examples[num_answers:])
+
+
+def mix(answers: list[Example], text: list[Example], text_share: float) -> list[Example]:
+    """All answers plus an evenly spaced subset of the text holding at most ``text_share`` of
+    the tokens: the drafter serves chat, so the target's answers dominate what it learns."""
+    if not text or text_share <= 0:
+        return list(answers)
+    budget = text_share / max(1e-9, 1 - text_share) * _tokens(answers) if answers else math.inf
+    order = list(range(len(text)))
+    random.Random(0).shuffle(order)
+    chosen, used = set(), 0
+    for i in order:  # a fixed random subset, filled up to the budget
+        if used + len(text[i][0]) <= budget:
+            chosen.add(i)
+            used += len(text[i][0])
+    return list(answers) + [e for i, e in enumerate(text) if i in chosen]
+
+
+def _tokens(examples: list[Example]) -> int:
+    return sum(len(e[0]) for e in examples)
 
 
 def _vocabulary(config: DistillConfig, sequences: list[list[int]]) -> list[int]:
