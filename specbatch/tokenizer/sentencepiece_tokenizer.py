@@ -8,7 +8,6 @@ its dummy-prefix space, as in `SPMTokenizer`. Decoding goes through the same `SP
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from pathlib import Path
 
 import sentencepiece
@@ -17,10 +16,10 @@ from specbatch.errors import ModelLoadError
 from specbatch.tokenizer.base import SpecialTokens, Tokenizer
 from specbatch.tokenizer.hf_config import HFTokenizerConfig
 from specbatch.tokenizer.special_split import SpecialTokenSplitter
-from specbatch.tokenizer.spm_vocab import SPACE, SPMVocab, TokenType
+from specbatch.tokenizer.spm_vocab import SPACE, SPMVocab, SPMVocabTokenizer, TokenType
 
 
-class SentencePieceTokenizer(Tokenizer):
+class SentencePieceTokenizer(SPMVocabTokenizer):
     """Wraps a ``sentencepiece.SentencePieceProcessor`` plus the directory's configuration."""
 
     def __init__(
@@ -29,10 +28,7 @@ class SentencePieceTokenizer(Tokenizer):
         config: HFTokenizerConfig,
     ) -> None:
         self._processor = processor
-        self._vocab = _vocab(processor, config)
-        self._ids: dict[str, int] = {}
-        for token_id, piece in enumerate(self._vocab.pieces):
-            self._ids.setdefault(piece, token_id)
+        self._set_vocab(_vocab(processor, config))
         # The library cannot encode tokens added beyond its model, so those are cut out too.
         cut = [
             *self._vocab.ids_of(TokenType.CONTROL),
@@ -40,14 +36,13 @@ class SentencePieceTokenizer(Tokenizer):
         ]
         specials = {self._vocab.pieces[i]: i for i in reversed(cut)}
         self._splitter = SpecialTokenSplitter(specials)
-        self._special_ids = self._vocab.special_ids()
         reserved = SpecialTokens(
             bos_token_id=_optional(processor.bos_id()),
             eos_token_id=_optional(processor.eos_id()),
             pad_token_id=_optional(processor.pad_id()),
             add_bos=True,  # what Llama-style tokenizer.model directories expect by default
         )
-        super().__init__(config.special_tokens(self.token_to_id, reserved))
+        Tokenizer.__init__(self, config.special_tokens(self.token_to_id, reserved))
 
     @classmethod
     def from_directory(cls, directory: Path) -> SentencePieceTokenizer:
@@ -70,20 +65,6 @@ class SentencePieceTokenizer(Tokenizer):
             else:
                 ids.extend(self._processor.EncodeAsIds(run))
         return ids
-
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
-        return self._vocab.decode(ids, skip_special_tokens)
-
-    def token_to_id(self, token: str) -> int | None:
-        return self._ids.get(token)
-
-    @property
-    def vocab_size(self) -> int:
-        return len(self._vocab)
-
-    @property
-    def all_special_ids(self) -> frozenset[int]:
-        return self._special_ids
 
 
 def _optional(token_id: int) -> int | None:

@@ -13,6 +13,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
 
+from specbatch.tokenizer.base import SpecialTokens, Tokenizer
+
 SPACE = "▁"
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
@@ -88,3 +90,33 @@ class SPMVocab:
             strip = False
             out += surface
         return out.decode("utf-8", errors="replace")
+
+
+class SPMVocabTokenizer(Tokenizer):
+    """What every tokenizer over an `SPMVocab` shares: decoding, piece lookup, special ids.
+    Subclasses encode (``_encode_text``)."""
+
+    def __init__(self, vocab: SPMVocab, special: SpecialTokens) -> None:
+        super().__init__(special)
+        self._set_vocab(vocab)
+
+    def _set_vocab(self, vocab: SPMVocab) -> None:
+        self._vocab = vocab
+        self._ids: dict[str, int] = {}
+        for token_id, piece in enumerate(vocab.pieces):
+            self._ids.setdefault(piece, token_id)
+        self._special_ids = vocab.special_ids()
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return self._vocab.decode(ids, skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._ids.get(token)
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self._vocab)
+
+    @property
+    def all_special_ids(self) -> frozenset[int]:
+        return self._special_ids
