@@ -13,7 +13,7 @@ from pathlib import Path
 from specbatch.errors import ConfigError, ModelLoadError
 
 DRAFT_DIR = Path(__file__).resolve().parent.parent / "assets" / "smollm2-135m-draft"
-DRAFT_SHA256 = ""  # set when the trained draft is committed
+DRAFT_SHA256 = "675451cfb2ac77252891495d6696f26d9a7bb2572c23df87fec9c7a600a29e0d"
 
 
 def shipped_draft_available() -> bool:

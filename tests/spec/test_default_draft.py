@@ -1,0 +1,71 @@
+"""The shipped draft for the default target: intact, compatible, lossless and still accepting."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pytest
+
+from specbatch import LLM, SamplingParams
+from specbatch.errors import ConfigError, ModelLoadError
+from specbatch.models import load_model
+from specbatch.spec import default_draft
+from tests.prompts import CHAT, PLAIN
+
+pytestmark = pytest.mark.slow
+
+# Greedy per-draft-token acceptance (k = 4) measured on these prompts when the draft was
+# committed: 0.124. The guard leaves a margin for float noise and small engine changes, and fails
+# if a change to the draft, the tokenizer or the proposer breaks the draft's alignment with the
+# target.
+MIN_ACCEPTANCE = 0.10
+ENGINE = {"dtype": "float32", "max_model_len": 512, "num_kv_blocks": 600, "max_num_seqs": 16}
+PARAMS = SamplingParams(temperature=0.0, max_tokens=32)
+
+
+def test_shipped_draft_matches_its_checksum_and_the_target_vocabulary() -> None:
+    path = default_draft.default_draft_path()
+    weights = path / "model.safetensors"
+    assert hashlib.sha256(weights.read_bytes()).hexdigest() == default_draft.DRAFT_SHA256
+    assert weights.stat().st_size <= 25 * 2**20
+    draft = load_model(path)
+    assert draft.config.output_vocab_size == 49152  # SmolLM2's vocabulary, ids shared
+    token_map = draft.config.token_map
+    assert token_map is not None
+    assert len(set(token_map)) == len(token_map)
+    assert max(token_map) < 49152
+
+
+def test_damaged_or_missing_draft_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(default_draft, "DRAFT_SHA256", "0" * 64)
+    with pytest.raises(ModelLoadError, match="does not match the shipped draft"):
+        default_draft.default_draft_path()
+    monkeypatch.setattr(default_draft, "DRAFT_SHA256", "")
+    with pytest.raises(ConfigError, match="ships no draft"):
+        default_draft.default_draft_path()
+
+
+def test_draft_for_another_target_is_a_clear_error(tiny_model_dir: Path) -> None:
+    with pytest.raises(ConfigError, match="ships only for the default model"):
+        LLM(
+            model=str(tiny_model_dir),
+            speculative_config={"method": "draft_model", "num_speculative_tokens": 3},
+        )
+
+
+def test_shipped_draft_is_lossless_and_keeps_its_acceptance() -> None:
+    spec = {"method": "draft_model", "num_speculative_tokens": 4}
+    llm = LLM(speculative_config=spec, **ENGINE)
+    tokenizer = llm.get_tokenizer()
+    prompts = PLAIN[:8] + [
+        tokenizer.apply_chat_template([{"role": "user", "content": c}]) for c in CHAT[:8]
+    ]
+    speculative = [o.outputs[0].token_ids for o in llm.generate(prompts, PARAMS, use_tqdm=False)]
+    stats = llm.llm_engine.stats
+    acceptance = stats.num_accepted_tokens / stats.num_draft_tokens
+    del llm
+    plain = LLM(**ENGINE)
+    reference = [o.outputs[0].token_ids for o in plain.generate(prompts, PARAMS, use_tqdm=False)]
+    assert speculative == reference
+    assert acceptance >= MIN_ACCEPTANCE, f"greedy acceptance {acceptance:.3f}"
