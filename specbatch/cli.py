@@ -19,8 +19,9 @@ def _add_speculative_args(parser: argparse.ArgumentParser, default: str = "auto"
         "--speculative",
         choices=["auto", "off", "ngram", "draft"],
         default=default,
-        help=f"speculative decoding proposer (default: {default}; 'auto' is the shipped draft "
-        "model for the default target, n-gram prompt lookup otherwise)",
+        help=f"speculative decoding proposer (default: {default}; 'auto' is --draft-model when "
+        "given, else n-gram prompt lookup; 'draft' without --draft-model is the shipped draft "
+        "of the default model)",
     )
     parser.add_argument(
         "--draft-model", default=None, help="draft model path for --speculative draft"
@@ -49,13 +50,13 @@ def speculative_config(args: argparse.Namespace) -> dict[str, object] | None:
 
 
 def resolved_method(args: argparse.Namespace) -> str:
-    """``--speculative`` with 'auto' resolved: a draft model when one is given or ships for the
-    default target, n-gram prompt lookup otherwise."""
-    from specbatch.spec.default_draft import shipped_draft_available
+    """``--speculative`` with 'auto' resolved: a draft model when one is given, or when the
+    shipped draft for the default target is good enough to be preferred; n-gram otherwise."""
+    from specbatch.spec.default_draft import shipped_draft_preferred
 
     if args.speculative != "auto":
         return str(args.speculative)
-    if args.draft_model is not None or (args.model is None and shipped_draft_available()):
+    if args.draft_model is not None or (args.model is None and shipped_draft_preferred()):
         return "draft"
     return "ngram"
 

@@ -84,14 +84,20 @@ def test_speculative_flags(monkeypatch: pytest.MonkeyPatch) -> None:
     assert speculative_config(parser.parse_args(["generate", "x", "--speculative", "off"])) is None
     ngram = {"method": "ngram", "num_speculative_tokens": 6}
     shipped = {"method": "draft_model", "model": None, "num_speculative_tokens": 6}
-    # 'auto' (the default): the shipped draft for the default target when it is installed,
-    # n-gram for any other target or when no draft ships.
-    monkeypatch.setattr(default_draft, "shipped_draft_available", lambda: True)
+    # 'auto' (the default): the shipped draft for the default target when it is preferred,
+    # n-gram for any other target or while the shipped draft does not pay.
+    monkeypatch.setattr(default_draft, "shipped_draft_preferred", lambda: True)
     assert speculative_config(parser.parse_args(["generate", "x", "-k", "6"])) == shipped
     other = parser.parse_args(["generate", "x", "-k", "6", "--model", "m.gguf"])
     assert speculative_config(other) == ngram
-    monkeypatch.setattr(default_draft, "shipped_draft_available", lambda: False)
+    monkeypatch.setattr(default_draft, "shipped_draft_preferred", lambda: False)
     assert speculative_config(parser.parse_args(["generate", "x", "-k", "6"])) == ngram
+    given = parser.parse_args(["generate", "x", "--draft-model", "d"])
+    assert speculative_config(given) == {
+        "method": "draft_model",
+        "model": "d",
+        "num_speculative_tokens": 4,
+    }
     draft = parser.parse_args(["generate", "x", "--speculative", "draft", "--draft-model", "d"])
     assert speculative_config(draft) == {
         "method": "draft_model",

@@ -13,12 +13,21 @@ from pathlib import Path
 from specbatch.errors import ConfigError, ModelLoadError
 
 DRAFT_DIR = Path(__file__).resolve().parent.parent / "assets" / "smollm2-135m-draft"
+# False while the shipped draft is slower than speculation off at batch 1 on the CPU (its
+# greedy acceptance is too low: see docs/distillation.md); set it when a draft that pays ships.
+PREFERRED_BY_DEFAULT = False
 DRAFT_SHA256 = "675451cfb2ac77252891495d6696f26d9a7bb2572c23df87fec9c7a600a29e0d"
 
 
 def shipped_draft_available() -> bool:
     """Whether this installation carries the trained draft (checked in full at load)."""
     return bool(DRAFT_SHA256) and (DRAFT_DIR / "model.safetensors").is_file()
+
+
+def shipped_draft_preferred() -> bool:
+    """Whether ``specbatch generate --speculative auto`` (the default) should draft with the
+    shipped model rather than n-gram prompt lookup: only once the shipped draft pays."""
+    return PREFERRED_BY_DEFAULT and shipped_draft_available()
 
 
 def default_draft_path() -> Path:

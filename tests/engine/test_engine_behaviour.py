@@ -318,8 +318,7 @@ def test_prompt_logprobs_are_complete_despite_a_cached_prefix(tiny_model_dir: Pa
     llm = make_llm(tiny_model_dir, enable_prefix_caching=True)
     prompt = list(range(3, 40))
     llm.generate([prompt], SamplingParams(max_tokens=2), use_tqdm=False)  # fills the cache
-    out = llm.generate([prompt], SamplingParams(max_tokens=2, prompt_logprobs=1),
-                       use_tqdm=False)[0]
+    out = llm.generate([prompt], SamplingParams(max_tokens=2, prompt_logprobs=1), use_tqdm=False)[0]
     assert out.prompt_logprobs is not None
     assert len(out.prompt_logprobs) == len(prompt)
     assert all(entry is not None for entry in out.prompt_logprobs[1:])
