@@ -8,8 +8,9 @@ expected speedup ``(1 - a^(k+1)) / ((1 - a) (k c + 1))`` (Leviathan et al.) at `
 
 This alpha ranks students; it is not the acceptance rate in use. It counts the prompt positions
 too, where the chat template and its fixed system prompt are easy to predict, so it reads higher
-than the acceptance on the answers alone (0.56 here against ~0.37 measured by
-``benchmarks/draft_quality.py`` for the shipped draft). Use that benchmark for the real figure.
+than the acceptance in use: 0.56 for the shipped draft, whose greedy agreement on its own
+greedy answers to short chat prompts is ~0.37 and whose acceptance on Spec-Bench, measured by
+``benchmarks/draft_quality.py``, is 0.22. Use that benchmark for the real figure.
 """
 
 from __future__ import annotations
