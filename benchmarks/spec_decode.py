@@ -5,10 +5,11 @@
 
 For every category and batch size, each engine (speculation off, then each proposer) generates
 greedily for the same chat-formatted first turns (cycled to fill the batch), stopping at EOS or
-``--max-tokens``; outputs are identical across engines (greedy identity), so tok/s compare equal
-work. Reported per row: tok/s, speedup over off, mean accepted length (tokens per verify step,
-bonus included), per-draft acceptance rate, and c, the measured cost of one draft step relative
-to one speculation-off target step at that batch size (proposal time for n-gram).
+``--max-tokens``; outputs are identical across engines (greedy identity, checked: a row whose
+output differs says so), so tok/s compare equal work. Reported per row: tok/s, speedup over
+off, mean accepted length (tokens per verify step, bonus included), per-draft acceptance rate,
+and c, the measured cost of one draft step relative to one speculation-off target step at that
+batch size (proposal time for n-gram).
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ def build_engines(args: argparse.Namespace) -> dict[str, LLMEngine]:
 
 def run(
     engine: LLMEngine, prompts: list[list[int]], max_tokens: int, concurrency: int
-) -> dict[str, float]:
+) -> dict[str, Any]:
     """Generate for every prompt with at most ``concurrency`` requests in flight."""
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     before = (
@@ -86,19 +87,21 @@ def run(
     )
     start = time.perf_counter()
     pending = list(enumerate(prompts))
-    tokens = 0
+    outputs: dict[int, list[int]] = {}
     while pending or engine.has_unfinished_requests():
         while pending and engine.num_unfinished_requests() < concurrency:
             i, prompt = pending.pop(0)
             engine.add_request(f"spec-{time.monotonic_ns()}-{i}", prompt, params)
         for out in engine.step():
             if out.finished:
-                tokens += len(out.outputs[0].token_ids)
+                outputs[int(out.request_id.rsplit("-", 1)[1])] = list(out.outputs[0].token_ids)
     elapsed = time.perf_counter() - start
+    tokens = sum(len(ids) for ids in outputs.values())
     drafts = engine.stats.num_drafts - before[0]
     drafted = engine.stats.num_draft_tokens - before[1]
     accepted = engine.stats.num_accepted_tokens - before[2]
     return {
+        "outputs": [outputs[i] for i in range(len(prompts))],
         "tokens": tokens,
         "seconds": elapsed,
         "tok_s": tokens / elapsed,
@@ -173,9 +176,10 @@ def main() -> None:
         run(engine, [by_category[next(iter(by_category))][0]], 8, 1)
 
     rows = []
-    for category, prompts in sorted(by_category.items()):
+    for category, token_ids in sorted(by_category.items()):
         for batch in args.batch_sizes:
-            batch_prompts = (prompts * (batch // len(prompts) + 1))[: max(batch, len(prompts))]
+            cycled = token_ids * (batch // len(token_ids) + 1)
+            batch_prompts = cycled[: max(batch, len(token_ids))]
             results = {}
             for name, engine in engines.items():
                 target_timer[name].reset()
@@ -199,13 +203,13 @@ def main() -> None:
                     "acceptance_rate": r["acceptance_rate"],
                     "c": r.get("draft_step_s", 0.0) / base["target_step_s"],
                     "tokens": r["tokens"],
-                    "same_tokens": r["tokens"] == base["tokens"],
+                    "identical_output": r["outputs"] == base["outputs"],
                 }
                 rows.append(row)
                 print(
                     f"{category:>18} b={batch:<3} {name:>6}: {r['tok_s']:7.1f} tok/s "
                     f"x{row['speedup']:.2f} len {row['mean_accepted_length']:.2f} "
-                    f"c {row['c']:.3f}",
+                    f"c {row['c']:.3f}" + ("" if row["identical_output"] else " OUTPUT DIFFERS"),
                     flush=True,
                 )
     print()
