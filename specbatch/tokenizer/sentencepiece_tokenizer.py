@@ -13,7 +13,7 @@ from pathlib import Path
 import sentencepiece
 
 from specbatch.errors import ModelLoadError
-from specbatch.tokenizer.base import SpecialTokens, Tokenizer
+from specbatch.tokenizer.base import SpecialTokens
 from specbatch.tokenizer.hf_config import HFTokenizerConfig
 from specbatch.tokenizer.special_split import SpecialTokenSplitter
 from specbatch.tokenizer.spm_vocab import SPACE, SPMVocab, SPMVocabTokenizer, TokenType
@@ -27,22 +27,18 @@ class SentencePieceTokenizer(SPMVocabTokenizer):
         processor: sentencepiece.SentencePieceProcessor,
         config: HFTokenizerConfig,
     ) -> None:
-        self._processor = processor
-        self._set_vocab(_vocab(processor, config))
-        # The library cannot encode tokens added beyond its model, so those are cut out too.
-        cut = [
-            *self._vocab.ids_of(TokenType.CONTROL),
-            *range(processor.GetPieceSize(), len(self._vocab)),
-        ]
-        specials = {self._vocab.pieces[i]: i for i in reversed(cut)}
-        self._splitter = SpecialTokenSplitter(specials)
+        vocab = _vocab(processor, config)
         reserved = SpecialTokens(
             bos_token_id=_optional(processor.bos_id()),
             eos_token_id=_optional(processor.eos_id()),
             pad_token_id=_optional(processor.pad_id()),
             add_bos=True,  # what Llama-style tokenizer.model directories expect by default
         )
-        Tokenizer.__init__(self, config.special_tokens(self.token_to_id, reserved))
+        super().__init__(vocab, config.special_tokens(vocab.id_of, reserved))
+        self._processor = processor
+        # The library cannot encode tokens added beyond its model, so those are cut out too.
+        cut = [*vocab.ids_of(TokenType.CONTROL), *range(processor.GetPieceSize(), len(vocab))]
+        self._splitter = SpecialTokenSplitter({vocab.pieces[i]: i for i in reversed(cut)})
 
     @classmethod
     def from_directory(cls, directory: Path) -> SentencePieceTokenizer:

@@ -39,6 +39,7 @@ class SPMVocab:
     types: tuple[int, ...]
     add_space_prefix: bool = True
     _surface: tuple[bytes, ...] = field(init=False, repr=False, compare=False)
+    _ids: dict[str, int] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not len(self.pieces) == len(self.scores) == len(self.types):
@@ -47,6 +48,10 @@ class SPMVocab:
                 f"scores, {len(self.types)} token types"
             )
         object.__setattr__(self, "_surface", tuple(map(self._piece_bytes, self.pieces, self.types)))
+        ids: dict[str, int] = {}
+        for token_id, piece in enumerate(self.pieces):
+            ids.setdefault(piece, token_id)  # the first id of a repeated piece
+        object.__setattr__(self, "_ids", ids)
 
     @staticmethod
     def _piece_bytes(piece: str, kind: int) -> bytes:
@@ -61,6 +66,10 @@ class SPMVocab:
 
     def __len__(self) -> int:
         return len(self.pieces)
+
+    def id_of(self, piece: str) -> int | None:
+        """The id of ``piece`` (the first, if the vocabulary repeats it)."""
+        return self._ids.get(piece)
 
     def ids_of(self, *kinds: TokenType) -> list[int]:
         """Ids of the tokens of the given kinds, in id order."""
@@ -98,20 +107,14 @@ class SPMVocabTokenizer(Tokenizer):
 
     def __init__(self, vocab: SPMVocab, special: SpecialTokens) -> None:
         super().__init__(special)
-        self._set_vocab(vocab)
-
-    def _set_vocab(self, vocab: SPMVocab) -> None:
         self._vocab = vocab
-        self._ids: dict[str, int] = {}
-        for token_id, piece in enumerate(vocab.pieces):
-            self._ids.setdefault(piece, token_id)
         self._special_ids = vocab.special_ids()
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return self._vocab.decode(ids, skip_special_tokens)
 
     def token_to_id(self, token: str) -> int | None:
-        return self._ids.get(token)
+        return self._vocab.id_of(token)
 
     @property
     def vocab_size(self) -> int:
