@@ -87,21 +87,24 @@ def run(
     )
     start = time.perf_counter()
     pending = list(enumerate(prompts))
-    outputs: dict[int, list[int]] = {}
+    index: dict[str, int] = {}
+    outputs: list[list[int]] = [[] for _ in prompts]
     while pending or engine.has_unfinished_requests():
         while pending and engine.num_unfinished_requests() < concurrency:
             i, prompt = pending.pop(0)
-            engine.add_request(f"spec-{time.monotonic_ns()}-{i}", prompt, params)
+            request_id = f"spec-{time.monotonic_ns()}-{i}"
+            index[request_id] = i
+            engine.add_request(request_id, prompt, params)
         for out in engine.step():
             if out.finished:
-                outputs[int(out.request_id.rsplit("-", 1)[1])] = list(out.outputs[0].token_ids)
+                outputs[index[out.request_id]] = list(out.outputs[0].token_ids)
     elapsed = time.perf_counter() - start
-    tokens = sum(len(ids) for ids in outputs.values())
+    tokens = sum(len(ids) for ids in outputs)
     drafts = engine.stats.num_drafts - before[0]
     drafted = engine.stats.num_draft_tokens - before[1]
     accepted = engine.stats.num_accepted_tokens - before[2]
     return {
-        "outputs": [outputs[i] for i in range(len(prompts))],
+        "outputs": outputs,
         "tokens": tokens,
         "seconds": elapsed,
         "tok_s": tokens / elapsed,
