@@ -281,7 +281,6 @@ class LLMEngine:
         return verify(logits, rows, proposal.tokens, proposal.draft_probs, self.generator)
 
     def _sampling_row(self, seq: Sequence, drafts: list[int] | None = None) -> SamplingRow:
-        state, _ = self._seq_owner[seq.seq_id]
         drafts = drafts or []
         # The history only matters to penalties: skip copying it otherwise.
         history = seq.output_token_ids + drafts if seq.params.has_penalties else ()
@@ -290,7 +289,7 @@ class LLMEngine:
             seq.prompt_token_ids,
             history,
             position=seq.num_tokens + len(drafts),
-            banned_token_ids=state.banned_token_ids(seq, len(drafts)),
+            banned_token_ids=self._banned_tokens(seq, len(drafts)),
         )
 
     def _banned_tokens(self, seq: Sequence, extra_outputs: int) -> tuple[int, ...]:
