@@ -27,6 +27,8 @@ class SamplingParams:
     ``presence_penalty`` and ``frequency_penalty`` subtract from output tokens' logits;
     ``logit_bias`` adds a value in [-100, 100] to given token ids' logits. Logprobs are
     those of the raw model distribution (before temperature, penalties and truncation).
+    ``detokenize=False`` skips all text work (outputs carry token ids only, ``text`` stays empty
+    and logprob entries have no ``decoded_token``); it cannot be combined with ``stop`` strings.
     Every field is checked here; a bad value raises ``ValueError`` naming the field and its range.
     """
 
@@ -49,6 +51,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    detokenize: bool = True
     output_kind: OutputKind = OutputKind.CUMULATIVE
 
     MAX_LOGPROBS = 20
@@ -83,6 +86,8 @@ class SamplingParams:
                 _check_int(name, value, 0, self.MAX_LOGPROBS)
         if not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError("stop must be a non-empty string or a list of non-empty strings")
+        if self.stop and not self.detokenize:
+            raise ValueError("stop strings need detokenize=True (use stop_token_ids instead)")
         if not all(
             isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids
         ):

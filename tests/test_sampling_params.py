@@ -35,6 +35,7 @@ INVALID: list[tuple[dict[str, Any], str]] = [
     ({"output_kind": "delta"}, "output_kind must be one of"),
     ({"logit_bias": {5: 101.0}}, r"logit_bias\[5\] must be in \[-100.0, 100.0\]"),
     ({"logit_bias": {-1: 1.0}}, "logit_bias keys must be token ids"),
+    ({"stop": ["x"], "detokenize": False}, "stop strings need detokenize=True"),
 ]
 
 

@@ -100,10 +100,13 @@ class RequestState:
             seq.finish(FinishReason.STOP)
         elif token in self.stop_ids:
             seq.finish(FinishReason.STOP, stop_reason=token)
+        detokenize = self.params.detokenize
         before = len(completion.text)
-        completion.text += completion.detokenizer.push([token])
+        if detokenize:
+            completion.text += completion.detokenizer.push([token])
         if seq.is_finished:
-            completion.text += completion.detokenizer.flush()
+            if detokenize:
+                completion.text += completion.detokenizer.flush()
             return
         if self.params.stop and self._cut_at_stop_string(completion, before):
             return
@@ -112,7 +115,8 @@ class RequestState:
             seq.num_tokens >= self.max_model_len
         ):
             seq.finish(FinishReason.LENGTH)
-            completion.text += completion.detokenizer.flush()
+            if detokenize:
+                completion.text += completion.detokenizer.flush()
 
     def _cut_at_stop_string(self, completion: _Completion, before: int) -> bool:
         text = completion.text
@@ -204,6 +208,8 @@ class RequestState:
         return metrics
 
     def decode_logprobs(self, entries: dict[int, tuple[float, int]]) -> PositionLogprobs:
+        if not self.params.detokenize:
+            return {token: Logprob(logprob, rank) for token, (logprob, rank) in entries.items()}
         size = self.tokenizer.vocab_size
         return {
             token: Logprob(logprob, rank, self.tokenizer.decode([token]) if token < size else "")

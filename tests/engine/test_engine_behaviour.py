@@ -162,6 +162,29 @@ def test_logprobs_are_the_raw_model_log_softmax(tiny_model_dir: Path) -> None:
         )
 
 
+def test_detokenize_false_keeps_tokens_and_logprobs_without_text(tiny_model_dir: Path) -> None:
+    llm = make_llm(tiny_model_dir)
+    prompts = [[5, 9, 13, 17, 21], [30, 31]]
+    params = SamplingParams(
+        temperature=0.8, seed=3, max_tokens=12, logprobs=3, prompt_logprobs=3, ignore_eos=True
+    )
+    with_text = llm.generate(prompts, params, use_tqdm=False)
+    bare = llm.generate(prompts, params.clone(detokenize=False), use_tqdm=False)
+    for full, quick in zip(with_text, bare, strict=True):
+        assert full.outputs[0].text  # the tiny tokenizer decodes these ids to something
+        assert quick.outputs[0].text == ""
+        assert quick.outputs[0].token_ids == full.outputs[0].token_ids
+        for a, b in zip(
+            full.outputs[0].logprobs or [], quick.outputs[0].logprobs or [], strict=True
+        ):
+            assert {t: (lp.logprob, lp.rank) for t, lp in a.items()} == {
+                t: (lp.logprob, lp.rank) for t, lp in b.items()
+            }
+            assert all(lp.decoded_token is None for lp in b.values())
+        assert quick.prompt_logprobs is not None
+        assert len(quick.prompt_logprobs) == len(full.prompt_token_ids)
+
+
 def test_finish_reasons(tiny_model_dir: Path) -> None:
     llm = make_llm(tiny_model_dir)
     prompt = [5, 6, 7]
