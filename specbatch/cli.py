@@ -188,9 +188,20 @@ def _add_distill(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--sizes",
         default="4x256",
-        help="comma-separated student shapes LAYERSxHIDDEN (default 4x256)",
+        help="comma-separated student shapes: LAYERSxHIDDEN for a fresh model (e.g. 2x256), or L "
+        "and target layer indices joined by + for one made of the target's own layers (e.g. "
+        "L0+29); default 4x256",
     )
     p.add_argument("--num-prompts", type=int, default=2000)
+    p.add_argument(
+        "--extra-prompts",
+        type=int,
+        default=0,
+        help="answers to the extra prompt families (extraction, passages, role play, ...)",
+    )
+    p.add_argument(
+        "--max-len", type=int, default=1152, help="longest answer row trained on (tokens)"
+    )
     p.add_argument("--answer-tokens", type=int, default=192)
     p.add_argument("--text-chars", type=int, default=1_500_000)
     p.add_argument(
@@ -204,6 +215,9 @@ def _add_distill(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--tokens-per-batch", type=int, default=4096)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--generation-batch", type=int, default=32, help="sequences the target answers at once"
+    )
     p.set_defaults(handler=_distill)
 
 
@@ -219,6 +233,8 @@ def _distill(args: argparse.Namespace) -> int:
             target=args.target,
             shapes=[parse_shape(s) for s in args.sizes.split(",")],
             num_prompts=args.num_prompts,
+            extra_prompts=args.extra_prompts,
+            max_len=args.max_len,
             answer_tokens=args.answer_tokens,
             text_chars=args.text_chars,
             text_share=args.text_share,
@@ -227,6 +243,7 @@ def _distill(args: argparse.Namespace) -> int:
             tokens_per_batch=args.tokens_per_batch,
             lr=args.lr,
             seed=args.seed,
+            generation_batch=args.generation_batch,
         )
     )
     return 0

@@ -23,6 +23,7 @@ import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Generic, TypeVar
 
 import torch
 
@@ -32,8 +33,8 @@ from specbatch.engine.model_runner import ModelRunner
 from specbatch.models import load_model, resolve_model_path
 from specbatch.models.llama import LlamaForCausalLM
 from specbatch.spec.distill.corpus import (
+    corpus_parts,
     generate_answers,
-    load_sequences,
     num_answer_sequences,
     tokenize_text,
 )
@@ -44,11 +45,12 @@ from specbatch.spec.distill.student import (
     select_vocabulary,
     student_config,
 )
-from specbatch.spec.distill.teacher import load_shards, run_dense, score_corpus
+from specbatch.spec.distill.teacher import label_shards, load_shards, run_dense, score_corpus
 from specbatch.spec.distill.train import Example, train
 from specbatch.tokenizer import load_tokenizer
 
 HELD_OUT_EVERY = 30
+T = TypeVar("T")
 
 
 @dataclass
@@ -60,12 +62,13 @@ class DistillConfig:
     target: str | None = None
     shapes: list[StudentShape] = field(default_factory=lambda: [StudentShape()])
     num_prompts: int = 2000
+    extra_prompts: int = 0
     answer_tokens: int = 192
     text_chars: int = 1_500_000
     text_share: float = 0.3
     vocab_size: int = 8192
     top_k: int = 16
-    max_len: int = 512
+    max_len: int = 1152
     steps: int = 3000
     tokens_per_batch: int = 4096
     lr: float = 2e-3
@@ -74,8 +77,19 @@ class DistillConfig:
 
 
 def parse_shape(text: str) -> StudentShape:
-    """``LAYERSxHIDDEN`` (e.g. ``4x256``): heads of 64, half as many KV heads, MLP 3x."""
-    layers, hidden = (int(x) for x in text.lower().split("x"))
+    """``LAYERSxHIDDEN`` (e.g. ``4x256``: heads of 64, half as many KV heads, MLP 3x), or
+    ``L`` and target layer indices joined by ``+`` (e.g. ``L0+29``: those layers of the target,
+    see ``StudentShape``)."""
+    if text[:1] in "Ll":
+        try:
+            indices = tuple(int(x) for x in text[1:].split("+"))
+        except ValueError:
+            raise ValueError(f"bad student shape {text!r}: expected e.g. L0+29") from None
+        return StudentShape(target_layers=indices)
+    try:
+        layers, hidden = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise ValueError(f"bad student shape {text!r}: expected e.g. 2x256 or L0+29") from None
     heads = max(1, hidden // 64)
     return StudentShape(hidden, layers, heads, max(1, heads // 2), 3 * hidden)
 
@@ -91,14 +105,40 @@ def run(config: DistillConfig) -> Path:
         config.generation_batch,
         config.seed,
     )
+    if config.extra_prompts:
+        generate_answers(
+            config.target,
+            work,
+            config.extra_prompts,
+            config.answer_tokens,
+            config.generation_batch,
+            config.seed,
+            extra=True,
+        )
     tokenize_text(config.target, work, config.text_chars)
-    sequences = load_sequences(work, config.max_len)
-    token_map = _vocabulary(config, sequences)
+    parts = corpus_parts(work, config.max_len)
+    # the vocabulary comes from the base answers and the text (it was fixed before the extra
+    # prompt families existed; recomputing it would mean scoring all of them again)
+    token_map = _vocabulary(
+        config, [s for part in parts if part.name != "generations-extra" for s in part.sequences]
+    )
     teacher = load_model(config.target, attention_backend="dense_causal")
     teacher.pack_for_cpu()
-    shards = score_corpus(teacher, sequences, token_map, work, config.top_k, max_tokens=2048)
+    shards = []
+    for part in parts:
+        labels = [label for label in part.labels if label is not None]
+        if len(labels) == len(part.sequences):  # labelled while generating: no teacher pass
+            shards += label_shards(part.sequences, labels, token_map, work, config.top_k, part.name)
+        else:
+            shards += score_corpus(
+                teacher, part.sequences, token_map, work, config.top_k, 2048, part.name
+            )
     examples = load_shards(shards)
-    answers, text = split_corpus(examples, num_answer_sequences(work))
+    num_answers = num_answer_sequences(work)
+    answers, text = split_corpus(examples, num_answers)
+    starts = split_corpus(
+        [p for part in parts for p in part.prompt_lens][:num_answers], num_answers
+    )[0]
     train_set = mix(answers.train, text.train, config.text_share)
     print(
         f"corpus: {len(answers.train)} answers and {len(text.train)} text sequences for "
@@ -110,12 +150,15 @@ def run(config: DistillConfig) -> Path:
     )
     target_ms = decode_ms(load_and_pack(config.target))
     results = []
+    del teacher  # its linear weights are packed for inference; students copy plain ones
+    source = load_model(config.target, attention_backend="dense_causal")
     for shape in config.shapes:
-        name = f"{shape.num_layers}x{shape.hidden_size}"
+        name = shape.name
         student = build_student(
-            student_config(teacher.config, shape, token_map),
-            teacher.model.embed_tokens.weight,
+            student_config(source.config, shape, token_map),
+            source,
             config.seed,
+            shape.target_layers,
         )
         train(
             student,
@@ -126,7 +169,7 @@ def run(config: DistillConfig) -> Path:
             work / f"checkpoint-{name}",
             config.seed,
         )
-        alpha = greedy_agreement(student, answers.held_out)
+        alpha = greedy_agreement(student, answers.held_out, starts.held_out)
         alpha_text = greedy_agreement(student, text.held_out) if text.held_out else float("nan")
         directory = work / f"student-{name}"
         digest = save_student(student, directory, {"shape": shape.describe()})
@@ -159,16 +202,16 @@ def run(config: DistillConfig) -> Path:
 
 
 @dataclass
-class Split:
-    train: list[Example]
-    held_out: list[Example]
+class Split(Generic[T]):
+    train: list[T]
+    held_out: list[T]
 
 
-def split_corpus(examples: list[Example], num_answers: int) -> tuple[Split, Split]:
+def split_corpus(examples: list[T], num_answers: int) -> tuple[Split[T], Split[T]]:
     """Answers and plain text, each with every ``HELD_OUT_EVERY``-th sequence held out (at
     least one of a part of two or more)."""
 
-    def split(part: list[Example]) -> Split:
+    def split(part: list[T]) -> Split[T]:
         every = min(HELD_OUT_EVERY, max(2, len(part)))
         held = [e for i, e in enumerate(part) if i % every == every - 1]
         kept = [e for i, e in enumerate(part) if i % every != every - 1]
@@ -208,15 +251,21 @@ def _vocabulary(config: DistillConfig, sequences: list[list[int]]) -> list[int]:
     return token_map
 
 
-def greedy_agreement(student: LlamaForCausalLM, examples: list[Example]) -> float:
-    """How often the student's argmax is the teacher's argmax, over every position of the
-    held-out sequences (prompts included)."""
+def greedy_agreement(
+    student: LlamaForCausalLM, examples: list[Example], prompt_lens: list[int] | None = None
+) -> float:
+    """How often the student's argmax is the teacher's argmax over the held-out sequences:
+    at the positions that predict answer tokens where ``prompt_lens`` are given (0: the whole
+    sequence), at every position otherwise."""
     agree = total = 0
     with torch.no_grad():
-        for ids, top_ids, _ in examples:
-            logits = run_dense(student, [ids.tolist()])[0, :, :-1]
-            agree += int((logits.argmax(-1) == top_ids[:, 0].long()).sum())
-            total += len(ids)
+        for i, (ids, top_ids, top_p) in enumerate(examples):
+            first = max(0, prompt_lens[i] - 1) if prompt_lens else 0
+            logits = run_dense(student, [ids.tolist()])[0, first:, :-1]
+            scored = top_p[first:, 0] > 0  # the last position of a stored-label row has none
+            hits = logits.argmax(-1) == top_ids[first:, 0].long()
+            agree += int((hits & scored).sum())
+            total += int(scored.sum())
     return agree / max(total, 1)
 
 

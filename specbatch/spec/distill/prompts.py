@@ -230,3 +230,100 @@ def stdlib_source_chunks(max_chars: int, chunk_chars: int = 2000) -> Iterator[st
             total += chunk_chars
             if total >= max_chars:
                 return
+
+
+PERSONAS = [
+    "a pirate captain",
+    "a medieval knight",
+    "a friendly librarian",
+    "a tour guide in Rome",
+    "a detective in the 1920s",
+    "a chef on a cooking show",
+    "an astronaut on Mars",
+    "a wise old wizard",
+    "a sports commentator",
+    "a museum curator",
+]
+COUNTRIES = [
+    "France",
+    "Japan",
+    "Brazil",
+    "Canada",
+    "Egypt",
+    "India",
+    "Australia",
+    "Mexico",
+    "Kenya",
+    "Norway",
+    "Argentina",
+    "Vietnam",
+]
+FIELDS = ["biology", "economics", "physics", "history", "philosophy", "computer science"]
+# Families the base set lacks: extraction, questions over passages, longer summaries, role play,
+# word problems, factual questions, paragraph translation, letters and essays. Every template
+# takes the same fields (unused ones are ignored by ``str.format``).
+EXTRA_TEMPLATES = [
+    "Extract every function or parameter name mentioned in the text below and list them.\n\n{doc}",
+    "Extract the key facts from the following text as a bulleted list.\n\n{doc}",
+    "Read the text below and return a JSON object with the fields 'topic' and 'summary'.\n\n{doc}",
+    "Answer the question using only the passages below.\n\nPassage 1: {doc}\n\nPassage 2: "
+    "{doc2}\n\nQuestion: what is the main purpose described in passage 1?",
+    "Given these documents, explain how the two are related.\n\nDocument A:\n{doc}\n\n"
+    "Document B:\n{doc2}",
+    "Summarize the following article in three sentences.\n\n{doc}\n\n{doc2}",
+    "Write a one-paragraph summary of this text for a newsletter.\n\n{doc}",
+    "Pretend you are {persona}. Describe {topic} to your audience.",
+    "You are {persona}. Greet a visitor and tell them about {concept}.",
+    "Stay in character as {persona} and give advice about {topic}.",
+    "A train travels {a} kilometres in {b} hours. What is its average speed? Explain.",
+    "A shop sells pens at {a} cents each. How much do {b} pens cost? Think step by step.",
+    "Tom has {a} marbles. He buys {b} more and then gives half away. How many does he have?",
+    "A rectangle is {a} cm long and {b} cm wide. What are its area and perimeter?",
+    "What is the capital of {country}, and what is it known for?",
+    "Who first described {concept}, and when?",
+    "Name three famous people from {country} and say why they are known.",
+    "Translate this paragraph into {language}: {sentence} {sentence2}",
+    "How would you say the following in {language}? {sentence2}",
+    "Write an email to a colleague about {topic}.",
+    "Write a persuasive essay opening about {topic}.",
+    "Write a letter to a friend describing a trip to {country}.",
+    "Describe the role of {concept} in {field}.",
+    "What are the main open questions in {field} today?",
+    "Give a step-by-step explanation of {concept}, with one example per step.",
+    "Write a dialogue between {persona} and a student about {concept}.",
+    "Continue this story in one paragraph: {sentence}",
+    "Write a numbered list of ten ideas related to {topic}.",
+]
+
+
+def extra_prompts(count: int, seed: int = 0) -> list[str]:
+    """``count`` distinct prompts of the families ``build_prompts`` lacks (a separate,
+    deterministic stream: it does not change ``build_prompts``' list)."""
+    rng = random.Random(seed + 1)
+    docs = stdlib_docstrings(limit=2000, min_chars=300)
+    prompts: dict[str, None] = {}
+    attempts = 0
+    while len(prompts) < count and attempts < count * 50:
+        attempts += 1
+        concept, concept2 = rng.sample(CONCEPTS, 2)
+        sentence, sentence2 = rng.sample(SENTENCES, 2)
+        doc, doc2 = rng.sample(docs, 2)
+        prompts[
+            rng.choice(EXTRA_TEMPLATES).format(
+                topic=rng.choice(TOPICS),
+                concept=concept,
+                concept2=concept2,
+                language=rng.choice(LANGUAGES),
+                sentence=sentence,
+                sentence2=sentence2,
+                task=rng.choice(CODE_TASKS),
+                a=rng.randint(2, 99),
+                b=rng.randint(2, 99),
+                doc=doc,
+                doc2=doc2,
+                persona=rng.choice(PERSONAS),
+                country=rng.choice(COUNTRIES),
+                field=rng.choice(FIELDS),
+            )
+        ] = None
+    return list(prompts)[:count]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -19,13 +19,28 @@ from specbatch.models.llama import LlamaForCausalLM
 
 @dataclass(frozen=True)
 class StudentShape:
+    """A fresh small model, or (``target_layers`` set) one made of some of the target's own
+    layers at the target's width, with the input and output embeddings tied (the target's rows
+    of the draft vocabulary): pretrained weights that distillation adapts to the missing layers.
+    """
+
     hidden_size: int = 256
     num_layers: int = 4
     num_heads: int = 4
     num_kv_heads: int = 2
     intermediate_size: int = 768
+    target_layers: tuple[int, ...] | None = None
+
+    @property
+    def name(self) -> str:
+        if self.target_layers is not None:
+            return "L" + "+".join(str(i) for i in self.target_layers)
+        return f"{self.num_layers}x{self.hidden_size}"
 
     def describe(self) -> str:
+        if self.target_layers is not None:
+            layers = ", ".join(str(i) for i in self.target_layers)
+            return f"the target's layers {layers}, tied embeddings"
         return (
             f"{self.num_layers} layers x {self.hidden_size} hidden, {self.num_heads}/"
             f"{self.num_kv_heads} heads, MLP {self.intermediate_size}"
@@ -45,6 +60,22 @@ def select_vocabulary(sequences: list[list[int]], size: int, always: set[int]) -
 
 
 def student_config(target: ModelConfig, shape: StudentShape, token_map: list[int]) -> ModelConfig:
+    if shape.target_layers is not None:
+        if not shape.target_layers or not all(
+            0 <= i < target.num_hidden_layers for i in shape.target_layers
+        ):
+            raise ValueError(
+                f"student {shape.name}: layers must be among the target's "
+                f"0..{target.num_hidden_layers - 1}"
+            )
+        return replace(
+            target,
+            vocab_size=len(token_map) + 1,
+            num_hidden_layers=len(shape.target_layers),
+            tie_word_embeddings=True,
+            token_map=tuple(token_map),
+            target_vocab_size=target.vocab_size,
+        )
     return ModelConfig(
         architecture="LlamaForCausalLM",
         vocab_size=len(token_map) + 1,
@@ -66,10 +97,15 @@ def student_config(target: ModelConfig, shape: StudentShape, token_map: list[int
 
 
 def build_student(
-    config: ModelConfig, target_embedding: torch.Tensor, seed: int
+    config: ModelConfig,
+    target: LlamaForCausalLM,
+    seed: int,
+    target_layers: tuple[int, ...] | None = None,
 ) -> LlamaForCausalLM:
-    """A trainable student; its embeddings start as the target's, projected onto their top
-    principal directions (meaningful from step 0), its layers at small random values."""
+    """A trainable student. A fresh one's embeddings start as the target's projected onto their
+    top principal directions (meaningful from step 0), its layers at small random values; one of
+    ``target_layers`` starts as exact copies of those layers, the final norm and the target's
+    embedding rows (the extra "other" row their mean)."""
     torch.manual_seed(seed)
     backend = DenseCausalBackend(
         config.num_attention_heads,
@@ -78,7 +114,15 @@ def build_student(
         config.head_dim**-0.5,
     )
     student = LlamaForCausalLM(config, backend)
+    target_embedding = target.model.embed_tokens.weight.detach()
     with torch.no_grad():
+        if target_layers is not None:
+            rows = target_embedding[list(config.token_map or ())].float()
+            student.model.embed_tokens.weight.copy_(torch.cat([rows, rows.mean(0, keepdim=True)]))
+            student.model.norm.load_state_dict(target.model.norm.state_dict())
+            for mine, theirs in zip(student.model.layers, target_layers, strict=True):
+                mine.load_state_dict(target.model.layers[theirs].state_dict())
+            return student
         for name, param in student.named_parameters():
             if "norm" in name:
                 param.fill_(1.0)
@@ -113,7 +157,7 @@ def hf_config_dict(config: ModelConfig) -> dict[str, Any]:
         "max_position_embeddings": config.max_position_embeddings,
         "rms_norm_eps": config.rms_norm_eps,
         "rope_theta": config.rope_theta,
-        "tie_word_embeddings": False,
+        "tie_word_embeddings": config.tie_word_embeddings,
         "bos_token_id": config.bos_token_id,
         "eos_token_id": list(config.eos_token_ids),
         "torch_dtype": "bfloat16",

@@ -2,16 +2,20 @@
 
 The target scores whole sequences (dense causal attention, no cache). Its distribution is
 restricted to the draft's vocabulary and its K most likely entries are stored (draft row ids as
-int16, probabilities as float16) in safetensors shards of ``SHARD_SEQUENCES`` sequences each;
-existing shards are skipped, so an interrupted run resumes.
+int16, probabilities as float16) in safetensors shards of ``SHARD_SEQUENCES`` sequences each,
+named after the corpus part they score. Each shard records a digest of what it scored (token ids,
+draft vocabulary, K): an existing shard with the same digest is reused, so an interrupted run
+resumes and a grown corpus only scores its new sequences; any other is scored again.
 """
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
@@ -77,19 +81,22 @@ def score_corpus(
     work: Path,
     top_k: int,
     max_tokens: int,
+    part: str = "shard",
 ) -> list[Path]:
-    """Write (or reuse) the soft-label shards of ``sequences``; returns their paths."""
+    """Write (or reuse) the soft-label shards ``teacher/{part}-NNNNN`` of ``sequences``;
+    returns their paths."""
     directory = work / "teacher"
     directory.mkdir(parents=True, exist_ok=True)
     columns = torch.tensor(token_map, dtype=torch.long)
     paths = []
     starts = range(0, len(sequences), SHARD_SEQUENCES)
     for number, start in enumerate(tqdm(starts, desc="teacher shards")):
-        path = directory / f"shard-{number:05d}.safetensors"
+        path = directory / f"{part}-{number:05d}.safetensors"
         paths.append(path)
-        if path.exists():
-            continue
         chunk = sequences[start : start + SHARD_SEQUENCES]
+        digest = shard_digest(chunk, token_map, top_k)
+        if path.exists() and _stored_digest(path) == digest:
+            continue
         ids, probs = [torch.empty(0)] * len(chunk), [torch.empty(0)] * len(chunk)
         for group in dense_batches([len(s) for s in chunk], max_tokens):
             with torch.no_grad():
@@ -106,7 +113,77 @@ def score_corpus(
             "lengths": torch.tensor([len(s) for s in chunk], dtype=torch.int32),
         }
         tmp = path.with_suffix(".tmp")
-        save_file(tensors, str(tmp))
+        save_file(tensors, str(tmp), metadata={"digest": digest})
+        tmp.replace(path)
+    return paths
+
+
+def shard_digest(chunk: list[list[int]], token_map: list[int], top_k: int) -> str:
+    """What a shard's labels depend on besides the teacher: its rows, the vocabulary, K."""
+    h = hashlib.sha256(f"{top_k}:{len(chunk)}".encode())
+    h.update(torch.tensor(token_map, dtype=torch.int64).numpy().tobytes())
+    for row in chunk:
+        h.update(torch.tensor([len(row), *row], dtype=torch.int64).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _stored_digest(path: Path) -> str | None:
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            return (handle.metadata() or {}).get("digest")
+    except Exception:  # an unreadable shard (e.g. cut short) is simply scored again
+        return None
+
+
+def label_shards(
+    sequences: list[list[int]],
+    labels: list[tuple[torch.Tensor, torch.Tensor]],
+    token_map: list[int],
+    work: Path,
+    top_k: int,
+    part: str,
+) -> list[Path]:
+    """Soft-label shards made from labels stored at generation time (``corpus.position_labels``:
+    the target's top log-probabilities over its whole vocabulary) instead of a teacher pass:
+    restricted to the draft vocabulary, the ``top_k`` most likely kept."""
+    directory = work / "teacher"
+    directory.mkdir(parents=True, exist_ok=True)
+    target_to_draft = torch.full((max(token_map) + 1,), -1, dtype=torch.long)
+    target_to_draft[torch.tensor(token_map)] = torch.arange(len(token_map))
+    paths = []
+    for number, start in enumerate(range(0, len(sequences), SHARD_SEQUENCES)):
+        path = directory / f"{part}-{number:05d}.safetensors"
+        paths.append(path)
+        chunk = sequences[start : start + SHARD_SEQUENCES]
+        digest = shard_digest(chunk, token_map, top_k)
+        if path.exists() and _stored_digest(path) == digest:
+            continue
+        ids, probs = [], []
+        for seq, (target_ids, logprobs) in zip(
+            chunk, labels[start : start + len(chunk)], strict=True
+        ):
+            target_ids = target_ids[: len(seq)].long()
+            known = target_ids < len(target_to_draft)
+            rows = torch.where(
+                known, target_to_draft[target_ids.clamp_max(len(target_to_draft) - 1)], -1
+            )
+            p = logprobs[: len(seq)].float().exp().masked_fill(rows < 0, 0.0)
+            p, order = p.topk(min(top_k, p.shape[1]), dim=-1)
+            rows = rows.gather(-1, order).clamp_min(0)
+            if p.shape[1] < top_k:  # fewer stored than asked: pad with zero probability
+                pad = top_k - p.shape[1]
+                p = torch.cat([p, p.new_zeros(len(p), pad)], -1)
+                rows = torch.cat([rows, rows.new_zeros(len(rows), pad)], -1)
+            ids.append(rows.to(torch.int16))
+            probs.append(p.half())
+        tensors = {
+            "input_ids": torch.tensor([t for s in chunk for t in s], dtype=torch.int32),
+            "topk_ids": torch.cat(ids),
+            "topk_probs": torch.cat(probs),
+            "lengths": torch.tensor([len(s) for s in chunk], dtype=torch.int32),
+        }
+        tmp = path.with_suffix(".tmp")
+        save_file(tensors, str(tmp), metadata={"digest": digest})
         tmp.replace(path)
     return paths
 
