@@ -16,7 +16,7 @@ DRAFT_DIR = Path(__file__).resolve().parent.parent / "assets" / "smollm2-135m-dr
 # False while the shipped draft is slower than speculation off at batch 1 on the CPU (its
 # greedy acceptance is too low: see docs/distillation.md); set it when a draft that pays ships.
 PREFERRED_BY_DEFAULT = False
-DRAFT_SHA256 = "675451cfb2ac77252891495d6696f26d9a7bb2572c23df87fec9c7a600a29e0d"
+DRAFT_SHA256 = "a76042d7f311b87bcd6f0060d624f235183848e7317708e6e24265f4e1632f10"
 
 
 def shipped_draft_available() -> bool:

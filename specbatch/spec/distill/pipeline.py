@@ -2,15 +2,15 @@
 
 Every stage writes its result into the work directory and is skipped when that result exists,
 so the whole command can be interrupted and run again. For each student shape it reports alpha
-(greedy agreement with the target at every position of the held-out sequences) and c (one
-draft decode step over one target decode step, measured here), and keeps the shape with the best
-expected speedup ``(1 - a^(k+1)) / ((1 - a) (k c + 1))`` (Leviathan et al.) at ``k = 4``.
+(greedy agreement with the target at the answer positions of the held-out answers; every
+position of the held-out plain text) and c (one draft decode step over one target decode step,
+measured here), and keeps the shape with the best expected speedup
+``(1 - a^(k+1)) / ((1 - a) (k c + 1))`` (Leviathan et al.) at ``k = 4``.
 
-This alpha ranks students; it is not the acceptance rate in use. It counts the prompt positions
-too, where the chat template and its fixed system prompt are easy to predict, so it reads higher
-than the acceptance in use: 0.56 for the shipped draft, whose greedy agreement on its own
-greedy answers to short chat prompts is ~0.37 and whose acceptance on Spec-Bench, measured by
-``benchmarks/draft_quality.py``, is 0.22. Use that benchmark for the real figure.
+This alpha ranks students; it is not the acceptance rate in use, which is lower (the held-out
+answers come from the same prompt templates as the training ones): 0.48 for the shipped draft,
+whose acceptance on Spec-Bench, measured by ``benchmarks/draft_quality.py``, is 0.29. Use that
+benchmark for the real figure.
 """
 
 from __future__ import annotations
