@@ -106,16 +106,27 @@ def score_corpus(
             for row, i in enumerate(group):
                 n = len(chunk[i])
                 ids[i], probs[i] = top_i[row, :n].to(torch.int16), top_p[row, :n].half()
-        tensors = {
-            "input_ids": torch.tensor([t for s in chunk for t in s], dtype=torch.int32),
-            "topk_ids": torch.cat(ids),
-            "topk_probs": torch.cat(probs),
-            "lengths": torch.tensor([len(s) for s in chunk], dtype=torch.int32),
-        }
-        tmp = path.with_suffix(".tmp")
-        save_file(tensors, str(tmp), metadata={"digest": digest})
-        tmp.replace(path)
+        _write_shard(path, chunk, ids, probs, digest)
     return paths
+
+
+def _write_shard(
+    path: Path,
+    chunk: list[list[int]],
+    ids: list[torch.Tensor],
+    probs: list[torch.Tensor],
+    digest: str,
+) -> None:
+    """Save one shard atomically (a temporary file renamed), its digest in the metadata."""
+    tensors = {
+        "input_ids": torch.tensor([t for s in chunk for t in s], dtype=torch.int32),
+        "topk_ids": torch.cat(ids),
+        "topk_probs": torch.cat(probs),
+        "lengths": torch.tensor([len(s) for s in chunk], dtype=torch.int32),
+    }
+    tmp = path.with_suffix(".tmp")
+    save_file(tensors, str(tmp), metadata={"digest": digest})
+    tmp.replace(path)
 
 
 def shard_digest(chunk: list[list[int]], token_map: list[int], top_k: int) -> str:
@@ -176,15 +187,7 @@ def label_shards(
                 rows = torch.cat([rows, rows.new_zeros(len(rows), pad)], -1)
             ids.append(rows.to(torch.int16))
             probs.append(p.half())
-        tensors = {
-            "input_ids": torch.tensor([t for s in chunk for t in s], dtype=torch.int32),
-            "topk_ids": torch.cat(ids),
-            "topk_probs": torch.cat(probs),
-            "lengths": torch.tensor([len(s) for s in chunk], dtype=torch.int32),
-        }
-        tmp = path.with_suffix(".tmp")
-        save_file(tensors, str(tmp), metadata={"digest": digest})
-        tmp.replace(path)
+        _write_shard(path, chunk, ids, probs, digest)
     return paths
 
 
