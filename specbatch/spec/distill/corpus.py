@@ -165,7 +165,7 @@ class CorpusPart:
 
 
 def corpus_parts(work: Path, max_len: int, text_max_len: int = 512) -> list[CorpusPart]:
-    """The corpus in a fixed order: the target's answers first (``num_answer_sequences`` rows,
+    """The corpus in a fixed order: the target's answers first (every part but ``text``,
     cut to ``max_len`` tokens), then the plain text (cut to ``text_max_len``)."""
     parts = []
     for name in ANSWER_FILES:
@@ -200,10 +200,3 @@ def corpus_parts(work: Path, max_len: int, text_max_len: int = 512) -> list[Corp
 def load_sequences(work: Path, max_len: int, text_max_len: int = 512) -> list[list[int]]:
     """Every row of ``corpus_parts``, in its order."""
     return [s for part in corpus_parts(work, max_len, text_max_len) for s in part.sequences]
-
-
-def num_answer_sequences(work: Path) -> int:
-    """How many of ``load_sequences``' rows are the target's answers (they come first)."""
-    return sum(
-        1 for name in ANSWER_FILES for r in read_jsonl(work / name) if len(r["token_ids"]) >= 8
-    )

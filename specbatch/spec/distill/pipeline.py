@@ -35,7 +35,6 @@ from specbatch.models.llama import LlamaForCausalLM
 from specbatch.spec.distill.corpus import (
     corpus_parts,
     generate_answers,
-    num_answer_sequences,
     tokenize_text,
 )
 from specbatch.spec.distill.student import (
@@ -134,7 +133,7 @@ def run(config: DistillConfig) -> Path:
                 teacher, part.sequences, token_map, work, config.top_k, 2048, part.name
             )
     examples = load_shards(shards)
-    num_answers = num_answer_sequences(work)
+    num_answers = sum(len(part.sequences) for part in parts if part.name != "text")
     answers, text = split_corpus(examples, num_answers)
     starts = split_corpus(
         [p for part in parts for p in part.prompt_lens][:num_answers], num_answers

@@ -11,6 +11,7 @@ resumes and a grown corpus only scores its new sequences; any other is scored ag
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -83,21 +84,12 @@ def score_corpus(
     max_tokens: int,
     part: str = "shard",
 ) -> list[Path]:
-    """Write (or reuse) the soft-label shards ``teacher/{part}-NNNNN`` of ``sequences``;
-    returns their paths."""
-    directory = work / "teacher"
-    directory.mkdir(parents=True, exist_ok=True)
+    """Write (or reuse) the soft-label shards ``teacher/{part}-NNNNN`` of ``sequences``, scored
+    by ``teacher``; returns their paths."""
     columns = torch.tensor(token_map, dtype=torch.long)
-    paths = []
-    starts = range(0, len(sequences), SHARD_SEQUENCES)
-    for number, start in enumerate(tqdm(starts, desc="teacher shards")):
-        path = directory / f"{part}-{number:05d}.safetensors"
-        paths.append(path)
-        chunk = sequences[start : start + SHARD_SEQUENCES]
-        digest = shard_digest(chunk, token_map, top_k)
-        if path.exists() and _stored_digest(path) == digest:
-            continue
-        ids, probs = [torch.empty(0)] * len(chunk), [torch.empty(0)] * len(chunk)
+
+    def score(start: int, chunk: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        labels: list[tuple[torch.Tensor, torch.Tensor]] = [(torch.empty(0),) * 2] * len(chunk)
         for group in dense_batches([len(s) for s in chunk], max_tokens):
             with torch.no_grad():
                 logits = run_dense(teacher, [chunk[i] for i in group])
@@ -105,28 +97,85 @@ def score_corpus(
                 top_p, top_i = dist.topk(top_k, dim=-1)
             for row, i in enumerate(group):
                 n = len(chunk[i])
-                ids[i], probs[i] = top_i[row, :n].to(torch.int16), top_p[row, :n].half()
-        _write_shard(path, chunk, ids, probs, digest)
+                labels[i] = top_i[row, :n].to(torch.int16), top_p[row, :n].half()
+        return labels
+
+    return _write_shards(sequences, token_map, work, top_k, part, score)
+
+
+def label_shards(
+    sequences: list[list[int]],
+    labels: list[tuple[torch.Tensor, torch.Tensor]],
+    token_map: list[int],
+    work: Path,
+    top_k: int,
+    part: str,
+) -> list[Path]:
+    """Soft-label shards made from labels stored at generation time (``corpus.position_labels``:
+    the target's top log-probabilities over its whole vocabulary) instead of a teacher pass:
+    restricted to the draft vocabulary, the ``top_k`` most likely kept."""
+    target_to_draft = torch.full((max(token_map) + 1,), -1, dtype=torch.long)
+    target_to_draft[torch.tensor(token_map)] = torch.arange(len(token_map))
+
+    def restrict(start: int, chunk: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        out = []
+        for seq, (target_ids, logprobs) in zip(
+            chunk, labels[start : start + len(chunk)], strict=True
+        ):
+            target_ids = target_ids[: len(seq)].long()
+            known = target_ids < len(target_to_draft)
+            rows = torch.where(
+                known, target_to_draft[target_ids.clamp_max(len(target_to_draft) - 1)], -1
+            )
+            p = logprobs[: len(seq)].float().exp().masked_fill(rows < 0, 0.0)
+            p, order = p.topk(min(top_k, p.shape[1]), dim=-1)
+            rows = rows.gather(-1, order).clamp_min(0)
+            if p.shape[1] < top_k:  # fewer stored than asked: pad with zero probability
+                pad = top_k - p.shape[1]
+                p = torch.cat([p, p.new_zeros(len(p), pad)], -1)
+                rows = torch.cat([rows, rows.new_zeros(len(rows), pad)], -1)
+            out.append((rows.to(torch.int16), p.half()))
+        return out
+
+    return _write_shards(sequences, token_map, work, top_k, part, restrict)
+
+
+ChunkLabels = Callable[[int, list[list[int]]], list[tuple[torch.Tensor, torch.Tensor]]]
+
+
+def _write_shards(
+    sequences: list[list[int]],
+    token_map: list[int],
+    work: Path,
+    top_k: int,
+    part: str,
+    chunk_labels: ChunkLabels,
+) -> list[Path]:
+    """Shards ``teacher/{part}-NNNNN`` of ``SHARD_SEQUENCES`` rows each: one whose stored digest
+    matches is kept, any other gets ``chunk_labels(start, rows)`` (per row: top-K draft ids and
+    probabilities) and is written atomically (a temporary file renamed)."""
+    directory = work / "teacher"
+    directory.mkdir(parents=True, exist_ok=True)
+    paths = []
+    starts = range(0, len(sequences), SHARD_SEQUENCES)
+    for number, start in enumerate(tqdm(starts, desc=f"{part} shards")):
+        path = directory / f"{part}-{number:05d}.safetensors"
+        paths.append(path)
+        chunk = sequences[start : start + SHARD_SEQUENCES]
+        digest = shard_digest(chunk, token_map, top_k)
+        if path.exists() and _stored_digest(path) == digest:
+            continue
+        ids, probs = zip(*chunk_labels(start, chunk), strict=True)
+        tensors = {
+            "input_ids": torch.tensor([t for s in chunk for t in s], dtype=torch.int32),
+            "topk_ids": torch.cat(ids),
+            "topk_probs": torch.cat(probs),
+            "lengths": torch.tensor([len(s) for s in chunk], dtype=torch.int32),
+        }
+        tmp = path.with_suffix(".tmp")
+        save_file(tensors, str(tmp), metadata={"digest": digest})
+        tmp.replace(path)
     return paths
-
-
-def _write_shard(
-    path: Path,
-    chunk: list[list[int]],
-    ids: list[torch.Tensor],
-    probs: list[torch.Tensor],
-    digest: str,
-) -> None:
-    """Save one shard atomically (a temporary file renamed), its digest in the metadata."""
-    tensors = {
-        "input_ids": torch.tensor([t for s in chunk for t in s], dtype=torch.int32),
-        "topk_ids": torch.cat(ids),
-        "topk_probs": torch.cat(probs),
-        "lengths": torch.tensor([len(s) for s in chunk], dtype=torch.int32),
-    }
-    tmp = path.with_suffix(".tmp")
-    save_file(tensors, str(tmp), metadata={"digest": digest})
-    tmp.replace(path)
 
 
 def shard_digest(chunk: list[list[int]], token_map: list[int], top_k: int) -> str:
@@ -144,51 +193,6 @@ def _stored_digest(path: Path) -> str | None:
             return (handle.metadata() or {}).get("digest")
     except Exception:  # an unreadable shard (e.g. cut short) is simply scored again
         return None
-
-
-def label_shards(
-    sequences: list[list[int]],
-    labels: list[tuple[torch.Tensor, torch.Tensor]],
-    token_map: list[int],
-    work: Path,
-    top_k: int,
-    part: str,
-) -> list[Path]:
-    """Soft-label shards made from labels stored at generation time (``corpus.position_labels``:
-    the target's top log-probabilities over its whole vocabulary) instead of a teacher pass:
-    restricted to the draft vocabulary, the ``top_k`` most likely kept."""
-    directory = work / "teacher"
-    directory.mkdir(parents=True, exist_ok=True)
-    target_to_draft = torch.full((max(token_map) + 1,), -1, dtype=torch.long)
-    target_to_draft[torch.tensor(token_map)] = torch.arange(len(token_map))
-    paths = []
-    for number, start in enumerate(range(0, len(sequences), SHARD_SEQUENCES)):
-        path = directory / f"{part}-{number:05d}.safetensors"
-        paths.append(path)
-        chunk = sequences[start : start + SHARD_SEQUENCES]
-        digest = shard_digest(chunk, token_map, top_k)
-        if path.exists() and _stored_digest(path) == digest:
-            continue
-        ids, probs = [], []
-        for seq, (target_ids, logprobs) in zip(
-            chunk, labels[start : start + len(chunk)], strict=True
-        ):
-            target_ids = target_ids[: len(seq)].long()
-            known = target_ids < len(target_to_draft)
-            rows = torch.where(
-                known, target_to_draft[target_ids.clamp_max(len(target_to_draft) - 1)], -1
-            )
-            p = logprobs[: len(seq)].float().exp().masked_fill(rows < 0, 0.0)
-            p, order = p.topk(min(top_k, p.shape[1]), dim=-1)
-            rows = rows.gather(-1, order).clamp_min(0)
-            if p.shape[1] < top_k:  # fewer stored than asked: pad with zero probability
-                pad = top_k - p.shape[1]
-                p = torch.cat([p, p.new_zeros(len(p), pad)], -1)
-                rows = torch.cat([rows, rows.new_zeros(len(rows), pad)], -1)
-            ids.append(rows.to(torch.int16))
-            probs.append(p.half())
-        _write_shard(path, chunk, ids, probs, digest)
-    return paths
 
 
 def load_shards(paths: list[Path]) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
