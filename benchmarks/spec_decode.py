@@ -15,6 +15,7 @@ batch size (proposal time for n-gram).
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from collections import defaultdict
@@ -54,6 +55,36 @@ class Timer:
         return self.seconds / self.calls if self.calls else 0.0
 
 
+PROPOSER_OPTIONS = {"k": int, "min": int, "max": int, "conf": float, "adaptive": int}
+
+
+def proposer_config(spec: str, args: argparse.Namespace) -> dict[str, Any]:
+    """``name[:key=value,...]`` (name ngram, draft or hybrid; keys k, min, max, conf,
+    adaptive) as a speculative_config, the command-line defaults filling what the spec leaves
+    out."""
+    name, _, rest = spec.partition(":")
+    if name not in ("ngram", "draft", "hybrid"):
+        raise SystemExit(f"--proposers: unknown proposer {name!r} in {spec!r}")
+    options: dict[str, Any] = {}
+    for item in filter(None, rest.split(",")):
+        key, _, value = item.partition("=")
+        if key not in PROPOSER_OPTIONS:
+            raise SystemExit(f"--proposers: unknown option {key!r} in {spec!r}")
+        options[key] = PROPOSER_OPTIONS[key](value)
+    config: dict[str, Any] = {
+        "method": "draft_model" if name == "draft" else name,
+        "num_speculative_tokens": options.get("k", args.k),
+        "adaptive_k": bool(options.get("adaptive", args.adaptive_k)),
+    }
+    if name != "draft":
+        config["prompt_lookup_min"] = options.get("min", args.ngram_min)
+        config["prompt_lookup_max"] = options.get("max", args.ngram_max)
+    if name != "ngram":
+        config["model"] = args.draft_model
+        config["draft_confidence_threshold"] = options.get("conf", args.draft_confidence)
+    return config
+
+
 def build_engines(args: argparse.Namespace) -> dict[str, LLMEngine]:
     common = {
         "model": args.model,
@@ -64,15 +95,16 @@ def build_engines(args: argparse.Namespace) -> dict[str, LLMEngine]:
     }
     engines = {"off": LLMEngine(EngineConfig(**common))}
     for name in args.proposers:
-        spec: dict[str, Any] = {"num_speculative_tokens": args.k}
-        if name == "ngram":
-            spec.update(
-                method="ngram", prompt_lookup_min=args.ngram_min, prompt_lookup_max=args.ngram_max
-            )
-        else:
-            spec.update(method="draft_model", model=args.draft_model)
+        spec = proposer_config(name, args)
         engines[name] = LLMEngine(EngineConfig(**common, speculative_config=spec))
     return engines
+
+
+def draft_forward_owner(engine: LLMEngine) -> tuple[Any, str]:
+    """What to time for c: the draft model's forward, or an n-gram proposer's lookup."""
+    proposer = getattr(engine.proposer, "drafter", engine.proposer)
+    runner = getattr(proposer, "runner", None)
+    return (runner, "forward") if runner is not None else (proposer, "propose")
 
 
 def run(
@@ -121,11 +153,20 @@ def main() -> None:
     parser.add_argument("--dataset", required=True, help="Spec-Bench jsonl")
     parser.add_argument("--categories", nargs="*", default=None)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16, 64])
-    parser.add_argument("--proposers", nargs="+", default=["ngram"], choices=["ngram", "draft"])
+    parser.add_argument(
+        "--proposers",
+        nargs="+",
+        default=["ngram"],
+        help="ngram, draft or hybrid, each optionally with options: 'hybrid:min=2,conf=0.3' "
+        "(k, min and max n-gram length, conf: draft confidence threshold, adaptive=1: "
+        "adaptive_k)",
+    )
     parser.add_argument("--draft-model", default=None)
     parser.add_argument("-k", type=int, default=4)
     parser.add_argument("--ngram-min", type=int, default=1)
     parser.add_argument("--ngram-max", type=int, default=4)
+    parser.add_argument("--draft-confidence", type=float, default=0.0)
+    parser.add_argument("--adaptive-k", action="store_true", help="adaptive_k for every proposer")
     parser.add_argument(
         "--prompts-per-category",
         type=int,
@@ -148,7 +189,9 @@ def main() -> None:
     off = engines["off"]
     target_timer = {name: Timer(e.runner, "forward") for name, e in engines.items()}
     draft_timer = {
-        name: Timer(e.proposer, "propose") for name, e in engines.items() if e.proposer is not None
+        name: Timer(*draft_forward_owner(engine))
+        for name, engine in engines.items()
+        if engine.proposer is not None
     }
     tokenizer = off.tokenizer
     by_category: dict[str, list[list[int]]] = defaultdict(list)
@@ -169,6 +212,7 @@ def main() -> None:
         proposers=args.proposers,
         draft_model=args.draft_model or "-",
         ngram=f"{args.ngram_min}..{args.ngram_max}",
+        draft_confidence=args.draft_confidence,
         batch_sizes=args.batch_sizes,
         max_tokens=args.max_tokens,
         dataset=args.dataset,
@@ -190,10 +234,8 @@ def main() -> None:
                     draft_timer[name].reset()
                 results[name] = run(engine, batch_prompts, args.max_tokens, batch)
                 results[name]["target_step_s"] = target_timer[name].mean
-                if name in draft_timer:
-                    # per draft forward: a propose call runs k forwards (n-gram: one lookup)
-                    per_call = 1 if name == "ngram" else args.k
-                    results[name]["draft_step_s"] = draft_timer[name].mean / per_call
+                if name in draft_timer:  # per draft forward (n-gram: per lookup)
+                    results[name]["draft_step_s"] = draft_timer[name].mean
             base = results["off"]
             for name, r in results.items():
                 row = {
@@ -210,22 +252,32 @@ def main() -> None:
                 }
                 rows.append(row)
                 print(
-                    f"{category:>18} b={batch:<3} {name:>6}: {r['tok_s']:7.1f} tok/s "
+                    f"{category:>18} b={batch:<3} {name:>22}: {r['tok_s']:7.1f} tok/s "
                     f"x{row['speedup']:.2f} len {row['mean_accepted_length']:.2f} "
                     f"c {row['c']:.3f}" + ("" if row["identical_output"] else " OUTPUT DIFFERS"),
                     flush=True,
                 )
     print()
     print(
-        f"{'category':>18} {'batch':>5} {'proposer':>8} {'tok/s':>8} {'speedup':>8} "
+        f"{'category':>18} {'batch':>5} {'proposer':>22} {'tok/s':>8} {'speedup':>8} "
         f"{'acc.len':>7} {'acc.rate':>8} {'c':>6}"
     )
     for r in rows:
         print(
-            f"{r['category']:>18} {r['batch']:>5} {r['proposer']:>8} {r['tok_s']:>8.1f} "
+            f"{r['category']:>18} {r['batch']:>5} {r['proposer']:>22} {r['tok_s']:>8.1f} "
             f"{r['speedup']:>7.2f}x {r['mean_accepted_length']:>7.2f} "
             f"{100 * r['acceptance_rate']:>7.1f}% {r['c']:>6.3f}"
         )
+    print()
+    for batch in args.batch_sizes:
+        for name in engines:
+            speedups = [r["speedup"] for r in rows if r["batch"] == batch and r["proposer"] == name]
+            low, high = min(speedups), max(speedups)
+            geomean = math.exp(sum(math.log(x) for x in speedups) / len(speedups))
+            print(
+                f"b={batch:<3} {name:>22}: geometric mean x{geomean:.2f} over "
+                f"{len(speedups)} categories (x{low:.2f} .. x{high:.2f})"
+            )
     write_json(args.json, {"conditions": vars(args), "rows": rows})
     if args.plot:
         plot(rows, args)

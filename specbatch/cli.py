@@ -14,17 +14,44 @@ if TYPE_CHECKING:
     from specbatch.config import EngineConfig
 
 
+# Measured on the shipped draft (docs/distillation.md): 0.3-0.7 all beat 0 clearly.
+DRAFT_CONFIDENCE = 0.5
+# 1-token lookups in free text are mostly wrong; there the draft model does better.
+HYBRID_LOOKUP_MIN = 2
+
+
 def _add_speculative_args(parser: argparse.ArgumentParser, default: str = "auto") -> None:
     parser.add_argument(
         "--speculative",
-        choices=["auto", "off", "ngram", "draft"],
+        choices=["auto", "off", "ngram", "draft", "hybrid"],
         default=default,
-        help=f"speculative decoding proposer (default: {default}; 'auto' is --draft-model when "
-        "given, else n-gram prompt lookup; 'draft' without --draft-model is the shipped draft "
-        "of the default model)",
+        help=f"speculative decoding proposer (default: {default}; 'hybrid' is n-gram prompt "
+        "lookup where the text repeats and the draft model elsewhere; 'auto' is hybrid with "
+        "--draft-model or with the shipped draft of the default model, else n-gram; 'draft' and "
+        "'hybrid' without --draft-model use the shipped draft of the default model)",
     )
     parser.add_argument(
-        "--draft-model", default=None, help="draft model path for --speculative draft"
+        "--draft-model", default=None, help="draft model path for --speculative draft/hybrid"
+    )
+    parser.add_argument(
+        "--draft-confidence",
+        type=float,
+        default=DRAFT_CONFIDENCE,
+        help="a draft model stops drafting once its probability that all its drafts are right "
+        f"falls below this (default {DRAFT_CONFIDENCE}; 0 always drafts k tokens)",
+    )
+    parser.add_argument(
+        "--adaptive-k",
+        action="store_true",
+        help="choose each step's drafts per sequence from measured step times and acceptance "
+        "(k becomes a ceiling; pays with many concurrent sequences, e.g. serve with ngram)",
+    )
+    parser.add_argument(
+        "--ngram-min",
+        type=int,
+        default=None,
+        help="shortest repeated suffix that prompt lookup uses (default: 1 for ngram, "
+        f"{HYBRID_LOOKUP_MIN} for hybrid)",
     )
     parser.add_argument(
         "-k",
@@ -40,24 +67,31 @@ def speculative_config(args: argparse.Namespace) -> dict[str, object] | None:
     method = resolved_method(args)
     if method == "off":
         return None
-    if method == "ngram":
-        return {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens}
-    return {
-        "method": "draft_model",
-        "model": args.draft_model,
-        "num_speculative_tokens": args.num_speculative_tokens,
-    }
+    config: dict[str, object] = {"num_speculative_tokens": args.num_speculative_tokens}
+    if args.adaptive_k:
+        config["adaptive_k"] = True
+    if method in ("ngram", "hybrid"):
+        low = args.ngram_min
+        if low is None:
+            low = 1 if method == "ngram" else HYBRID_LOOKUP_MIN
+        config.update(prompt_lookup_min=low, prompt_lookup_max=max(4, low))
+    if method in ("draft", "hybrid"):
+        config["model"] = args.draft_model
+        config["draft_confidence_threshold"] = args.draft_confidence
+    config["method"] = "draft_model" if method == "draft" else method
+    return config
 
 
 def resolved_method(args: argparse.Namespace) -> str:
-    """``--speculative`` with 'auto' resolved: a draft model when one is given, or when the
-    shipped draft for the default target is good enough to be preferred; n-gram otherwise."""
+    """``--speculative`` with 'auto' resolved: hybrid (prompt lookup, else the draft model)
+    when a draft model is given, or when the shipped draft for the default target is good
+    enough to be preferred; n-gram otherwise."""
     from specbatch.spec.default_draft import shipped_draft_preferred
 
     if args.speculative != "auto":
         return str(args.speculative)
     if args.draft_model is not None or (args.model is None and shipped_draft_preferred()):
-        return "draft"
+        return "hybrid"
     return "ngram"
 
 

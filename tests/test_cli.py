@@ -82,27 +82,53 @@ def test_bad_input_is_an_error_exit(
 def test_speculative_flags(monkeypatch: pytest.MonkeyPatch) -> None:
     parser = build_parser()
     assert speculative_config(parser.parse_args(["generate", "x", "--speculative", "off"])) is None
-    ngram = {"method": "ngram", "num_speculative_tokens": 6}
-    shipped = {"method": "draft_model", "model": None, "num_speculative_tokens": 6}
-    # 'auto' (the default): the shipped draft for the default target when it is preferred,
-    # n-gram for any other target or while the shipped draft does not pay.
+    lookup = {"prompt_lookup_min": 1, "prompt_lookup_max": 4}
+    ngram = {"method": "ngram", "num_speculative_tokens": 6, **lookup}
+    shipped = {
+        "method": "hybrid",
+        "model": None,
+        "num_speculative_tokens": 6,
+        "prompt_lookup_min": 2,
+        "prompt_lookup_max": 4,
+        "draft_confidence_threshold": 0.5,
+    }
+    # 'auto' (the default): hybrid lookup + the shipped draft for the default target when that
+    # draft is preferred, n-gram for any other target or while the shipped draft does not pay.
     monkeypatch.setattr(default_draft, "shipped_draft_preferred", lambda: True)
     assert speculative_config(parser.parse_args(["generate", "x", "-k", "6"])) == shipped
     other = parser.parse_args(["generate", "x", "-k", "6", "--model", "m.gguf"])
     assert speculative_config(other) == ngram
     monkeypatch.setattr(default_draft, "shipped_draft_preferred", lambda: False)
     assert speculative_config(parser.parse_args(["generate", "x", "-k", "6"])) == ngram
-    given = parser.parse_args(["generate", "x", "--draft-model", "d"])
+    given = parser.parse_args(["generate", "x", "--draft-model", "d", "--ngram-min", "3"])
     assert speculative_config(given) == {
-        "method": "draft_model",
+        **shipped,
         "model": "d",
         "num_speculative_tokens": 4,
+        "prompt_lookup_min": 3,
     }
-    draft = parser.parse_args(["generate", "x", "--speculative", "draft", "--draft-model", "d"])
+    draft = parser.parse_args(
+        ["generate", "x", "--speculative", "draft", "--draft-model", "d", "--draft-confidence", "0"]
+    )
     assert speculative_config(draft) == {
         "method": "draft_model",
         "model": "d",
         "num_speculative_tokens": 4,
+        "draft_confidence_threshold": 0.0,
+    }
+    adaptive = parser.parse_args(["serve", "--speculative", "ngram", "--adaptive-k"])
+    assert speculative_config(adaptive) == {
+        "method": "ngram",
+        "num_speculative_tokens": 4,
+        "adaptive_k": True,
+        **lookup,
+    }
+    long_lookup = parser.parse_args(["generate", "x", "--speculative", "ngram", "--ngram-min", "6"])
+    assert speculative_config(long_lookup) == {
+        "method": "ngram",
+        "num_speculative_tokens": 4,
+        "prompt_lookup_min": 6,
+        "prompt_lookup_max": 6,
     }
     serve = parser.parse_args(["serve", "--port", "9000", "--api-key", "k"])
     assert (serve.port, serve.api_key, serve.speculative) == (9000, "k", "off")

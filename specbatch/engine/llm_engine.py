@@ -23,6 +23,7 @@ from specbatch.kernels.sampling import SamplingRow, sample
 from specbatch.outputs import RequestOutput
 from specbatch.sampling_params import SamplingParams
 from specbatch.scheduler import ScheduledSequence, Scheduler, SchedulerConfig
+from specbatch.spec.budget import SpeculationBudget
 from specbatch.spec.factory import build_proposer
 from specbatch.spec.proposer import DraftRequest, Proposal, Proposer
 from specbatch.spec.rejection import VerifyResult, verify
@@ -80,6 +81,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, capture_graphs(config, models))
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.proposer: Proposer | None = None
+        self.budget = SpeculationBudget() if spec is not None and spec.adaptive_k else None
         if spec is not None:
             self.proposer = build_proposer(
                 spec,
@@ -192,17 +194,22 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule, draft, run one batched forward, verify/sample, update; return the outputs
         of requests that changed."""
+        started = time.perf_counter()
         plan = self.scheduler.schedule()
         self.stats.num_preemptions = self.scheduler.num_preemptions
         if self.proposer is not None:
             for seq in plan.preempted:
                 self.proposer.forget(seq)
+                if self.budget is not None:
+                    self.budget.forget(seq.seq_id)
         if plan.is_empty:
             self._update_gauges()
             return []
         scheduled = plan.scheduled
         sampling = [s for s in scheduled if s.completes_sequence]
-        proposal = self._propose(sampling)
+        proposal_started = time.perf_counter()
+        proposal = self._propose(sampling, sum(s.num_new_tokens for s in scheduled))
+        proposer_seconds = time.perf_counter() - proposal_started
         drafts = dict(zip((s.seq.seq_id for s in sampling), proposal.tokens, strict=True))
         batch = flatten([self._token_run(s, drafts) for s in scheduled], self.config.block_size)
         rows, prompt_rows = self._logit_rows(scheduled, batch.query_start, drafts)
@@ -214,6 +221,13 @@ class LLMEngine:
         if prompt_rows:
             self._record_prompt_logprobs(prompt_rows, logits[len(rows) :])
         touched = self._update(scheduled, sampling, proposal.tokens, result, target_logits)
+        if self.budget is not None:
+            self.budget.observe_step(
+                batch.num_tokens,
+                time.perf_counter() - started - proposer_seconds,
+                sum(len(t) for t in proposal.tokens),
+                proposer_seconds,
+            )
         self.stats.num_steps += 1
         self._update_gauges()
         return self._outputs(touched)
@@ -229,18 +243,34 @@ class LLMEngine:
             drafted = drafted + [seq.last_token_id] * (s.num_lookahead - len(drafted))
         return TokenRun(tokens + drafted, seq.num_computed_tokens, seq.block_table)
 
-    def _propose(self, sampling: list[ScheduledSequence]) -> Proposal:
-        """Drafts for every sampling sequence that reserved lookahead slots (others: none)."""
+    def _propose(self, sampling: list[ScheduledSequence], base_tokens: int) -> Proposal:
+        """Drafts for every sampling sequence that reserved lookahead slots (others: none);
+        with ``adaptive_k``, as many of those slots as the budget gives it this step."""
         tokens: list[list[int]] = [[] for _ in sampling]
         wanted = [i for i, s in enumerate(sampling) if s.num_lookahead > 0]
         if self.proposer is None or not wanted:
             return Proposal(tokens)
+        allowed = [sampling[i].num_lookahead for i in wanted]
+        if self.budget is not None:
+            allowed = self.budget.allot(
+                [sampling[i].seq.seq_id for i in wanted], allowed, base_tokens
+            )
+            kept = [(i, a) for i, a in zip(wanted, allowed, strict=True) if a]
+            if not kept:
+                return Proposal(tokens)
+            wanted, allowed = [i for i, _ in kept], [a for _, a in kept]
         proposal = self.proposer.propose(
-            [DraftRequest(sampling[i].seq, sampling[i].num_lookahead) for i in wanted]
+            [DraftRequest(sampling[i].seq, a) for i, a in zip(wanted, allowed, strict=True)]
         )
-        for i, drafted in zip(wanted, proposal.tokens, strict=True):
-            tokens[i] = drafted[: sampling[i].num_lookahead]
-        return Proposal(tokens, proposal.draft_probs)
+        probs, row = proposal.draft_probs, 0
+        q_rows: list[int] = []
+        for i, drafted, most in zip(wanted, proposal.tokens, allowed, strict=True):
+            tokens[i] = drafted[:most]  # a proposer may not exceed its slots: cut, q rows too
+            q_rows += range(row, row + len(tokens[i]))
+            row += len(drafted)
+        if probs is not None and len(q_rows) < row:
+            probs = probs[q_rows]
+        return Proposal(tokens, probs)
 
     def _logit_rows(
         self,
@@ -357,6 +387,8 @@ class LLMEngine:
             self.stats.num_drafts += 1
             self.stats.num_draft_tokens += len(drafted)
             self.stats.num_accepted_tokens += accepted
+            if self.budget is not None:
+                self.budget.observe_verify(seq.seq_id, len(drafted), accepted)
         positions = None
         if seq.params.logprobs is not None:  # row j of the step emitted token j
             entries = ranked_logprobs(logits[: len(new_tokens)], new_tokens, seq.params.logprobs)
@@ -373,6 +405,8 @@ class LLMEngine:
         self.scheduler.remove(seq)
         if self.proposer is not None:
             self.proposer.forget(seq)
+        if self.budget is not None:
+            self.budget.forget(seq.seq_id)
 
     def _outputs(self, touched: dict[str, RequestState]) -> list[RequestOutput]:
         outputs = []

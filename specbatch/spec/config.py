@@ -8,7 +8,8 @@ from typing import Any
 
 from specbatch.errors import ConfigError
 
-METHODS = ("draft_model", "ngram", "external")
+METHODS = ("draft_model", "ngram", "hybrid", "external")
+DRAFT_METHODS = ("draft_model", "hybrid")
 
 
 @dataclass(frozen=True)
@@ -19,8 +20,19 @@ class SpeculativeConfig:
     ``"ngram"`` (prompt lookup: the longest suffix n-gram, ``prompt_lookup_min`` to
     ``prompt_lookup_max`` tokens, found earlier in the sequence proposes what followed it).
     ``num_speculative_tokens`` is k, the drafts verified per step (fewer near ``max_tokens`` or
-    the context end). ``"external"`` means the application passes its own
+    the context end). ``"hybrid"`` drafts by prompt lookup where the sequence repeats earlier
+    text (a suffix of at least ``prompt_lookup_min`` tokens found earlier) and with the draft
+    ``model`` everywhere else. ``"external"`` means the application passes its own
     :class:`~specbatch.spec.proposer.Proposer` to ``LLMEngine(config, proposer=...)``.
+
+    ``draft_confidence_threshold`` (draft models only) makes k a ceiling: a sequence stops
+    drafting once the draft's own probability that all its drafts so far are right (the
+    product of its probabilities of the tokens it drafted) falls below the threshold. 0 (the
+    default) always drafts k tokens. ``adaptive_k`` makes k a ceiling for every method: each
+    step the engine gives each sequence the number of drafts that maximises the expected
+    tokens per second of the step, from measured step times and the sequence's own acceptance
+    so far (``spec/budget.py``); with many sequences or poor acceptance that is often none.
+    Output is the same either way; only speed changes.
     """
 
     method: str
@@ -28,6 +40,8 @@ class SpeculativeConfig:
     model: str | None = None
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
+    draft_confidence_threshold: float = 0.0
+    adaptive_k: bool = False
 
     MAX_TOKENS = 16
 
@@ -41,15 +55,32 @@ class SpeculativeConfig:
             raise ConfigError(
                 f"num_speculative_tokens must be an integer in [1, {self.MAX_TOKENS}], got {k!r}"
             )
-        if self.method == "ngram":
+        threshold = self.draft_confidence_threshold
+        if (
+            isinstance(threshold, bool)
+            or not isinstance(threshold, int | float)
+            or not 0.0 <= threshold < 1.0
+        ):
+            raise ConfigError(
+                f"draft_confidence_threshold must be a number in [0, 1), got {threshold!r}"
+            )
+        if threshold and self.method not in DRAFT_METHODS:
+            raise ConfigError(
+                f"draft_confidence_threshold is for methods {DRAFT_METHODS}, not {self.method!r}"
+            )
+        if not isinstance(self.adaptive_k, bool):
+            raise ConfigError(f"adaptive_k must be true or false, got {self.adaptive_k!r}")
+        if self.method in ("ngram", "hybrid"):
             low, high = self.prompt_lookup_min, self.prompt_lookup_max
             if not (isinstance(low, int) and isinstance(high, int) and 1 <= low <= high):
                 raise ConfigError(
                     "prompt_lookup_min and prompt_lookup_max must be integers with "
                     f"1 <= prompt_lookup_min <= prompt_lookup_max, got {low!r}, {high!r}"
                 )
-            if self.model is not None:
-                raise ConfigError("speculative_config 'model' is for method 'draft_model'")
+        if self.model is not None and self.method not in DRAFT_METHODS:
+            raise ConfigError(
+                f"speculative_config 'model' is for methods {DRAFT_METHODS}, not {self.method!r}"
+            )
 
     @classmethod
     def parse(cls, value: SpeculativeConfig | Mapping[str, Any] | None) -> SpeculativeConfig | None:

@@ -5,8 +5,12 @@ allocation (with its lookahead slots) governs both. Per sequence the proposer re
 leading tokens its cache holds. A step first *catches up* on the tokens it has not seen (after a
 verify: the last accepted draft and/or the correction token, 1-2 tokens; for a new sequence its
 whole prompt) and draws the first draft from the last row; then it runs ``k - 1`` single-token
-forwards, each one batched over every sequence that still wants drafts. After verification the
-valid prefix shrinks to the accepted tokens (``on_verified``): that is the draft's rollback.
+forwards, each one batched over every sequence that still wants drafts. With a confidence
+threshold a sequence stops early once the draft's probability that all its drafts so far are
+right (the product of its probabilities of the tokens it drafted) falls below it: a draft that
+would probably be rejected costs a draft forward and a verify slot and gains nothing. After
+verification the valid prefix shrinks to the accepted tokens (``on_verified``): that is the
+draft's rollback.
 """
 
 from __future__ import annotations
@@ -45,8 +49,10 @@ class DraftModelProposer(Proposer):
         block_size: int,
         generator: torch.Generator,
         banned_token_ids: BannedTokens,
+        confidence_threshold: float = 0.0,
     ) -> None:
         self.model = model
+        self.confidence_threshold = confidence_threshold
         self.block_size = block_size
         self.generator = generator
         self.banned_token_ids = banned_token_ids
@@ -55,6 +61,7 @@ class DraftModelProposer(Proposer):
         )
         self.runner = ModelRunner(model)
         self._computed: dict[int, int] = {}  # seq_id -> leading tokens held by the draft cache
+        self.num_forwards = 0  # batched draft forwards run so far (for cost accounting)
 
     def propose(self, requests: list[DraftRequest]) -> Proposal:
         tokens: list[list[int]] = [[] for _ in requests]
@@ -64,21 +71,28 @@ class DraftModelProposer(Proposer):
             start = self._computed.get(r.seq.seq_id, 0)
             runs.append(TokenRun(r.seq.token_ids[start:], start, r.seq.block_table))
         active = list(range(len(requests)))
+        confidence = [1.0] * len(requests)  # the draft's P(every draft so far is accepted)
         keep_probs = False
         for step in range(max(r.max_drafts for r in requests)):
             batch = flatten(runs, self.block_size)
             last_rows = batch.query_start[1:] - 1
             logits = self.model.logits_in_output_vocab(self.runner.forward(batch, last_rows))
+            self.num_forwards += 1
             for i, run in zip(active, runs, strict=True):
                 self._computed[requests[i].seq.seq_id] = run.start_position + len(run.token_ids)
             rows = [self._row(requests[i].seq, tokens[i]) for i in active]
-            drafted, q = self._sample(logits, rows)
+            drafted, q, chosen = self._sample(logits, rows)
             keep_probs = keep_probs or q is not None
             for row, i in enumerate(active):
                 tokens[i].append(drafted[row])
+                confidence[i] *= chosen[row]
                 if q is not None:
                     probs[i].append(q[row])
-            active = [i for i in active if requests[i].max_drafts > step + 1]
+            active = [
+                i
+                for i in active
+                if requests[i].max_drafts > step + 1 and confidence[i] >= self.confidence_threshold
+            ]
             runs = [
                 TokenRun(
                     [tokens[i][-1]], requests[i].seq.num_tokens + step, requests[i].seq.block_table
@@ -103,11 +117,13 @@ class DraftModelProposer(Proposer):
 
     def _sample(
         self, logits: torch.Tensor, rows: list[SamplingRow]
-    ) -> tuple[list[int], torch.Tensor | None]:
-        """Draft tokens and, unless every row is greedy, their distributions q."""
+    ) -> tuple[list[int], torch.Tensor | None, list[float]]:
+        """Draft tokens, their distributions q unless every row is greedy, and the draft's
+        probability of each drafted token (for greedy rows: under its unscaled softmax)."""
         t = SamplingTensors.build(rows, logits.shape[1], logits.device)
         if t.all_greedy:
-            return apply_penalties(logits, t).argmax(-1).tolist(), None
+            best = torch.softmax(apply_penalties(logits, t).float(), dim=-1).max(-1)
+            return best.indices.tolist(), None, best.values.tolist()
         q = target_probs(logits, t)
         drafted = q.argmax(-1)
         random_rows = [
@@ -127,7 +143,11 @@ class DraftModelProposer(Proposer):
                 # Same noise as the target's row for this position: the coupled proposal.
                 noise = gumbel_noise(row.params.seed, row.position, q.shape[1], q.device)
                 drafted[i] = gumbel_argmax(q[i], noise)
-        return drafted.tolist(), q
+        chosen = q.gather(1, drafted[:, None])[:, 0]
+        if bool(t.greedy.any()):  # q is one-hot there: take the softmax's confidence instead
+            natural = torch.softmax(apply_penalties(logits.float(), t), dim=-1).amax(-1)
+            chosen = torch.where(t.greedy, natural, chosen)
+        return drafted.tolist(), q, chosen.tolist()
 
     def on_verified(self, seq: Sequence) -> None:
         held = self._computed.get(seq.seq_id)

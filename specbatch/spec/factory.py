@@ -9,9 +9,10 @@ import torch
 from specbatch.errors import ConfigError, ModelLoadError
 from specbatch.models import load_model, resolve_model_path
 from specbatch.models.llama import LlamaForCausalLM
-from specbatch.spec.config import SpeculativeConfig
+from specbatch.spec.config import DRAFT_METHODS, SpeculativeConfig
 from specbatch.spec.default_draft import default_draft_path
 from specbatch.spec.draft_model import BannedTokens, DraftModelProposer
+from specbatch.spec.hybrid import HybridProposer
 from specbatch.spec.ngram import NgramProposer
 from specbatch.spec.proposer import Proposer
 from specbatch.tokenizer import Tokenizer, load_tokenizer
@@ -27,14 +28,14 @@ def load_draft_model(
     device: torch.device,
     target_is_default: bool = False,
 ) -> LlamaForCausalLM | None:
-    """The draft model for ``method == "draft_model"`` (None for other methods); without a
-    ``model`` the shipped draft, which exists for the default target only."""
-    if spec.method != "draft_model":
+    """The draft model of a ``draft_model`` or ``hybrid`` config (None for other methods);
+    without a ``model`` the shipped draft, which exists for the default target only."""
+    if spec.method not in DRAFT_METHODS:
         return None
     if spec.model is None:
         if not target_is_default:
             raise ConfigError(
-                "speculative_config method 'draft_model' needs 'model' (a draft path); a "
+                f"speculative_config method {spec.method!r} needs 'model' (a draft path); a "
                 "draft ships only for the default model SmolLM2-135M-Instruct"
             )
         path = default_draft_path()
@@ -84,7 +85,18 @@ def build_proposer(
         )
     if external is not None:
         return external
+    lookup = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
     if spec.method == "ngram":
-        return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+        return lookup
     assert draft is not None
-    return DraftModelProposer(draft, num_blocks, block_size, generator, banned_token_ids)
+    drafter = DraftModelProposer(
+        draft,
+        num_blocks,
+        block_size,
+        generator,
+        banned_token_ids,
+        confidence_threshold=spec.draft_confidence_threshold,
+    )
+    if spec.method == "hybrid":
+        return HybridProposer(lookup, drafter)
+    return drafter

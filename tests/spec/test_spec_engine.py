@@ -53,14 +53,22 @@ def reference(tiny_model_dir: Path) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("k", [1, 3, 5])
-@pytest.mark.parametrize("method", ["ngram", "draft_model", "self_draft"])
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "self_draft", "hybrid"])
 def test_greedy_output_equals_speculation_off(
     tiny_model_dir: Path, tiny_draft_dir: Path, reference: list[list[int]], method: str, k: int
 ) -> None:
     config: dict[str, Any] = {"method": "ngram", "num_speculative_tokens": k}
-    if method != "ngram":
+    if method in ("draft_model", "self_draft"):
         draft = tiny_draft_dir if method == "draft_model" else tiny_model_dir
         config = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": k}
+    elif method == "hybrid":
+        config = {
+            "method": "hybrid",
+            "model": str(tiny_draft_dir),
+            "num_speculative_tokens": k,
+            "prompt_lookup_min": 2,
+            "draft_confidence_threshold": 0.02,
+        }
     llm = LLM(str(tiny_model_dir), speculative_config=config, **engine_kwargs())
     prompts = prompts_with_repeats(30)
     assert greedy_tokens(llm, prompts, batch=16) == reference

@@ -1,0 +1,290 @@
+"""Drafting k as a ceiling (the draft's confidence stops it early) and the hybrid proposer
+(prompt lookup where the sequence repeats itself, the draft model elsewhere).
+
+The confidence stop is compared with a slow reference that re-runs the draft over the whole
+sequence for every draft token; the hybrid proposer with the proposers it combines, run alone.
+Speed is measured in ``benchmarks/spec_decode.py``; the output identity and the exact sampling
+distribution of both are checked in ``test_spec_engine.py`` and ``test_distribution.py``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from specbatch import LLM, SamplingParams
+from specbatch.engine.sequence import Sequence
+from specbatch.errors import ConfigError
+from specbatch.models import load_model
+from specbatch.spec.config import SpeculativeConfig
+from specbatch.spec.draft_model import DraftModelProposer
+from specbatch.spec.hybrid import (
+    DRAFT,
+    EXPLORE_STEPS,
+    LOOKUP,
+    PROBE_EVERY,
+    HybridProposer,
+    _Way,
+    _with_point_masses,
+    choose_way,
+)
+from specbatch.spec.ngram import NgramProposer, ngram_propose
+from specbatch.spec.proposer import DraftRequest, Proposal
+from tests.helpers import PagedHarness
+from tests.spec.test_spec_engine import GREEDY, engine_kwargs, greedy_tokens, prompts_with_repeats
+
+BLOCK = 4
+K = 5
+
+
+def drafter(draft_dir: Path, threshold: float = 0.0) -> DraftModelProposer:
+    return DraftModelProposer(
+        load_model(draft_dir),
+        num_blocks=256,
+        block_size=BLOCK,
+        generator=torch.Generator().manual_seed(0),
+        banned_token_ids=lambda seq, extra: (),
+        confidence_threshold=threshold,
+    )
+
+
+def sequences(prompts: list[list[int]], params: SamplingParams = GREEDY) -> list[Sequence]:
+    out, next_block = [], 0
+    for i, prompt in enumerate(prompts):
+        seq = Sequence(i, str(i), 0, prompt, params, 0.0)
+        blocks = (len(prompt) + K) // BLOCK + 1
+        seq.block_table = list(range(next_block, next_block + blocks))
+        next_block += blocks
+        out.append(seq)
+    return out
+
+
+def reference_drafts(draft_dir: Path, prompt: list[int], k: int) -> tuple[list[int], list[float]]:
+    """Greedy drafts by a full forward over the whole sequence for each one, and the draft's
+    P(all drafts so far are right) after each."""
+    model = load_model(draft_dir)
+    drafts: list[int] = []
+    products: list[float] = []
+    confidence = 1.0
+    for _ in range(k):
+        harness = PagedHarness(model, num_blocks=64, block_size=BLOCK)
+        probs = harness.forward([(0, prompt + drafts)])[0][-1].softmax(-1)
+        token = int(probs.argmax())
+        confidence *= float(probs[token])
+        drafts.append(token)
+        products.append(confidence)
+    return drafts, products
+
+
+def expected_length(products: list[float], threshold: float, max_drafts: int) -> int:
+    """Drafting goes on while the product is at least the threshold (the first draft always)."""
+    length = 1
+    while length < max_drafts and products[length - 1] >= threshold:
+        length += 1
+    return length
+
+
+def test_confidence_stop_matches_slow_reference(tiny_draft_dir: Path) -> None:
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(3, 300, int(rng.integers(2, 14))).tolist() for _ in range(8)]
+    max_drafts = [K, K, 2, K, 1, K, 3, K]
+    reference = [reference_drafts(tiny_draft_dir, p, K) for p in prompts]
+    # thresholds between the sequences' products, so that they stop at different drafts
+    middle = float(np.median([products[1] for _, products in reference]))
+    for threshold in (0.0, middle, float(np.median([p[0] for _, p in reference])), 0.999):
+        proposer = drafter(tiny_draft_dir, threshold)
+        seqs = sequences(prompts)
+        proposal = proposer.propose(
+            [DraftRequest(s, m) for s, m in zip(seqs, max_drafts, strict=True)]
+        )
+        lengths = []
+        for (drafts, products), got, most in zip(
+            reference, proposal.tokens, max_drafts, strict=True
+        ):
+            length = expected_length(products, threshold, most)
+            assert got == drafts[:length]
+            lengths.append(length)
+        if threshold == middle:
+            assert len(set(lengths)) > 1  # the batch really stopped rows at different steps
+        if threshold == 0.999:
+            assert lengths == [1] * len(prompts)
+
+
+def test_confidence_stop_keeps_greedy_output_and_drafts_less(
+    tiny_model_dir: Path, tiny_draft_dir: Path
+) -> None:
+    prompts = prompts_with_repeats(12, seed=4)
+    reference = greedy_tokens(LLM(str(tiny_model_dir), **engine_kwargs()), prompts)
+    per_draft = {}
+    for threshold in (0.0, 0.02):
+        config = {
+            "method": "draft_model",
+            "model": str(tiny_draft_dir),
+            "num_speculative_tokens": 4,
+            "draft_confidence_threshold": threshold,
+        }
+        llm = LLM(str(tiny_model_dir), speculative_config=config, **engine_kwargs())
+        assert greedy_tokens(llm, prompts) == reference
+        stats = llm.llm_engine.stats
+        per_draft[threshold] = stats.num_draft_tokens / stats.num_drafts
+    assert per_draft[0.02] < per_draft[0.0]
+
+
+def hybrid(draft_dir: Path, min_n: int) -> HybridProposer:
+    return HybridProposer(NgramProposer(min_n, 4), drafter(draft_dir))
+
+
+def test_hybrid_looks_up_first_and_drafts_the_rest(tiny_draft_dir: Path) -> None:
+    rng = np.random.default_rng(5)
+    phrase = rng.integers(3, 300, 6).tolist()
+    prompts = [
+        phrase * 3,  # repeats: a lookup
+        rng.integers(3, 300, 9).tolist(),  # no repeat of 2 tokens: drafted
+        phrase + [7, 8, 9, 7, 8],  # "7 8" seen before: a lookup of what followed
+        rng.integers(3, 300, 5).tolist(),
+    ]
+    proposal = hybrid(tiny_draft_dir, 2).propose([DraftRequest(s, 3) for s in sequences(prompts)])
+    alone = drafter(tiny_draft_dir).propose(
+        [DraftRequest(s, 3) for s in sequences([prompts[1], prompts[3]])]
+    )
+    lookups = [ngram_propose(np.array(p), 2, 4, 3) for p in prompts]
+    assert [bool(found) for found in lookups] == [True, False, True, False]
+    assert proposal.tokens == [lookups[0], alone.tokens[0], lookups[2], alone.tokens[1]]
+    assert proposal.draft_probs is None  # greedy: every draft is a point mass
+
+
+def test_hybrid_all_looked_up_runs_no_draft_forward(tiny_draft_dir: Path) -> None:
+    proposer = hybrid(tiny_draft_dir, 1)
+    calls: list[object] = []
+    proposer.drafter.runner.forward = lambda *a, **kw: calls.append(a)  # type: ignore[method-assign,assignment]
+    proposal = proposer.propose([DraftRequest(s, 2) for s in sequences([[5, 6, 5, 6, 5]])])
+    assert proposal.tokens == [[6, 5]]
+    assert not calls
+
+
+def test_point_masses_fill_looked_up_rows() -> None:
+    tokens = [[4, 1], [2], [], [0, 3, 3]]
+    draft_probs = torch.rand(4, 6)  # rows of requests 1 and 3, in order
+    probs = _with_point_masses(tokens, [1, 3], draft_probs)
+    expected = torch.zeros(6, 6)
+    expected[0, 4] = expected[1, 1] = 1.0
+    expected[2] = draft_probs[0]
+    expected[3:] = draft_probs[1:]
+    torch.testing.assert_close(probs, expected, rtol=0, atol=0)
+
+
+def test_hybrid_sampled_rows_carry_the_drafter_q(tiny_draft_dir: Path) -> None:
+    params = SamplingParams(temperature=0.9, seed=11, max_tokens=8)
+    prompts = [[9, 10, 11, 9, 10], [40, 41, 42, 43]]
+    proposal = hybrid(tiny_draft_dir, 2).propose(
+        [DraftRequest(s, 2) for s in sequences(prompts, params)]
+    )
+    alone = drafter(tiny_draft_dir).propose([DraftRequest(sequences([prompts[1]], params)[0], 2)])
+    assert proposal.tokens == [[11, 9], alone.tokens[0]]
+    assert proposal.draft_probs is not None
+    assert alone.draft_probs is not None
+    torch.testing.assert_close(proposal.draft_probs[2:], alone.draft_probs)
+    assert proposal.draft_probs[0, 11] == 1
+    assert proposal.draft_probs[1, 9] == 1
+    assert proposal.draft_probs[:2].sum() == 2
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ({"method": "ngram", "draft_confidence_threshold": 0.5}, "for methods"),
+        ({"method": "draft_model", "draft_confidence_threshold": 1.0}, r"\[0, 1\)"),
+        ({"method": "hybrid", "draft_confidence_threshold": -0.1}, r"\[0, 1\)"),
+        ({"method": "hybrid", "draft_confidence_threshold": "high"}, "a number"),
+        ({"method": "hybrid", "prompt_lookup_min": 0}, "prompt_lookup_min"),
+        ({"method": "ngram", "model": "x"}, "'model' is for methods"),
+    ],
+)
+def test_bad_configs_are_refused(config: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        SpeculativeConfig.parse({"num_speculative_tokens": 3, **config})
+
+
+def ways(draft: tuple[int, float, float], lookup: tuple[int, float]) -> dict[str, _Way]:
+    return {DRAFT: _Way(*draft), LOOKUP: _Way(lookup[0], lookup[1], 0.0)}
+
+
+def test_choose_way_explores_then_takes_the_better_value() -> None:
+    assert choose_way(ways((0, 1.0, 0.0), (0, 1.0)), 0, 0.1) == DRAFT
+    assert choose_way(ways((EXPLORE_STEPS, 1.0, 1.0), (0, 1.0)), 2, 0.1) == LOOKUP
+    # draft: 1.5 tokens per step at 1 + 0.1 * 2 forwards = 1.25 against lookup's 1.2 tokens
+    seen = ways((5, 1.5, 2.0), (5, 1.2))
+    assert choose_way(seen, 3, 0.1) == DRAFT
+    # the same draft when a forward costs 0.3 of a step: 1.5 / 1.6 < 1.2
+    assert choose_way(seen, 3, 0.3) == LOOKUP
+    # the loser is re-tried every PROBE_EVERY choices
+    assert choose_way(seen, PROBE_EVERY - 1, 0.1) == LOOKUP
+    picks = [choose_way(seen, n, 0.1) for n in range(3 * PROBE_EVERY)]
+    assert picks.count(LOOKUP) == 3
+
+
+def test_way_values_are_running_means_then_smoothed() -> None:
+    way = _Way()
+    for tokens, forwards in [(1, 3), (3, 1)]:
+        way.update(tokens, forwards)
+    assert (way.steps, way.tokens, way.forwards) == (2, 2.0, 2.0)
+    for _ in range(40):
+        way.update(4, 0)
+    assert abs(way.tokens - 4.0) < 1e-3
+    assert way.forwards < 1e-3
+
+
+class _StubDrafter:
+    """Drafts [1, 2] for everyone in two forwards (stands in for DraftModelProposer)."""
+
+    num_forwards = 0
+
+    def propose(self, requests: list[DraftRequest]) -> Proposal:
+        self.num_forwards += 2
+        return Proposal([[1, 2] for _ in requests])
+
+    def on_verified(self, seq: Sequence) -> None:
+        pass
+
+    def forget(self, seq: Sequence) -> None:
+        pass
+
+
+@pytest.mark.parametrize("good_way", [LOOKUP, DRAFT])
+def test_hybrid_learns_which_way_pays_per_sequence(good_way: str) -> None:
+    stub: Any = _StubDrafter()
+    # a clock that never moves: the draft cost stays at its prior, 0.1 of a step per forward
+    proposer = HybridProposer(NgramProposer(2, 4), stub, clock=lambda: 0.0)
+    (seq,) = sequences([[5, 9, 5]])  # "5" repeats (a short match), "9 5" does not
+    used = []
+    for _ in range(40):
+        proposal = proposer.propose([DraftRequest(seq, 2)])
+        state = proposer._choices[seq.seq_id]
+        assert state.pending is not None
+        way = state.pending[0]
+        assert proposal.tokens == [[9, 5] if way == LOOKUP else [1, 2]]
+        used.append(way)
+        seq.spec.record(2, 2 if way == good_way else 0)  # the verify's outcome
+        proposer.on_verified(seq)
+    assert used[: 2 * EXPLORE_STEPS] == [DRAFT] * EXPLORE_STEPS + [LOOKUP] * EXPLORE_STEPS
+    later = range(2 * EXPLORE_STEPS, len(used))
+    probes = [n for n in later if n % PROBE_EVERY == PROBE_EVERY - 1]
+    assert [n for n in later if used[n] != good_way] == probes
+    proposer.forget(seq)
+    assert not proposer._choices
+
+
+def test_draft_cost_is_measured_from_the_step_times() -> None:
+    times = iter([0.0, 0.3, 1.0, 1.3])  # two steps: each drafts 0.3 s, then 0.7 s elsewhere
+    stub: Any = _StubDrafter()
+    proposer = HybridProposer(NgramProposer(2, 4), stub, clock=lambda: next(times))
+    (seq,) = sequences([[40, 41, 42]])  # no match at all: the draft model
+    proposer.propose([DraftRequest(seq, 2)])
+    assert proposer.draft_cost == pytest.approx(0.1)  # the prior: nothing measured yet
+    proposer.propose([DraftRequest(seq, 2)])
+    # one forward is 0.15 s, the rest of a step 0.7 s
+    assert proposer.draft_cost == pytest.approx(0.15 / 0.7)
