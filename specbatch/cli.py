@@ -37,8 +37,8 @@ def _add_speculative_args(parser: argparse.ArgumentParser, default: str = "auto"
         "--draft-confidence",
         type=float,
         default=DRAFT_CONFIDENCE,
-        help="a draft model stops drafting once its probability that all its drafts are right "
-        f"falls below this (default {DRAFT_CONFIDENCE}; 0 always drafts k tokens)",
+        help="a draft model stops drafting after the draft that brings its probability that all "
+        f"its drafts are right below this (default {DRAFT_CONFIDENCE}; 0 always drafts k tokens)",
     )
     parser.add_argument(
         "--adaptive-k",
@@ -65,6 +65,19 @@ def _add_speculative_args(parser: argparse.ArgumentParser, default: str = "auto"
 def speculative_config(args: argparse.Namespace) -> dict[str, object] | None:
     """The engine's speculative_config for the command-line flags."""
     method = resolved_method(args)
+    unused = [
+        flag
+        for flag, given, used_by in (
+            ("--adaptive-k", args.adaptive_k, ("ngram", "draft", "hybrid")),
+            ("--ngram-min", args.ngram_min is not None, ("ngram", "hybrid")),
+            ("--draft-model", args.draft_model is not None, ("draft", "hybrid")),
+        )
+        if given and method not in used_by
+    ]
+    if unused:
+        from specbatch.errors import ConfigError
+
+        raise ConfigError(f"{', '.join(unused)} has no effect with --speculative {method}")
     if method == "off":
         return None
     config: dict[str, object] = {"num_speculative_tokens": args.num_speculative_tokens}

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from specbatch.cli import build_parser, main, speculative_config
+from specbatch.errors import ConfigError
 from specbatch.spec import default_draft
 
 
@@ -130,5 +131,12 @@ def test_speculative_flags(monkeypatch: pytest.MonkeyPatch) -> None:
         "prompt_lookup_min": 6,
         "prompt_lookup_max": 6,
     }
+    for flags, unused in (
+        (["--speculative", "off", "--adaptive-k"], "--adaptive-k"),
+        (["--speculative", "draft", "--ngram-min", "2"], "--ngram-min"),
+        (["--speculative", "ngram", "--draft-model", "d"], "--draft-model"),
+    ):
+        with pytest.raises(ConfigError, match=f"{unused} has no effect"):
+            speculative_config(parser.parse_args(["generate", "x", *flags]))
     serve = parser.parse_args(["serve", "--port", "9000", "--api-key", "k"])
     assert (serve.port, serve.api_key, serve.speculative) == (9000, "k", "off")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import time
+import warnings
 from collections.abc import Sequence as SequenceT
 from dataclasses import dataclass
 
@@ -81,7 +82,17 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, capture_graphs(config, models))
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.proposer: Proposer | None = None
-        self.budget = SpeculationBudget() if spec is not None and spec.adaptive_k else None
+        self.budget: SpeculationBudget | None = None
+        if spec is not None and spec.adaptive_k:
+            if self.runner.graphs is None:
+                self.budget = SpeculationBudget()
+            else:
+                # Graph replays pad every decode to k drafts: fewer drafts would save nothing.
+                warnings.warn(
+                    "adaptive_k is ignored while CUDA graphs are on (every decode step is "
+                    "padded to k drafts); pass enforce_eager=True to use it",
+                    stacklevel=2,
+                )
         if spec is not None:
             self.proposer = build_proposer(
                 spec,
@@ -207,9 +218,9 @@ class LLMEngine:
             return []
         scheduled = plan.scheduled
         sampling = [s for s in scheduled if s.completes_sequence]
-        proposal_started = time.perf_counter()
-        proposal = self._propose(sampling, sum(s.num_new_tokens for s in scheduled))
-        proposer_seconds = time.perf_counter() - proposal_started
+        proposal, proposer_seconds = self._propose(
+            sampling, sum(s.num_new_tokens for s in scheduled)
+        )
         drafts = dict(zip((s.seq.seq_id for s in sampling), proposal.tokens, strict=True))
         batch = flatten([self._token_run(s, drafts) for s in scheduled], self.config.block_size)
         rows, prompt_rows = self._logit_rows(scheduled, batch.query_start, drafts)
@@ -243,13 +254,16 @@ class LLMEngine:
             drafted = drafted + [seq.last_token_id] * (s.num_lookahead - len(drafted))
         return TokenRun(tokens + drafted, seq.num_computed_tokens, seq.block_table)
 
-    def _propose(self, sampling: list[ScheduledSequence], base_tokens: int) -> Proposal:
+    def _propose(
+        self, sampling: list[ScheduledSequence], base_tokens: int
+    ) -> tuple[Proposal, float]:
         """Drafts for every sampling sequence that reserved lookahead slots (others: none);
-        with ``adaptive_k``, as many of those slots as the budget gives it this step."""
+        with ``adaptive_k``, as many of those slots as the budget gives it this step. Also the
+        seconds the proposer took."""
         tokens: list[list[int]] = [[] for _ in sampling]
         wanted = [i for i, s in enumerate(sampling) if s.num_lookahead > 0]
         if self.proposer is None or not wanted:
-            return Proposal(tokens)
+            return Proposal(tokens), 0.0
         allowed = [sampling[i].num_lookahead for i in wanted]
         if self.budget is not None:
             allowed = self.budget.allot(
@@ -257,11 +271,13 @@ class LLMEngine:
             )
             kept = [(i, a) for i, a in zip(wanted, allowed, strict=True) if a]
             if not kept:
-                return Proposal(tokens)
+                return Proposal(tokens), 0.0
             wanted, allowed = [i for i, _ in kept], [a for _, a in kept]
+        started = time.perf_counter()
         proposal = self.proposer.propose(
             [DraftRequest(sampling[i].seq, a) for i, a in zip(wanted, allowed, strict=True)]
         )
+        seconds = time.perf_counter() - started
         probs, row = proposal.draft_probs, 0
         q_rows: list[int] = []
         for i, drafted, most in zip(wanted, proposal.tokens, allowed, strict=True):
@@ -270,7 +286,7 @@ class LLMEngine:
             row += len(drafted)
         if probs is not None and len(q_rows) < row:
             probs = probs[q_rows]
-        return Proposal(tokens, probs)
+        return Proposal(tokens, probs), seconds
 
     def _logit_rows(
         self,

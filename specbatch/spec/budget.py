@@ -69,17 +69,21 @@ class StepTimes:
     def __call__(self, tokens: float) -> float:
         """Estimated seconds: a least-squares line through the ``FIT_POINTS`` measured sizes
         nearest to ``tokens`` (in ratio), never decreasing with size; one point scales."""
+        return float(self.over(np.array([tokens], dtype=np.float64), tokens)[0])
+
+    def over(self, tokens: np.ndarray, around: float) -> np.ndarray:
+        """Estimates for many sizes from one line, fitted through the sizes nearest ``around``."""
         points = list(self._points.values())
         if len(points) == 1:
             n, t = points[0]
             return t * tokens / n
-        points.sort(key=lambda p: abs(math.log(p[0] / max(tokens, 1e-9))))
+        points.sort(key=lambda p: abs(math.log(p[0] / max(around, 1e-9))))
         near = np.array(points[:FIT_POINTS])
         sizes, seconds = near[:, 0], near[:, 1]
         centre = sizes.mean()
         spread = ((sizes - centre) ** 2).sum()
         slope = ((sizes - centre) * (seconds - seconds.mean())).sum() / spread if spread else 0.0
-        return max(float(seconds.mean() + max(slope, 0.0) * (tokens - centre)), 1e-9)
+        return np.maximum(seconds.mean() + max(slope, 0.0) * (tokens - centre), 1e-9)
 
 
 @dataclass
@@ -138,13 +142,15 @@ class SpeculationBudget:
         for i, (seq_id, lookahead) in enumerate(zip(seq_ids, lookaheads, strict=True)):
             gains += [(gain, i) for gain in self.gains(seq_id, lookahead)]
         gains.sort(key=lambda g: -g[0])
-        best_value, best_count, tokens = 0.0, 0, float(len(seq_ids))
-        for count in range(len(gains) + 1):
-            if count:
-                tokens += gains[count - 1][0]
-            value = tokens / self.cost(base_tokens, count)
-            if value > best_value:
-                best_value, best_count = value, count
+        # expected tokens and seconds of a step with the best 0, 1, 2, ... drafts
+        tokens = len(seq_ids) + np.concatenate([[0.0], np.cumsum([g for g, _ in gains])])
+        counts = np.arange(len(gains) + 1, dtype=np.float64)
+        per_draft = self.proposer_seconds_per_draft or 0.0
+        seconds = (
+            self.step_times.over(base_tokens + counts, base_tokens + len(gains) / 2)
+            + per_draft * counts
+        )
+        best_count = int(np.argmax(tokens / seconds))
         drafts = [0] * len(seq_ids)
         for _, i in gains[:best_count]:
             drafts[i] += 1

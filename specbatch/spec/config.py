@@ -21,24 +21,27 @@ class SpeculativeConfig:
     ``prompt_lookup_max`` tokens, found earlier in the sequence proposes what followed it).
     ``num_speculative_tokens`` is k, the drafts verified per step (fewer near ``max_tokens`` or
     the context end). ``"hybrid"`` drafts by prompt lookup where the sequence repeats earlier
-    text (a suffix of at least ``prompt_lookup_min`` tokens found earlier) and with the draft
-    ``model`` everywhere else. ``"external"`` means the application passes its own
+    text (a suffix of at least ``prompt_lookup_min`` tokens found earlier; 2 by default, 1 for
+    ``"ngram"``) and elsewhere with the draft ``model`` or a shorter match, per sequence
+    whichever has paid better. ``"external"`` means the application passes its own
     :class:`~specbatch.spec.proposer.Proposer` to ``LLMEngine(config, proposer=...)``.
 
     ``draft_confidence_threshold`` (draft models only) makes k a ceiling: a sequence stops
-    drafting once the draft's own probability that all its drafts so far are right (the
-    product of its probabilities of the tokens it drafted) falls below the threshold. 0 (the
-    default) always drafts k tokens. ``adaptive_k`` makes k a ceiling for every method: each
+    drafting after the draft that brings the draft's own probability that all its drafts so
+    far are right (the product of its probabilities of the tokens it drafted) below the
+    threshold (that draft is still verified: its forward is paid, a verify row is cheap). 0
+    (the default) always drafts k tokens. ``adaptive_k`` makes k a ceiling for every method: each
     step the engine gives each sequence the number of drafts that maximises the expected
     tokens per second of the step, from measured step times and the sequence's own acceptance
     so far (``spec/budget.py``); with many sequences or poor acceptance that is often none.
-    Output is the same either way; only speed changes.
+    None of these change what is generated: greedy and seeded outputs are token for token the
+    same, unseeded sampling keeps the target's distribution (its draws differ).
     """
 
     method: str
     num_speculative_tokens: int
     model: str | None = None
-    prompt_lookup_min: int = 1
+    prompt_lookup_min: int | None = None  # 1 for ngram, 2 for hybrid
     prompt_lookup_max: int = 4
     draft_confidence_threshold: float = 0.0
     adaptive_k: bool = False
@@ -70,6 +73,8 @@ class SpeculativeConfig:
             )
         if not isinstance(self.adaptive_k, bool):
             raise ConfigError(f"adaptive_k must be true or false, got {self.adaptive_k!r}")
+        if self.prompt_lookup_min is None:  # frozen: set through object
+            object.__setattr__(self, "prompt_lookup_min", 2 if self.method == "hybrid" else 1)
         if self.method in ("ngram", "hybrid"):
             low, high = self.prompt_lookup_min, self.prompt_lookup_max
             if not (isinstance(low, int) and isinstance(high, int) and 1 <= low <= high):

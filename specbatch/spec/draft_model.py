@@ -6,9 +6,10 @@ leading tokens its cache holds. A step first *catches up* on the tokens it has n
 verify: the last accepted draft and/or the correction token, 1-2 tokens; for a new sequence its
 whole prompt) and draws the first draft from the last row; then it runs ``k - 1`` single-token
 forwards, each one batched over every sequence that still wants drafts. With a confidence
-threshold a sequence stops early once the draft's probability that all its drafts so far are
-right (the product of its probabilities of the tokens it drafted) falls below it: a draft that
-would probably be rejected costs a draft forward and a verify slot and gains nothing. After
+threshold a sequence stops early, after the draft that brings the draft's probability that all
+its drafts so far are right (the product of its probabilities of the tokens it drafted) below
+it: one more would probably be rejected and cost a draft forward and a verify slot. (The draft
+that crossed it is kept: its forward is paid, and a verify slot is cheap.) After
 verification the valid prefix shrinks to the accepted tokens (``on_verified``): that is the
 draft's rollback.
 """
@@ -72,7 +73,8 @@ class DraftModelProposer(Proposer):
             runs.append(TokenRun(r.seq.token_ids[start:], start, r.seq.block_table))
         active = list(range(len(requests)))
         confidence = [1.0] * len(requests)  # the draft's P(every draft so far is accepted)
-        keep_probs = False
+        # q for every draft once any row samples: the verify needs a row per draft token
+        keep_probs = any(not r.seq.params.greedy for r in requests)
         for step in range(max(r.max_drafts for r in requests)):
             batch = flatten(runs, self.block_size)
             last_rows = batch.query_start[1:] - 1
@@ -81,8 +83,7 @@ class DraftModelProposer(Proposer):
             for i, run in zip(active, runs, strict=True):
                 self._computed[requests[i].seq.seq_id] = run.start_position + len(run.token_ids)
             rows = [self._row(requests[i].seq, tokens[i]) for i in active]
-            drafted, q, chosen = self._sample(logits, rows)
-            keep_probs = keep_probs or q is not None
+            drafted, q, chosen = self._sample(logits, rows, keep_probs)
             for row, i in enumerate(active):
                 tokens[i].append(drafted[row])
                 confidence[i] *= chosen[row]
@@ -116,14 +117,19 @@ class DraftModelProposer(Proposer):
         )
 
     def _sample(
-        self, logits: torch.Tensor, rows: list[SamplingRow]
+        self, logits: torch.Tensor, rows: list[SamplingRow], need_q: bool
     ) -> tuple[list[int], torch.Tensor | None, list[float]]:
-        """Draft tokens, their distributions q unless every row is greedy, and the draft's
-        probability of each drafted token (for greedy rows: under its unscaled softmax)."""
+        """Draft tokens, their distributions q (when ``need_q``: one-hot on greedy rows), and,
+        with a confidence threshold, the draft's probability of each drafted token (for greedy
+        rows: under its unscaled softmax; 1 without a threshold)."""
         t = SamplingTensors.build(rows, logits.shape[1], logits.device)
         if t.all_greedy:
-            best = torch.softmax(apply_penalties(logits, t).float(), dim=-1).max(-1)
-            return best.indices.tolist(), None, best.values.tolist()
+            penalised = apply_penalties(logits.float(), t)
+            q = target_probs(logits, t) if need_q else None
+            if not self.confidence_threshold:
+                return penalised.argmax(-1).tolist(), q, [1.0] * len(rows)
+            best = torch.softmax(penalised, dim=-1).max(-1)
+            return best.indices.tolist(), q, best.values.tolist()
         q = target_probs(logits, t)
         drafted = q.argmax(-1)
         random_rows = [
@@ -143,6 +149,8 @@ class DraftModelProposer(Proposer):
                 # Same noise as the target's row for this position: the coupled proposal.
                 noise = gumbel_noise(row.params.seed, row.position, q.shape[1], q.device)
                 drafted[i] = gumbel_argmax(q[i], noise)
+        if not self.confidence_threshold:
+            return drafted.tolist(), q, [1.0] * len(rows)
         chosen = q.gather(1, drafted[:, None])[:, 0]
         if bool(t.greedy.any()):  # q is one-hot there: take the softmax's confidence instead
             natural = torch.softmax(apply_penalties(logits.float(), t), dim=-1).amax(-1)

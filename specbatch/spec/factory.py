@@ -85,6 +85,7 @@ def build_proposer(
         )
     if external is not None:
         return external
+    assert spec.prompt_lookup_min is not None  # set by SpeculativeConfig.__post_init__
     lookup = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
     if spec.method == "ngram":
         return lookup

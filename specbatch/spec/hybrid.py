@@ -31,6 +31,7 @@ EXPLORE_STEPS = 2  # tries of each way before values are compared
 PROBE_EVERY = 8  # every so many choices, the way that lost is tried again
 SMOOTHING = 0.25  # weight of the newest step in a way's running value
 DRAFT_COST_PRIOR = 0.1  # a draft forward relative to the rest of a step, until measured
+IDLE_CLAMP = 3.0  # a gap between steps counts as at most this many typical steps
 
 LOOKUP, DRAFT = "lookup", "draft"
 
@@ -99,6 +100,8 @@ class HybridProposer(Proposer):
         start = self.clock()
         if self._last_start is not None:
             rest = max(start - self._last_start - self._last_draft_s, 0.0)
+            if self._rest_s:  # an engine idle between requests is not a slow step
+                rest = min(rest, IDLE_CLAMP * self._rest_s)
             self._rest_s = _smooth(self._rest_s, rest)
         self._last_start, self._last_draft_s = start, 0.0
         tokens = self.lookup.propose(requests).tokens

@@ -30,6 +30,9 @@ class LinearTimes:
     def __call__(self, tokens: float) -> float:
         return self.fixed + self.per_token * tokens
 
+    def over(self, tokens: np.ndarray, around: float) -> np.ndarray:
+        return self.fixed + self.per_token * tokens
+
     def observe(self, tokens: int, seconds: float) -> None:
         pass
 

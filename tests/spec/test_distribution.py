@@ -7,6 +7,7 @@ from the target model with the same sampling processing.
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ from specbatch import LLMEngine, SamplingParams
 from specbatch.config import EngineConfig
 from specbatch.kernels.sampling import SamplingRow, SamplingTensors, target_probs
 from specbatch.models import load_model
+from specbatch.spec import hybrid
 from specbatch.spec.hybrid import HybridProposer
 from specbatch.spec.proposer import DraftRequest, Proposal
 from tests.helpers import PagedHarness, write_tiny_model
@@ -114,7 +116,7 @@ def sample_engine(
             engine.add_request(str(i), prompt, params.clone(seed=i) if seeded else params)
         for out in engine.step():
             if out.finished:
-                tokens[int(out.request_id)] = out.outputs[0].token_ids
+                tokens[int(out.request_id)] = out.outputs[0].token_ids[:3]
     if speculative is not None:
         assert engine.stats.num_draft_tokens > N // 2  # the verify path really ran
     if looked_up:  # both kinds of draft were verified
@@ -154,7 +156,7 @@ CASES = [
 
 @pytest.mark.parametrize(("method", "params_name"), CASES)
 def test_speculative_sampling_matches_target(
-    models: tuple[Path, Path], method: str, params_name: str
+    models: tuple[Path, Path], method: str, params_name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     target, draft = models
     params = PARAMS[params_name]
@@ -163,10 +165,17 @@ def test_speculative_sampling_matches_target(
         spec["model"] = str(draft)
     prompt = PROMPT
     if method == "hybrid":
-        # 2-token lookups hit for some histories only: point masses and q rows in one verify,
-        # and the draft stops early at some rows
+        # 2-token lookups hit for some histories only: point masses and q rows in one verify;
+        # 5 tokens so that the first three are decided with up to 2 drafts, the draft stopping
+        # early at some rows; the way for sequences without a 2-token match (the draft model
+        # or a 1-token match) chosen at random rather than learnt, so that both are verified
         spec.update(prompt_lookup_min=2, draft_confidence_threshold=0.1)
         prompt = LOOKUP_PROMPT
+        params = params.clone(max_tokens=5)
+        coin = random.Random(0)
+        monkeypatch.setattr(
+            hybrid, "choose_way", lambda *_: hybrid.DRAFT if coin.random() < 0.5 else hybrid.LOOKUP
+        )
     joint12, marginal3 = exact_distribution(target, params, prompt)
     assert_matches(sample_engine(target, spec, params, prompt=prompt), joint12, marginal3)
 

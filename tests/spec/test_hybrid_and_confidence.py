@@ -288,3 +288,59 @@ def test_draft_cost_is_measured_from_the_step_times() -> None:
     proposer.propose([DraftRequest(seq, 2)])
     # one forward is 0.15 s, the rest of a step 0.7 s
     assert proposer.draft_cost == pytest.approx(0.15 / 0.7)
+
+
+def test_an_idle_engine_is_not_a_slow_step() -> None:
+    # steps of 0.3 s drafting and 0.7 s else, then a minute with no request, then a step
+    times = iter([0.0, 0.3, 1.0, 1.3, 61.3, 61.6])
+    stub: Any = _StubDrafter()
+    proposer = HybridProposer(NgramProposer(2, 4), stub, clock=lambda: next(times))
+    (seq,) = sequences([[40, 41, 42]])
+    for _ in range(3):
+        proposer.propose([DraftRequest(seq, 2)])
+    # the 60 s gap counts as 3 typical steps: 0.7 + 0.25 * (2.1 - 0.7)
+    assert proposer.draft_cost == pytest.approx(0.15 / 1.05)
+
+
+@pytest.mark.parametrize("method", ["draft_model", "hybrid"])
+@pytest.mark.parametrize("threshold", [0.0, 0.02])
+def test_greedy_and_sampled_requests_share_a_step(
+    tiny_model_dir: Path, tiny_draft_dir: Path, method: str, threshold: float
+) -> None:
+    """Greedy rows next to sampled ones, with different lookaheads (max_tokens) and rows that
+    stop drafting at different steps: every draft still gets its q row, greedy rows give
+    speculation off's tokens and seeded rows their seeded tokens."""
+    prompts = prompts_with_repeats(8, seed=12)
+    params = [
+        GREEDY
+        if i % 2 == 0
+        else SamplingParams(temperature=1.0, seed=i, max_tokens=3 + i, ignore_eos=True)
+        for i in range(8)
+    ]
+    config: dict[str, Any] = {
+        "method": method,
+        "model": str(tiny_draft_dir),
+        "num_speculative_tokens": 4,
+        "draft_confidence_threshold": threshold,
+    }
+    if method == "hybrid":
+        config["prompt_lookup_min"] = 2
+    llm = LLM(str(tiny_model_dir), speculative_config=config, **engine_kwargs())
+    plain = LLM(str(tiny_model_dir), **engine_kwargs())
+    expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == expected
+    assert llm.llm_engine.stats.num_drafts > 0
+
+
+def test_mixed_rows_get_one_q_row_per_draft(tiny_draft_dir: Path) -> None:
+    sampled = SamplingParams(temperature=1.0, max_tokens=8)
+    seqs = sequences([[5, 6, 7], [8, 9, 10, 11]])
+    seqs[1].params = sampled
+    proposal = drafter(tiny_draft_dir).propose([DraftRequest(seqs[0], 4), DraftRequest(seqs[1], 1)])
+    assert [len(t) for t in proposal.tokens] == [4, 1]
+    assert proposal.draft_probs is not None
+    assert proposal.draft_probs.shape[0] == 5
+    # the greedy row's q is one-hot on its draft
+    assert proposal.draft_probs[:4].amax(-1).tolist() == [1.0] * 4
+    assert proposal.draft_probs[torch.arange(4), proposal.tokens[0]].tolist() == [1.0] * 4
