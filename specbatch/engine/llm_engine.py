@@ -208,11 +208,8 @@ class LLMEngine:
         started = time.perf_counter()
         plan = self.scheduler.schedule()
         self.stats.num_preemptions = self.scheduler.num_preemptions
-        if self.proposer is not None:
-            for seq in plan.preempted:
-                self.proposer.forget(seq)
-                if self.budget is not None:
-                    self.budget.forget(seq.seq_id)
+        for seq in plan.preempted:
+            self._forget_drafts(seq)
         if plan.is_empty:
             self._update_gauges()
             return []
@@ -419,6 +416,10 @@ class LLMEngine:
 
     def _finish(self, seq: Sequence) -> None:
         self.scheduler.remove(seq)
+        self._forget_drafts(seq)
+
+    def _forget_drafts(self, seq: Sequence) -> None:
+        """The sequence's cache is gone (finished, aborted, preempted): so is its draft state."""
         if self.proposer is not None:
             self.proposer.forget(seq)
         if self.budget is not None:

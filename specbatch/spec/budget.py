@@ -66,13 +66,10 @@ class StepTimes:
     def ready(self) -> bool:
         return len(self._points) >= 2
 
-    def __call__(self, tokens: float) -> float:
-        """Estimated seconds: a least-squares line through the ``FIT_POINTS`` measured sizes
-        nearest to ``tokens`` (in ratio), never decreasing with size; one point scales."""
-        return float(self.over(np.array([tokens], dtype=np.float64), tokens)[0])
-
     def over(self, tokens: np.ndarray, around: float) -> np.ndarray:
-        """Estimates for many sizes from one line, fitted through the sizes nearest ``around``."""
+        """Estimated seconds for steps of ``tokens`` tokens: a least-squares line through the
+        ``FIT_POINTS`` measured sizes nearest ``around`` (in ratio), never decreasing with
+        size; a single measured size scales."""
         points = list(self._points.values())
         if len(points) == 1:
             n, t = points[0]
@@ -145,12 +142,7 @@ class SpeculationBudget:
         # expected tokens and seconds of a step with the best 0, 1, 2, ... drafts
         tokens = len(seq_ids) + np.concatenate([[0.0], np.cumsum([g for g, _ in gains])])
         counts = np.arange(len(gains) + 1, dtype=np.float64)
-        per_draft = self.proposer_seconds_per_draft or 0.0
-        seconds = (
-            self.step_times.over(base_tokens + counts, base_tokens + len(gains) / 2)
-            + per_draft * counts
-        )
-        best_count = int(np.argmax(tokens / seconds))
+        best_count = int(np.argmax(tokens / self.cost(base_tokens, counts)))
         drafts = [0] * len(seq_ids)
         for _, i in gains[:best_count]:
             drafts[i] += 1
@@ -161,10 +153,13 @@ class SpeculationBudget:
             self._idle[seq_id] = idle
         return drafts
 
-    def cost(self, base_tokens: int, num_drafts: int) -> float:
-        """Estimated seconds of a step with ``num_drafts`` draft tokens on top of its base."""
+    def cost(self, base_tokens: int, num_drafts: np.ndarray | int) -> np.ndarray:
+        """Estimated seconds of steps with ``num_drafts`` draft tokens on top of ``base_tokens``
+        (one fitted line for all of them)."""
+        counts = np.asarray(num_drafts, dtype=np.float64)
         per_draft = self.proposer_seconds_per_draft or 0.0
-        return self.step_times(base_tokens + num_drafts) + per_draft * num_drafts
+        around = base_tokens + float(counts.max()) / 2
+        return self.step_times.over(base_tokens + counts, around) + per_draft * counts
 
     def observe_step(
         self, forward_tokens: int, seconds: float, num_drafts: int, proposer_seconds: float

@@ -19,12 +19,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from specbatch.engine.sequence import Sequence
 from specbatch.spec.draft_model import DraftModelProposer
-from specbatch.spec.ngram import NgramProposer, ngram_propose
+from specbatch.spec.ngram import NgramProposer
 from specbatch.spec.proposer import DraftRequest, Proposal, Proposer
 
 EXPLORE_STEPS = 2  # tries of each way before values are compared
@@ -104,20 +103,23 @@ class HybridProposer(Proposer):
                 rest = min(rest, IDLE_CLAMP * self._rest_s)
             self._rest_s = _smooth(self._rest_s, rest)
         self._last_start, self._last_draft_s = start, 0.0
-        tokens = self.lookup.propose(requests).tokens
+        tokens: list[list[int]] = []
         to_draft = []
         for i, r in enumerate(requests):
             state = self._choices.setdefault(r.seq.seq_id, _SequenceChoice())
             state.pending = None
-            if tokens[i]:
-                continue  # a long match: taken as it is
-            short = self._short_lookup(r)
+            # one scan down to 1 token: the longest match, long or short
+            found, length = self.lookup.match(r.seq, r.max_drafts, min_n=1)
+            if length >= self.lookup.min_n:
+                tokens.append(found)  # a long match: taken as it is
+                continue
+            tokens.append([])
             way = DRAFT
-            if short:
+            if found:  # a short match: it or the draft model, whichever has paid better
                 way = choose_way(state.ways, state.choices, self.draft_cost)
                 state.choices += 1
             if way == LOOKUP:
-                tokens[i] = short
+                tokens[i] = found
             else:
                 to_draft.append(i)
             state.pending = (way, r.seq.spec.num_accepted_tokens, 0)
@@ -137,13 +139,6 @@ class HybridProposer(Proposer):
         if drafted.draft_probs is None:
             return Proposal(tokens)
         return Proposal(tokens, _with_point_masses(tokens, to_draft, drafted.draft_probs))
-
-    def _short_lookup(self, r: DraftRequest) -> list[int]:
-        """A match shorter than the lookup's minimum, if there is one."""
-        if self.lookup.min_n <= 1:
-            return []
-        tokens = np.asarray(r.seq.token_ids, dtype=np.int64)
-        return ngram_propose(tokens, 1, self.lookup.min_n - 1, r.max_drafts)
 
     def on_verified(self, seq: Sequence) -> None:
         self.drafter.on_verified(seq)

@@ -18,11 +18,11 @@ from scipy.stats import chisquare
 
 from specbatch import LLMEngine, SamplingParams
 from specbatch.config import EngineConfig
+from specbatch.engine.sequence import Sequence
 from specbatch.kernels.sampling import SamplingRow, SamplingTensors, target_probs
 from specbatch.models import load_model
 from specbatch.spec import hybrid
 from specbatch.spec.hybrid import HybridProposer
-from specbatch.spec.proposer import DraftRequest, Proposal
 from tests.helpers import PagedHarness, write_tiny_model
 
 V = 32
@@ -100,14 +100,16 @@ def sample_engine(
     looked_up: list[bool] = []
     if isinstance(engine.proposer, HybridProposer):
         lookup = engine.proposer.lookup
-        propose = lookup.propose
+        match = lookup.match
 
-        def counting(requests: list[DraftRequest]) -> Proposal:
-            proposal = propose(requests)
-            looked_up.extend(bool(t) for t in proposal.tokens)
-            return proposal
+        def counting(
+            seq: Sequence, max_drafts: int, min_n: int | None = None
+        ) -> tuple[list[int], int]:
+            found, length = match(seq, max_drafts, min_n)
+            looked_up.append(length >= lookup.min_n)  # a long match, used as it is
+            return found, length
 
-        lookup.propose = counting  # type: ignore[method-assign]
+        lookup.match = counting  # type: ignore[method-assign]
     tokens = np.zeros((N, 3), dtype=np.int64)
     pending = list(range(N))
     while pending or engine.has_unfinished_requests():
