@@ -9,7 +9,7 @@ import torch
 pytest.importorskip("triton")
 
 from specbatch.kernels.attention import PAD_SLOT, AttentionInputs
-from specbatch.kernels.attention.triton_backend import TritonAttentionBackend
+from specbatch.kernels.attention.triton_backend import TileConfig, TritonAttentionBackend
 from tests.kernels.reference_attention import random_step, reference_attention
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -75,7 +75,8 @@ def test_split_kv_equals_single_pass() -> None:
         step.q, step.k, step.v, step.key_cache.clone(), step.value_cache.clone(), step.inputs, 0.125
     )
     backend = TritonAttentionBackend(4, 2, 64, 0.125)
-    backend.block_n = 16
+    backend.decode_tiles = TileConfig(rows=16, block_n=16)
+    backend.prefill_tiles = TileConfig(rows=64, block_n=16)
     backend.force_splits = 3
     got = run(backend, step, step.inputs)
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)

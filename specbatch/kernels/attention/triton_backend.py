@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -26,6 +27,65 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+@dataclass(frozen=True)
+class TileConfig:
+    """How one attention launch is cut: query rows per program, KV tile, warps, pipeline depth.
+
+    ``rows`` is a target for ``BLOCK_M`` (the backend raises it to hold a whole GQA group).
+    The defaults were chosen from the compiled code for sm_80/sm_90 (no register spills, KV loads
+    pipelined through ``cp.async``, ``wgmma`` for prefill tiles on sm_90; see
+    ``tests/kernels/test_triton_compile.py``); ``benchmarks/gpu_check.py`` times alternatives.
+    """
+
+    rows: int
+    block_n: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+# Steps whose queries are short (decodes, small verifies): few rows, long KV tiles.
+DECODE_TILES = TileConfig(rows=_MIN_ROWS, block_n=64)
+# Steps with a prefill chunk or long verifies: FlashAttention-style square-ish tiles.
+PREFILL_TILES = TileConfig(rows=64, block_n=32)
+# What benchmarks/gpu_check.py times against the defaults (each compiles unspilled for sm_90).
+TILE_CANDIDATES = {
+    "decode": [
+        DECODE_TILES,
+        TileConfig(16, 32),
+        TileConfig(16, 64, num_warps=8),
+        TileConfig(16, 128, num_warps=8),
+        TileConfig(16, 32, num_stages=4),
+        TileConfig(16, 128, num_warps=8, num_stages=4),
+    ],
+    "prefill": [
+        PREFILL_TILES,
+        TileConfig(64, 64),
+        TileConfig(128, 32, num_warps=8),
+        TileConfig(128, 64, num_warps=8),
+        TileConfig(64, 64, num_stages=2),
+        TileConfig(128, 64, num_warps=8, num_stages=2),
+        TileConfig(128, 128, num_warps=8, num_stages=2),
+    ],
+}
+
+
+@dataclass
+class KernelLaunch:
+    """One Triton launch, kept as data so tests can compile exactly what would run."""
+
+    kernel: Any
+    grid: tuple[int, ...]
+    args: tuple[Any, ...]
+    constants: dict[str, Any]  # constexpr arguments
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __call__(self) -> None:
+        self.kernel[self.grid](
+            *self.args, num_warps=self.num_warps, num_stages=self.num_stages, **self.constants
+        )
+
+
 @dataclass
 class TritonMetadata:
     """Device tensors of one step for :class:`TritonAttentionBackend`."""
@@ -41,20 +101,22 @@ class TritonMetadata:
     block_q: int
     block_m: int
     num_splits: int
+    tiles: TileConfig
 
 
 class TritonAttentionBackend(AttentionBackend):
     """Paged FlashAttention-style attention; one kernel for prefill, decode and verify."""
 
     name = "triton"
-    block_n = 32  # KV positions per tile
+    decode_tiles = DECODE_TILES
+    prefill_tiles = PREFILL_TILES
     force_splits: int | None = None  # tests pin the split-KV path
 
     def build_metadata(self, inputs: AttentionInputs, device: torch.device) -> TritonMetadata:
         group = self.num_heads // self.num_kv_heads
         max_query = int(inputs.query_lens.max()) if len(inputs.query_lens) else 1
-        rows = 64 if max_query * group > 16 else _MIN_ROWS
-        block_m = max(rows, _pow2(group))
+        tiles = self.prefill_tiles if max_query * group > _MIN_ROWS else self.decode_tiles
+        block_m = max(tiles.rows, _MIN_ROWS, _pow2(group))
         block_q = max(1, block_m // group)
         programs = -(-inputs.query_lens.astype(np.int64) // block_q)
         program_seq = np.repeat(np.arange(len(programs)), programs)
@@ -75,6 +137,7 @@ class TritonAttentionBackend(AttentionBackend):
             block_q=block_q,
             block_m=block_m,
             num_splits=self._splits(len(program_seq), int(inputs.seq_lens.max(initial=0)), device),
+            tiles=tiles,
         )
 
     def _splits(self, programs: int, longest: int, device: torch.device) -> int:
@@ -99,26 +162,36 @@ class TritonAttentionBackend(AttentionBackend):
         if kv_cache is None:
             raise RuntimeError("no KV cache bound to the model: call bind_kv_caches first")
         key_cache, value_cache = kv_cache
-        tokens = q.shape[0]
-        row = self.num_kv_heads * self.head_dim
-        if tokens:
-            write_kv_kernel[(tokens,)](
-                k,
-                v,
-                key_cache,
-                value_cache,
-                metadata.slot_mapping,
-                k.stride(0),
-                v.stride(0),
-                ROW=row,
-                ROW_POW2=_pow2(row),
-            )
-        out = torch.empty(tokens, self.num_heads, self.head_dim, dtype=q.dtype, device=q.device)
-        programs = metadata.program_seq.shape[0]
-        if programs == 0:
-            return out
+        write = self.write_launch(k, v, key_cache, value_cache, metadata)
+        if write is not None:
+            write()
+        out = torch.empty(q.shape[0], self.num_heads, self.head_dim, dtype=q.dtype, device=q.device)
         self.attend(q, key_cache, value_cache, out, metadata)
         return out
+
+    def write_launch(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        metadata: TritonMetadata,
+    ) -> KernelLaunch | None:
+        """The KV write: token ``t``'s K/V rows into slot ``slot_mapping[t]`` (-1 skipped)."""
+        tokens = k.shape[0]
+        if tokens == 0:
+            return None
+        row = self.num_kv_heads * self.head_dim
+        per_16_bytes = 16 // key_cache.element_size()
+        return KernelLaunch(
+            write_kv_kernel,
+            (tokens,),
+            (k, v, key_cache, value_cache, metadata.slot_mapping, k.stride(0), v.stride(0)),
+            {"ROW": row, "ROW_POW2": _pow2(row)},
+            # as many threads as 16-byte pieces of a row: each moves one at a time
+            num_warps=min(8, max(1, _pow2(row) // (32 * per_16_bytes))),
+            num_stages=1,
+        )
 
     def attend(
         self,
@@ -129,11 +202,31 @@ class TritonAttentionBackend(AttentionBackend):
         metadata: TritonMetadata,
     ) -> None:
         """The attention launch alone (K/V already in the cache)."""
+        for launch in self.attention_launches(q, key_cache, value_cache, out, metadata):
+            launch()
+
+    def attention_launches(
+        self,
+        q: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        out: torch.Tensor,
+        metadata: TritonMetadata,
+        interpreted: bool = _INTERPRETED,
+    ) -> list[KernelLaunch]:
+        """The attention kernel (and the split-KV reduction) for one step, not yet launched.
+
+        ``interpreted`` says whether the launches will run under ``TRITON_INTERPRET=1``, whose
+        ``tl.dot`` needs float32 tiles.
+        """
+        programs = metadata.program_seq.shape[0]
+        if programs == 0:
+            return []
         group = self.num_heads // self.num_kv_heads
         splits = metadata.num_splits
+        tiles = metadata.tiles
+        group_rows = metadata.block_m >= 64
         dim_pow2 = max(16, _pow2(self.head_dim))
-        programs = metadata.program_seq.shape[0]
-        grid = (programs, self.num_kv_heads, splits)
         parts = [out, out, out]  # unused unless split
         if splits > 1:
             shape = (programs, self.num_kv_heads, splits, metadata.block_m)
@@ -143,59 +236,72 @@ class TritonAttentionBackend(AttentionBackend):
                 torch.empty(shape, dtype=torch.float32, device=q.device),
             ]
         tree = metadata.tree_mask
-        paged_attention_kernel[grid](
-            q,
-            key_cache,
-            value_cache,
-            out,
-            metadata.block_tables,
-            metadata.seq_lens,
-            metadata.query_start,
-            metadata.program_seq,
-            metadata.program_qstart,
-            tree if tree is not None else metadata.seq_lens,
-            parts[0],
-            parts[1],
-            parts[2],
-            self.scale,
-            q.stride(0),
-            q.stride(1),
-            out.stride(0),
-            out.stride(1),
-            metadata.block_tables.stride(0),
-            tree.stride(0) if tree is not None else 0,
-            BLOCK_SIZE=metadata.block_size,
-            NUM_KV_HEADS=self.num_kv_heads,
-            HEAD_DIM=self.head_dim,
-            HEAD_DIM_POW2=dim_pow2,
-            GROUP=group,
-            BLOCK_Q=metadata.block_q,
-            BLOCK_M=metadata.block_m,
-            BLOCK_N=self.block_n,
-            NUM_SPLITS=splits,
-            HAS_TREE=tree is not None,
-            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-            DOT_FP32=_INTERPRETED or q.dtype == torch.float32,
-        )
-        if splits > 1:
-            reduce_splits_kernel[(programs, self.num_kv_heads)](
-                out,
-                parts[0],
-                parts[1],
-                parts[2],
-                metadata.program_seq,
-                metadata.program_qstart,
-                metadata.query_start,
-                out.stride(0),
-                out.stride(1),
-                NUM_KV_HEADS=self.num_kv_heads,
-                HEAD_DIM=self.head_dim,
-                HEAD_DIM_POW2=dim_pow2,
-                GROUP=group,
-                BLOCK_Q=metadata.block_q,
-                BLOCK_M=metadata.block_m,
-                NUM_SPLITS=splits,
+        shared = {
+            "NUM_KV_HEADS": self.num_kv_heads,
+            "HEAD_DIM": self.head_dim,
+            "HEAD_DIM_POW2": dim_pow2,
+            "GROUP": group,
+            "BLOCK_Q": metadata.block_q,
+            "BLOCK_M": metadata.block_m,
+            "NUM_SPLITS": splits,
+        }
+        launches = [
+            KernelLaunch(
+                paged_attention_kernel,
+                (programs, self.num_kv_heads, splits),
+                (
+                    q,
+                    key_cache,
+                    value_cache,
+                    out,
+                    metadata.block_tables,
+                    metadata.seq_lens,
+                    metadata.query_start,
+                    metadata.program_seq,
+                    metadata.program_qstart,
+                    tree if tree is not None else metadata.seq_lens,
+                    *parts,
+                    self.scale,
+                    q.stride(0),
+                    q.stride(1),
+                    out.stride(0),
+                    out.stride(1),
+                    metadata.block_tables.stride(0),
+                    tree.stride(0) if tree is not None else 0,
+                ),
+                {
+                    **shared,
+                    "BLOCK_SIZE": metadata.block_size,
+                    "BLOCK_N": tiles.block_n,
+                    "HAS_TREE": tree is not None,
+                    "DOT_PRECISION": "ieee" if q.dtype == torch.float32 else "tf32",
+                    "DOT_FP32": interpreted or q.dtype == torch.float32,
+                },
+                # float32 tiles take twice the registers: twice the warps keep them unspilled
+                num_warps=tiles.num_warps * (2 if q.dtype == torch.float32 and group_rows else 1),
+                num_stages=tiles.num_stages,
             )
+        ]
+        if splits > 1:
+            launches.append(
+                KernelLaunch(
+                    reduce_splits_kernel,
+                    (programs, self.num_kv_heads),
+                    (
+                        out,
+                        *parts,
+                        metadata.program_seq,
+                        metadata.program_qstart,
+                        metadata.query_start,
+                        out.stride(0),
+                        out.stride(1),
+                    ),
+                    shared,
+                    num_warps=4,
+                    num_stages=1,
+                )
+            )
+        return launches
 
 
 def _tensor(array: np.ndarray, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
