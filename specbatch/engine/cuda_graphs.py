@@ -10,7 +10,9 @@ one graph. Logits are computed outside the graph, on the rows the step needs.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -23,9 +25,35 @@ from specbatch.models.llama import LlamaForCausalLM
 BATCH_LADDER = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
 
 
+class Replayable(Protocol):
+    def replay(self) -> None: ...
+
+
+Forward = Callable[[], torch.Tensor]
+Capture = Callable[[Forward], tuple[Replayable, torch.Tensor]]
+
+
+class CudaCapture:
+    """Captures a forward into a CUDA graph (after two warm-up runs: Triton compiles, the
+    allocator settles); all graphs share one memory pool."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.pool = torch.cuda.graph_pool_handle()
+
+    def __call__(self, forward: Forward) -> tuple[Replayable, torch.Tensor]:
+        for _ in range(2):
+            forward()
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = forward()
+        return graph, out
+
+
 @dataclass
 class _Graph:
-    graph: torch.cuda.CUDAGraph
+    graph: Replayable
     input_ids: torch.Tensor  # [B * q]
     positions: torch.Tensor  # [B * q]
     metadata: TritonMetadata
@@ -42,6 +70,7 @@ class CudaGraphRunner:
         max_blocks_per_seq: int,
         query_lens: tuple[int, ...],
         max_batch: int,
+        capture: Capture | None = None,
     ) -> None:
         if not isinstance(model.backend, TritonAttentionBackend):
             raise ValueError("CUDA graphs need the triton attention backend")
@@ -51,7 +80,8 @@ class CudaGraphRunner:
         self.query_lens = query_lens
         self.batch_sizes = [b for b in BATCH_LADDER if b <= max_batch] or [1]
         self.graphs: dict[tuple[int, int], _Graph] = {}
-        self.pool = torch.cuda.graph_pool_handle()
+        # Tests pass a stand-in that re-runs the forward on replay, to check the plumbing on CPU.
+        self._capture_forward = capture or CudaCapture(model.device)
 
     def capture(self) -> None:
         """Capture every (batch size, query length), largest first so memory is shared."""
@@ -75,12 +105,9 @@ class CudaGraphRunner:
         input_ids = torch.zeros(batch * q, dtype=torch.long, device=device)
         positions = torch.zeros(batch * q, dtype=torch.long, device=device)
         with torch.no_grad():
-            for _ in range(2):  # warm up (Triton compiles, allocator settles)
-                self.model(input_ids, positions, metadata)
-            torch.cuda.synchronize(device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                hidden = self.model(input_ids, positions, metadata)
+            graph, hidden = self._capture_forward(
+                lambda: self.model(input_ids, positions, metadata)
+            )
         return _Graph(graph, input_ids, positions, metadata, hidden)
 
     def can_run(self, batch: FlatBatch) -> bool:

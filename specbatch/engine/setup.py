@@ -22,7 +22,7 @@ from specbatch.spec.factory import load_draft_model
 from specbatch.tokenizer import Tokenizer, load_tokenizer
 
 if TYPE_CHECKING:
-    from specbatch.engine.cuda_graphs import CudaGraphRunner
+    from specbatch.engine.cuda_graphs import Capture, CudaGraphRunner
 
 
 @dataclass
@@ -109,11 +109,19 @@ def capture_graphs(config: EngineConfig, models: Models) -> CudaGraphRunner | No
     """CUDA graphs for decode (and verify, with k drafts) steps, unless disabled."""
     if models.device.type != "cuda" or config.enforce_eager:
         return None
-    from specbatch.engine.cuda_graphs import CudaGraphRunner
     from specbatch.kernels.attention.triton_backend import TritonAttentionBackend
 
     if not isinstance(models.model.backend, TritonAttentionBackend):
         return None
+    return graph_runner(config, models)
+
+
+def graph_runner(
+    config: EngineConfig, models: Models, capture: Capture | None = None
+) -> CudaGraphRunner:
+    """The captured graphs for this engine's step shapes (``capture``: see CudaGraphRunner)."""
+    from specbatch.engine.cuda_graphs import CudaGraphRunner
+
     k, bs = models.num_speculative_tokens, config.block_size
     runner = CudaGraphRunner(
         models.model,
@@ -121,6 +129,7 @@ def capture_graphs(config: EngineConfig, models: Models) -> CudaGraphRunner | No
         -(-(models.max_model_len + k) // bs),
         (1,) if k == 0 else (1, k + 1),
         config.max_num_seqs,
+        capture,
     )
     runner.capture()
     return runner
