@@ -268,7 +268,6 @@ def section_engine(device: torch.device, small: bool, work: Path) -> dict[str, A
     """(b) decode steps vs the linear floor and HF generate; (c) speculation by alpha, k, batch."""
     from specbatch import LLMEngine, SamplingParams
     from specbatch.config import EngineConfig
-    from specbatch.spec.oracle import OracleProposer
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     shape = model_shape(small)
@@ -288,7 +287,7 @@ def section_engine(device: torch.device, small: bool, work: Path) -> dict[str, A
         "enable_prefix_caching": False,
     }
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
-    results: dict[str, Any] = {"decode": [], "spec": []}
+    results: dict[str, Any] = {"decode": []}
 
     off = LLMEngine(EngineConfig(**common))
     truth: dict[str, list[int]] = {}
@@ -303,20 +302,42 @@ def section_engine(device: torch.device, small: bool, work: Path) -> dict[str, A
                 "tok_s": run["tok_s"],
                 "linear_floor_ms": 1000 * floor,
                 "vs_floor": run["step_s"] / floor,
+                "replayed_steps": f"{run['graph_replays']}/{run['steps']}",
             }
         )
-    results["hf"] = hf_generate(target, prompts, batches, new_tokens, device, dtype)
+    guarded("hf", results, lambda: hf_generate(target, prompts, batches, new_tokens, device, dtype))
     del off
+    guarded("spec", results, lambda: oracle_speculation(common, truth, results, shape, prompts))
+    guarded("draft_c", results, lambda: draft_cost(target, work, shape, device, dtype, small))
+    guarded("sampled_draft", results, lambda: sampled_draft(common, work, prompts, batches))
+    return results
+
+
+def oracle_speculation(
+    common: dict[str, Any],
+    truth: dict[str, list[int]],
+    results: dict[str, Any],
+    shape: dict[str, Any],
+    prompts: list[list[int]],
+) -> list[dict[str, Any]]:
+    """(c) speedup over off with drafts right with probability alpha, by alpha, k and batch."""
+    from specbatch import LLMEngine, SamplingParams
+    from specbatch.config import EngineConfig
+    from specbatch.spec.oracle import OracleProposer
+
+    new_tokens = len(next(iter(truth.values())))
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    rows = []
     for k in (2, 4):
         proposer = OracleProposer(truth, 1.0, shape["vocab_size"], seed=1)
         spec = {"method": "external", "num_speculative_tokens": k}
         engine = LLMEngine(EngineConfig(**common, speculative_config=spec), proposer=proposer)
         for alpha in (0.5, 0.8, 0.95):
             proposer.acceptance = alpha
-            for b in batches:
+            for base in results["decode"]:
+                b = base["batch"]
                 run = decode_run(engine, prompts[:b], params, tag=str(b))
-                base = next(d for d in results["decode"] if d["batch"] == b)
-                results["spec"].append(
+                rows.append(
                     {
                         "k": k,
                         "alpha": alpha,
@@ -324,20 +345,57 @@ def section_engine(device: torch.device, small: bool, work: Path) -> dict[str, A
                         "ms_per_step": 1000 * run["step_s"],
                         "tokens_per_step": run["tokens_per_step"],
                         "speedup": run["tok_s"] / base["tok_s"],
+                        "measured_alpha": run["acceptance"],
+                        "replayed_steps": f"{run['graph_replays']}/{run['steps']}",
                     }
                 )
         del engine
-    results["draft_c"] = draft_cost(target, work, shape, device, dtype, small)
-    return results
+    return rows
+
+
+def sampled_draft(
+    common: dict[str, Any], work: Path, prompts: list[list[int]], batches: list[int]
+) -> list[dict[str, Any]]:
+    """A real draft model (the random one of draft_cost) with sampled requests (T = 0.8):
+    exercises the draft's q rows and the rejection sampler on the GPU."""
+    from specbatch import LLMEngine, SamplingParams
+    from specbatch.config import EngineConfig
+
+    spec = {"method": "draft_model", "model": str(work / "draft"), "num_speculative_tokens": 3}
+    engine = LLMEngine(EngineConfig(**common, speculative_config=spec))
+    rows = []
+    for b in batches[:2]:
+        params = SamplingParams(temperature=0.8, max_tokens=32, ignore_eos=True)
+        run = decode_run(engine, prompts[:b], params, tag=f"sampled-{b}")
+        rows.append(
+            {
+                "batch": b,
+                "tok_s": run["tok_s"],
+                "ms_per_step": 1000 * run["step_s"],
+                "acceptance": run["acceptance"],
+                "replayed_steps": f"{run['graph_replays']}/{run['steps']}",
+            }
+        )
+    return rows
 
 
 def decode_run(engine: Any, prompts: list[list[int]], params: Any, tag: str) -> dict[str, Any]:
     """Decode-phase speed once every sequence is decoding (the prefill step is excluded)."""
     for i, prompt in enumerate(prompts):
         engine.add_request(f"{tag}-{i}", prompt, params)
-    engine.step()  # prefill (and the first token)
-    generated = engine.stats.num_generation_tokens
+    decoding: set[str] = set()
     outputs: dict[str, list[int]] = {}
+    while len(decoding) < len(prompts):  # prefills (chunked at large batches) are not timed
+        for out in engine.step():
+            decoding.add(out.request_id)
+            if out.finished:
+                outputs[out.request_id] = out.outputs[0].token_ids
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize()
+    generated = engine.stats.num_generation_tokens
+    drafted, accepted = engine.stats.num_draft_tokens, engine.stats.num_accepted_tokens
+    graphs = engine.runner.graphs
+    replays = graphs.replays if graphs is not None else 0
     steps, start = 0, time.perf_counter()
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -348,11 +406,15 @@ def decode_run(engine: Any, prompts: list[list[int]], params: Any, tag: str) -> 
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
     tokens = engine.stats.num_generation_tokens - generated
+    drafted = engine.stats.num_draft_tokens - drafted
     return {
         "outputs": outputs,
         "step_s": elapsed / max(steps, 1),
         "tok_s": tokens / elapsed,
         "tokens_per_step": tokens / max(steps, 1),
+        "acceptance": (engine.stats.num_accepted_tokens - accepted) / drafted if drafted else None,
+        "graph_replays": (graphs.replays - replays if graphs is not None else 0),
+        "steps": steps,
     }
 
 
@@ -395,9 +457,15 @@ def hf_generate(
 ) -> list[dict[str, float]]:
     try:
         from transformers import AutoModelForCausalLM
-    except ImportError:
+
+        try:
+            model = AutoModelForCausalLM.from_pretrained(str(target), dtype=dtype)
+        except TypeError:  # transformers < 4.56 calls it torch_dtype
+            model = AutoModelForCausalLM.from_pretrained(str(target), torch_dtype=dtype)
+    except Exception:
+        say(f"HF transformers baseline unavailable:\n{traceback.format_exc()[-1500:]}")
         return []
-    model = AutoModelForCausalLM.from_pretrained(str(target), dtype=dtype).to(device).eval()
+    model = model.to(device).eval()
     rows = []
     for b in batches:
         ids = torch.tensor(prompts[:b], device=device)
@@ -549,28 +617,37 @@ def report(results: dict[str, Any]) -> None:
     engine = results.get("engine")
     if engine is None:
         return
-    say("(b) engine decode step (CUDA graphs)")
-    hf = {row["batch"]: row["tok_s"] for row in engine["hf"]}
+    say("(b) engine decode step (CUDA graphs; replayed steps / timed steps)")
+    hf = {row["batch"]: row["tok_s"] for row in engine.get("hf", [])}
     for row in engine["decode"]:
         b = row["batch"]
         say(
-            f"  batch {b:>3}: {row['ms_per_step']:.3f} ms/step, {row['tok_s']:.0f} tok/s; "
-            f"linear floor {row['linear_floor_ms']:.3f} ms -> {row['vs_floor']:.2f}x floor; "
-            f"HF generate {hf.get(b, float('nan')):.1f} tok/s -> "
-            f"{row['tok_s'] / hf.get(b, float('nan')):.1f}x"
+            f"  batch {b:>3}: {row['ms_per_step']:.3f} ms/step, {row['tok_s']:.0f} tok/s "
+            f"(replayed {row['replayed_steps']}); linear floor {row['linear_floor_ms']:.3f} ms "
+            f"-> {row['vs_floor']:.2f}x floor (<= 1.25 wanted at batch 1); HF generate "
+            f"{hf.get(b, float('nan')):.1f} tok/s -> {row['tok_s'] / hf.get(b, float('nan')):.1f}x"
         )
     say("(c) speculative decoding (oracle proposer) speedup over off")
-    for row in engine["spec"]:
+    for row in engine.get("spec", []):
+        measured = row["measured_alpha"]
         say(
-            f"  k={row['k']} alpha={row['alpha']:.2f} batch {row['batch']:>3}: "
+            f"  k={row['k']} alpha={row['alpha']:.2f} (measured "
+            f"{measured if measured is None else round(measured, 3)}) batch {row['batch']:>3}: "
             f"{row['speedup']:.2f}x ({row['tokens_per_step']:.2f} tokens/step, "
-            f"{row['ms_per_step']:.3f} ms/step)"
+            f"{row['ms_per_step']:.3f} ms/step, replayed {row['replayed_steps']})"
         )
-    c = engine["draft_c"]
-    say(
-        f"  small random draft: {c['draft_ms']:.3f} ms vs target {c['target_ms']:.3f} ms, "
-        f"c = {c['c']:.3f}"
-    )
+    if "draft_c" in engine:
+        c = engine["draft_c"]
+        say(
+            f"  small random draft (eager forwards, batch 1): {c['draft_ms']:.3f} ms vs target "
+            f"{c['target_ms']:.3f} ms, c = {c['c']:.3f}"
+        )
+    for row in engine.get("sampled_draft", []):
+        say(
+            f"  draft_model k=3, T=0.8, batch {row['batch']}: {row['tok_s']:.0f} tok/s, "
+            f"{row['ms_per_step']:.3f} ms/step, acceptance {row['acceptance']}, replayed "
+            f"{row['replayed_steps']}"
+        )
 
 
 if __name__ == "__main__":

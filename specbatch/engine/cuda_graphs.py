@@ -78,8 +78,10 @@ class CudaGraphRunner:
         self.block_size = block_size
         self.max_blocks = max_blocks_per_seq
         self.query_lens = query_lens
-        self.batch_sizes = [b for b in BATCH_LADDER if b <= max_batch] or [1]
+        # the ladder up to max_batch, and max_batch itself so the fullest steps replay too
+        self.batch_sizes = sorted({b for b in BATCH_LADDER if b < max_batch} | {max_batch})
         self.graphs: dict[tuple[int, int], _Graph] = {}
+        self.replays = 0
         # Tests pass a stand-in that re-runs the forward on replay, to check the plumbing on CPU.
         self._capture_forward = capture or CudaCapture(model.device)
 
@@ -142,4 +144,5 @@ class CudaGraphRunner:
         m.slot_mapping[:tokens].copy_(torch.from_numpy(attention.slot_mapping.astype(np.int64)))
         m.slot_mapping[tokens:].fill_(PAD_SLOT)
         g.graph.replay()
+        self.replays += 1
         return g.hidden[:tokens]

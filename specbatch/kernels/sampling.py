@@ -53,6 +53,7 @@ class SamplingTensors:
     banned: torch.Tensor | None  # [R, V] tokens that may not be produced
     bias: torch.Tensor | None  # [R, V] logit_bias
     all_greedy: bool
+    any_greedy: bool  # host-side, so no step waits on the device to know it
 
     @classmethod
     def build(
@@ -87,6 +88,7 @@ class SamplingTensors:
             banned=_banned(rows, vocab_size, device),
             bias=_logit_bias(rows, vocab_size, device),
             all_greedy=all(greedy),
+            any_greedy=any(greedy),
         )
 
 
@@ -173,7 +175,7 @@ def target_probs(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     if t.top_k is not None or t.top_p is not None:
         logits = _top_k_top_p(logits, t.top_k, t.top_p)
     probs = logits.softmax(-1)
-    if bool(t.greedy.any()):
+    if t.any_greedy:
         probs = torch.where(t.greedy[:, None], _one_hot_argmax(logits), probs)
     return probs
 

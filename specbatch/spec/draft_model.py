@@ -152,7 +152,7 @@ class DraftModelProposer(Proposer):
         if not self.confidence_threshold:
             return drafted.tolist(), q, [1.0] * len(rows)
         chosen = q.gather(1, drafted[:, None])[:, 0]
-        if bool(t.greedy.any()):  # q is one-hot there: take the softmax's confidence instead
+        if t.any_greedy:  # q is one-hot there: take the softmax's confidence instead
             natural = torch.softmax(apply_penalties(logits.float(), t), dim=-1).amax(-1)
             chosen = torch.where(t.greedy, natural, chosen)
         return drafted.tolist(), q, chosen.tolist()

@@ -97,14 +97,13 @@ def verify(
     for d in drafts:
         first_rows.append(total)
         total += len(d) + 1
-    random_seq = torch.tensor(
-        [not (rows[i].params.greedy or rows[i].params.seed is not None) for i in first_rows],
-        dtype=torch.bool,
-        device=device,
-    )
+    random_flags = [
+        not (rows[i].params.greedy or rows[i].params.seed is not None) for i in first_rows
+    ]
+    random_seq = torch.tensor(random_flags, dtype=torch.bool, device=device)
     targets = _deterministic_targets(p, rows)
     accepted, final = _match(layout, targets[layout.rows])
-    if bool(random_seq.any()):
+    if any(random_flags):  # known on the host: no wait on the device
         r_accepted, r_final = _rejection(p, layout, draft_probs, generator)
         accepted = torch.where(random_seq, r_accepted, accepted)
         final = torch.where(random_seq, r_final, final)
@@ -156,9 +155,9 @@ def _rejection(
     accepted = passed.long().cumprod(1).sum(1)
     final_rows = p[layout.rows.gather(1, accepted[:, None]).squeeze(1)]
     rejected = accepted < layout.num_drafts
-    if bool(rejected.any()):
-        position = accepted.clamp(max=max(k - 1, 0))[:, None]
-        rejected_token = drafts.gather(1, position).squeeze(1) if k else accepted
+    if k:  # computed for every row (no wait on the device), used where a draft was rejected
+        position = accepted.clamp(max=k - 1)[:, None]
+        rejected_token = drafts.gather(1, position).squeeze(1)
         if draft_probs is None:
             residual = final_rows.scatter(1, rejected_token[:, None], 0.0)
         else:

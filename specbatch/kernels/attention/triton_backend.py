@@ -149,7 +149,9 @@ class TritonAttentionBackend(AttentionBackend):
         busy = programs * self.num_kv_heads
         if busy >= sms:
             return 1
-        return int(min(_MAX_SPLITS, -(-sms // busy), longest // 512))
+        wanted = int(min(_MAX_SPLITS, -(-sms // busy), longest // 512))
+        # a power of two: NUM_SPLITS is a compile-time constant, so few distinct values
+        return 1 << (wanted.bit_length() - 1) if wanted > 1 else 1
 
     def forward(
         self,

@@ -37,7 +37,7 @@ def write_kv_kernel(
     ROW_POW2: tl.constexpr,
 ):
     """Copy token ``t``'s K and V rows into cache slot ``slot_mapping[t]`` (skip slot -1)."""
-    token = tl.program_id(0)
+    token = tl.program_id(0).to(tl.int64)  # token * stride overflows int32 on big steps
     slot = tl.load(slot_ptr + token).to(tl.int64)
     if slot >= 0:
         offsets = tl.arange(0, ROW_POW2)

@@ -294,7 +294,14 @@ def decode_ms(model: LlamaForCausalLM, context: int = 256, repeats: int = 30) ->
         runner.forward(batch, rows)
     times = []
     for _ in range(repeats):
+        _synchronize(model.device)
         start = time.perf_counter()
         runner.forward(batch, rows)
+        _synchronize(model.device)
         times.append(time.perf_counter() - start)
     return 1000 * statistics.median(times)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
