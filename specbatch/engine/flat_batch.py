@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from specbatch.kernels.attention import AttentionInputs
+from specbatch.kernels.attention import PAD_SLOT, AttentionInputs
 
 
 @dataclass
@@ -17,6 +17,9 @@ class TokenRun:
     token_ids: Sequence[int]
     start_position: int
     block_table: Sequence[int]
+    # Trailing filler tokens that get no cache slot (PAD_SLOT): computed only so that a step
+    # keeps the uniform shape of a CUDA graph; nothing reads their K/V or their outputs.
+    num_unslotted: int = 0
 
 
 @dataclass
@@ -39,7 +42,10 @@ def flatten(runs: Sequence[TokenRun], block_size: int) -> FlatBatch:
     np.cumsum(query_lens, out=query_start[1:])
     total = int(query_start[-1])
 
-    width = max((len(r.block_table) for r in runs), default=1) or 1
+    # Wide enough for every position the step attends to (fillers may lie past the blocks
+    # a sequence holds: their table entries read block 0, never past the table).
+    ends = -(-(starts + query_lens) // block_size)
+    width = max(max((len(r.block_table) for r in runs), default=1), int(ends.max(initial=1)), 1)
     block_tables = np.zeros((len(runs), width), dtype=np.int64)
     for b, run in enumerate(runs):
         block_tables[b, : len(run.block_table)] = run.block_table
@@ -50,6 +56,9 @@ def flatten(runs: Sequence[TokenRun], block_size: int) -> FlatBatch:
     slots = (
         block_tables[run_of_token, positions // block_size] * block_size + positions % block_size
     )
+    unslotted = np.fromiter((r.num_unslotted for r in runs), dtype=np.int64, count=len(runs))
+    if unslotted.any():
+        slots[offsets >= (query_lens - unslotted)[run_of_token]] = PAD_SLOT
     input_ids = np.fromiter((t for r in runs for t in r.token_ids), dtype=np.int64, count=total)
     attention = AttentionInputs(
         query_lens=query_lens,

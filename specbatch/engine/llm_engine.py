@@ -219,7 +219,16 @@ class LLMEngine:
             sampling, sum(s.num_new_tokens for s in scheduled)
         )
         drafts = dict(zip((s.seq.seq_id for s in sampling), proposal.tokens, strict=True))
-        batch = flatten([self._token_run(s, drafts) for s in scheduled], self.config.block_size)
+        # Under CUDA graphs a step with any draft pads every decode to k drafts (one graph
+        # shape, q = k + 1); a step without drafts stays at q = 1.
+        uniform_k = (
+            self.scheduler.config.num_speculative_tokens
+            if self.runner.graphs is not None and any(proposal.tokens)
+            else 0
+        )
+        batch = flatten(
+            [self._token_run(s, drafts, uniform_k) for s in scheduled], self.config.block_size
+        )
         rows, prompt_rows = self._logit_rows(scheduled, batch.query_start, drafts)
         logits = self.runner.forward(
             batch, np.array(rows + [r for _, r, _ in prompt_rows], dtype=np.int64)
@@ -240,15 +249,23 @@ class LLMEngine:
         self._update_gauges()
         return self._outputs(touched)
 
-    def _token_run(self, s: ScheduledSequence, drafts: dict[int, list[int]]) -> TokenRun:
+    def _token_run(
+        self, s: ScheduledSequence, drafts: dict[int, list[int]], uniform_k: int
+    ) -> TokenRun:
         seq = s.seq
         tokens = seq.token_ids[seq.num_computed_tokens :][: s.num_new_tokens]
         drafted = drafts.get(seq.seq_id, [])
-        if self.runner.graphs is not None and s.num_lookahead > len(drafted):
-            # Uniform query lengths let the step replay a CUDA graph. The filler tokens sit in
-            # reserved lookahead slots and are treated like rejected drafts: never verified,
-            # overwritten before anything reads them.
-            drafted = drafted + [seq.last_token_id] * (s.num_lookahead - len(drafted))
+        fillers = uniform_k - len(drafted) if s.num_new_tokens == 1 else 0
+        if fillers > 0:
+            # Uniform query lengths let the step replay a CUDA graph. Fillers get no cache slot
+            # (they write nothing), come after every real token (no real row attends to them)
+            # and are never verified: their rows are computed and dropped.
+            return TokenRun(
+                tokens + drafted + [seq.last_token_id] * fillers,
+                seq.num_computed_tokens,
+                seq.block_table,
+                num_unslotted=fillers,
+            )
         return TokenRun(tokens + drafted, seq.num_computed_tokens, seq.block_table)
 
     def _propose(

@@ -113,3 +113,37 @@ def test_seeded_sampling_with_short_drafts_equals_eager(
     graphed = generate(tiny_model_dir, True, params, speculative_config=speculative)
     assert EagerReplay.replays > 0
     assert graphed == eager
+
+
+@pytest.mark.parametrize("method", ["draft_model", "ngram"])
+def test_every_decode_step_replays(
+    cpu_graphs: None, tiny_model_dir: Path, tiny_draft_dir: Path, method: str
+) -> None:
+    """Sequences near max_tokens draft fewer than k (their lookahead shrinks) and steps where
+    nothing was drafted have q = 1: both still replay a graph."""
+    speculative: dict[str, Any] = {"method": method, "num_speculative_tokens": 3}
+    if method == "draft_model":
+        speculative["model"] = str(tiny_draft_dir)
+    prompts = [[5, 6, 7, 8] * 5, [9, 10, 11] * 4, [40, 41, 42, 43, 44]]
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (17, 5, 9)]
+
+    def run(graphs: bool) -> tuple[list[list[int]], Any]:
+        llm = LLM(
+            str(tiny_model_dir),
+            attention_backend="triton",
+            num_kv_blocks=64,
+            block_size=16,
+            max_model_len=160,
+            max_num_seqs=4,
+            enforce_eager=not graphs,
+            speculative_config=speculative,
+        )
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outputs], llm.llm_engine
+
+    eager, _ = run(False)
+    graphed, engine = run(True)
+    assert graphed == eager
+    assert engine.stats.num_drafts > 0 or method == "ngram"
+    # one prefill step for all three prompts, then every step is a decode
+    assert engine.runner.graphs.replays == engine.stats.num_steps - 1

@@ -1,0 +1,47 @@
+"""Flattening token runs: positions and cache slots against a per-token loop."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from specbatch.engine.flat_batch import TokenRun, flatten
+from specbatch.kernels.attention import PAD_SLOT
+
+
+def slow_slots(runs: list[TokenRun], block_size: int) -> list[int]:
+    slots = []
+    for run in runs:
+        real = len(run.token_ids) - run.num_unslotted
+        for i in range(len(run.token_ids)):
+            position = run.start_position + i
+            if i >= real:
+                slots.append(PAD_SLOT)
+            else:
+                block = run.block_table[position // block_size]
+                slots.append(block * block_size + position % block_size)
+    return slots
+
+
+def test_random_runs_match_a_per_token_loop() -> None:
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        block_size = int(rng.choice([4, 16]))
+        runs = []
+        for _ in range(int(rng.integers(0, 6))):
+            start = int(rng.integers(0, 40))
+            count = int(rng.integers(1, 9))
+            unslotted = int(rng.integers(0, count)) if rng.random() < 0.5 else 0
+            held = -(-(start + count - unslotted) // block_size)  # blocks of the real tokens
+            table = rng.permutation(100)[:held].tolist()
+            runs.append(TokenRun(list(range(count)), start, table, unslotted))
+        batch = flatten(runs, block_size)
+        assert batch.attention.slot_mapping.tolist() == slow_slots(runs, block_size)
+        expected_positions = [r.start_position + i for r in runs for i in range(len(r.token_ids))]
+        assert batch.positions.tolist() == expected_positions
+        # the table covers every attended position; what lies past a run's blocks is block 0
+        tables = batch.attention.block_tables
+        for row, run in enumerate(runs):
+            needed = -(-(run.start_position + len(run.token_ids)) // block_size)
+            assert tables.shape[1] >= needed
+            assert tables[row, : len(run.block_table)].tolist() == list(run.block_table)
+            assert not tables[row, len(run.block_table) :].any()
