@@ -18,7 +18,12 @@ from specbatch.engine.logprobs import ranked_logprobs
 from specbatch.engine.model_runner import ModelRunner
 from specbatch.engine.request_state import RequestState
 from specbatch.engine.sequence import Sequence
-from specbatch.engine.setup import allocate_cache, capture_graphs, load_models
+from specbatch.engine.setup import (
+    allocate_cache,
+    capture_draft_graphs,
+    capture_graphs,
+    load_models,
+)
 from specbatch.errors import ConfigError
 from specbatch.kernels.sampling import SamplingRow, sample
 from specbatch.outputs import RequestOutput
@@ -102,6 +107,7 @@ class LLMEngine:
                 self.generator,
                 self._banned_tokens,
                 external=proposer,
+                draft_graphs=lambda: capture_draft_graphs(config, models),
             )
         elif proposer is not None:
             raise ConfigError("a proposer needs speculative_config={'method': 'external', ...}")

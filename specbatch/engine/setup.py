@@ -60,6 +60,7 @@ def load_models(config: EngineConfig) -> Models:
             dtype,
             device,
             target_is_default=is_default_model_name(config.model),
+            attention_backend=config.attention_backend,
         )
         if draft is not None and config.cpu_weight_packing:
             draft.pack_for_cpu()
@@ -120,16 +121,41 @@ def graph_runner(
     config: EngineConfig, models: Models, capture: Capture | None = None
 ) -> CudaGraphRunner:
     """The captured graphs for this engine's step shapes (``capture``: see CudaGraphRunner)."""
+    k = models.num_speculative_tokens
+    return _captured(models.model, config, models, (1,) if k == 0 else (1, k + 1), capture)
+
+
+def capture_draft_graphs(config: EngineConfig, models: Models) -> CudaGraphRunner | None:
+    """Graphs for the draft model's single-token forwards (its drafts after the first), when
+    the target runs graphs. Call once the draft's KV cache is bound."""
+    if models.draft is None or models.device.type != "cuda" or config.enforce_eager:
+        return None
+    from specbatch.kernels.attention.triton_backend import TritonAttentionBackend
+
+    if not isinstance(models.draft.backend, TritonAttentionBackend):
+        return None
+    return draft_graph_runner(config, models)
+
+
+def draft_graph_runner(
+    config: EngineConfig, models: Models, capture: Capture | None = None
+) -> CudaGraphRunner:
+    assert models.draft is not None
+    return _captured(models.draft, config, models, (1,), capture)
+
+
+def _captured(
+    model: LlamaForCausalLM,
+    config: EngineConfig,
+    models: Models,
+    query_lens: tuple[int, ...],
+    capture: Capture | None,
+) -> CudaGraphRunner:
     from specbatch.engine.cuda_graphs import CudaGraphRunner
 
     k, bs = models.num_speculative_tokens, config.block_size
     runner = CudaGraphRunner(
-        models.model,
-        bs,
-        -(-(models.max_model_len + k) // bs),
-        (1,) if k == 0 else (1, k + 1),
-        config.max_num_seqs,
-        capture,
+        model, bs, -(-(models.max_model_len + k) // bs), query_lens, config.max_num_seqs, capture
     )
     runner.capture()
     return runner

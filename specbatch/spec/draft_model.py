@@ -17,6 +17,7 @@ draft's rollback.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -36,6 +37,9 @@ from specbatch.kernels.sampling import (
 from specbatch.models.llama import LlamaForCausalLM
 from specbatch.spec.proposer import DraftRequest, Proposal, Proposer
 
+if TYPE_CHECKING:  # triton is optional: only CUDA engines build graphs
+    from specbatch.engine.cuda_graphs import CudaGraphRunner
+
 # (sequence, number of drafts already appended) -> token ids the row may not produce
 BannedTokens = Callable[[Sequence, int], tuple[int, ...]]
 
@@ -51,7 +55,10 @@ class DraftModelProposer(Proposer):
         generator: torch.Generator,
         banned_token_ids: BannedTokens,
         confidence_threshold: float = 0.0,
+        capture_graphs: Callable[[], CudaGraphRunner | None] | None = None,
     ) -> None:
+        """``capture_graphs`` builds CUDA graphs for the single-token draft forwards; it is
+        called once the draft's KV cache is bound (graphs capture the cache's addresses)."""
         self.model = model
         self.confidence_threshold = confidence_threshold
         self.block_size = block_size
@@ -60,7 +67,7 @@ class DraftModelProposer(Proposer):
         model.bind_kv_caches(
             allocate_kv_caches(model.config, num_blocks, block_size, model.dtype, model.device)
         )
-        self.runner = ModelRunner(model)
+        self.runner = ModelRunner(model, capture_graphs() if capture_graphs else None)
         self._computed: dict[int, int] = {}  # seq_id -> leading tokens held by the draft cache
         self.num_forwards = 0  # batched draft forwards run so far (for cost accounting)
 

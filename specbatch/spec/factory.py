@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -17,6 +19,9 @@ from specbatch.spec.ngram import NgramProposer
 from specbatch.spec.proposer import Proposer
 from specbatch.tokenizer import Tokenizer, load_tokenizer
 
+if TYPE_CHECKING:  # triton is optional: only CUDA engines build graphs
+    from specbatch.engine.cuda_graphs import CudaGraphRunner
+
 _PROBE = "Hello, world! 12345 naïve café 你好 🙂\n    def f(x):\n        return x * 2"
 
 
@@ -27,9 +32,11 @@ def load_draft_model(
     dtype: torch.dtype,
     device: torch.device,
     target_is_default: bool = False,
+    attention_backend: str | None = None,
 ) -> LlamaForCausalLM | None:
     """The draft model of a ``draft_model`` or ``hybrid`` config (None for other methods);
-    without a ``model`` the shipped draft, which exists for the default target only."""
+    without a ``model`` the shipped draft, which exists for the default target only. It uses
+    the target's attention backend."""
     if spec.method not in DRAFT_METHODS:
         return None
     if spec.model is None:
@@ -41,7 +48,7 @@ def load_draft_model(
         path = default_draft_path()
     else:
         path = resolve_model_path(spec.model)
-    draft = load_model(path, dtype, device)
+    draft = load_model(path, dtype, device, attention_backend)
     check_draft_compatible(path, draft, target, target_tokenizer)
     return draft
 
@@ -78,6 +85,7 @@ def build_proposer(
     generator: torch.Generator,
     banned_token_ids: BannedTokens,
     external: Proposer | None = None,
+    draft_graphs: Callable[[], CudaGraphRunner | None] | None = None,
 ) -> Proposer:
     if (spec.method == "external") != (external is not None):
         raise ConfigError(
@@ -97,6 +105,7 @@ def build_proposer(
         generator,
         banned_token_ids,
         confidence_threshold=spec.draft_confidence_threshold,
+        capture_graphs=draft_graphs,
     )
     if spec.method == "hybrid":
         return HybridProposer(lookup, drafter)
