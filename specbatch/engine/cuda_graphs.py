@@ -74,22 +74,31 @@ class CudaGraphRunner:
     ) -> None:
         if not isinstance(model.backend, TritonAttentionBackend):
             raise ValueError("CUDA graphs need the triton attention backend")
+        self.backend: TritonAttentionBackend = model.backend
         self.model = model
         self.block_size = block_size
         self.max_blocks = max_blocks_per_seq
         self.query_lens = query_lens
         # the ladder up to max_batch, and max_batch itself so the fullest steps replay too
         self.batch_sizes = sorted({b for b in BATCH_LADDER if b < max_batch} | {max_batch})
-        self.graphs: dict[tuple[int, int], _Graph] = {}
+        self.graphs: dict[tuple[int, int, int], _Graph] = {}  # (batch, q, splits)
+        self.long_splits: dict[tuple[int, int], int] = {}  # (batch, q) -> split-KV graph's count
         self.replays = 0
+        self.split_replays = 0  # of which with split-KV
         # Tests pass a stand-in that re-runs the forward on replay, to check the plumbing on CPU.
         self._capture_forward = capture or CudaCapture(model.device)
 
     def capture(self) -> None:
-        """Capture every (batch size, query length), largest first so memory is shared."""
+        """Capture every (batch size, query length, split count), largest first so memory is
+        shared. A shape whose programs leave the GPU idle gets a second graph with split-KV for
+        long contexts (the split count is a constant of the captured kernels)."""
         for q in self.query_lens:
             for batch in sorted(self.batch_sizes, reverse=True):
-                self.graphs[(batch, q)] = self._capture(batch, q)
+                self.graphs[(batch, q, 1)] = self._capture(batch, q, 1)
+                long = self._long_context_splits(batch, q)
+                if long > 1:
+                    self.graphs[(batch, q, long)] = self._capture(batch, q, long)
+                    self.long_splits[(batch, q)] = long
 
     def _padded_inputs(self, batch: int, q: int) -> AttentionInputs:
         return AttentionInputs(
@@ -100,10 +109,16 @@ class CudaGraphRunner:
             block_size=self.block_size,
         )
 
-    def _capture(self, batch: int, q: int) -> _Graph:
+    def _long_context_splits(self, batch: int, q: int) -> int:
+        backend = self.backend
+        programs = backend.build_metadata(self._padded_inputs(batch, q), torch.device("cpu"))
+        longest = self.max_blocks * self.block_size
+        return backend.splits(len(programs.program_seq), longest, self.model.device)
+
+    def _capture(self, batch: int, q: int, splits: int) -> _Graph:
         device = self.model.device
-        metadata = self.model.backend.build_metadata(self._padded_inputs(batch, q), device)
-        metadata.num_splits = 1
+        metadata = self.backend.build_metadata(self._padded_inputs(batch, q), device)
+        metadata.num_splits = splits
         input_ids = torch.zeros(batch * q, dtype=torch.long, device=device)
         positions = torch.zeros(batch * q, dtype=torch.long, device=device)
         with torch.no_grad():
@@ -129,7 +144,10 @@ class CudaGraphRunner:
         real = len(attention.query_lens)
         q = int(attention.query_lens[0])
         size = next(b for b in self.batch_sizes if b >= real)
-        g = self.graphs[(size, q)]
+        splits = 1
+        if int(attention.seq_lens.max()) >= self.backend.long_context:
+            splits = self.long_splits.get((size, q), 1)
+        g = self.graphs[(size, q, splits)]
         tokens = real * q
         g.input_ids[:tokens].copy_(torch.from_numpy(batch.input_ids), non_blocking=True)
         g.input_ids[tokens:].zero_()
@@ -138,11 +156,16 @@ class CudaGraphRunner:
         m = g.metadata
         m.seq_lens[:real].copy_(torch.from_numpy(attention.seq_lens.astype(np.int32)))
         m.seq_lens[real:].fill_(q)
-        tables = np.zeros((size, self.max_blocks), dtype=np.int32)
-        tables[:real, : attention.block_tables.shape[1]] = attention.block_tables
-        m.block_tables.copy_(torch.from_numpy(tables))
+        # Only the columns this step reads: the table's rest is never read for these lengths
+        # (and padding rows read their first block, zeroed).
+        width = attention.block_tables.shape[1]
+        m.block_tables[:real, :width].copy_(
+            torch.from_numpy(attention.block_tables.astype(np.int32))
+        )
+        m.block_tables[real:, :1].zero_()
         m.slot_mapping[:tokens].copy_(torch.from_numpy(attention.slot_mapping.astype(np.int64)))
         m.slot_mapping[tokens:].fill_(PAD_SLOT)
         g.graph.replay()
         self.replays += 1
+        self.split_replays += splits > 1
         return g.hidden[:tokens]

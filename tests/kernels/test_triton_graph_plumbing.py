@@ -156,3 +156,39 @@ def test_every_decode_step_replays(
         assert engine.stats.num_drafts > 0
         # the draft's own single-token forwards (its drafts after the first) replay too
         assert engine.proposer.runner.graphs.replays >= engine.stats.num_steps - 1
+
+
+def test_long_contexts_replay_split_kv_graphs(
+    cpu_graphs: None, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Shapes that leave the GPU idle get a second graph with split-KV, replayed once the
+    longest sequence reaches the long-context length (here 40 positions, 4 splits)."""
+    from specbatch.kernels.attention.triton_backend import TritonAttentionBackend
+
+    def splits(self: TritonAttentionBackend, programs: int, longest: int, device: Any) -> int:
+        return 4 if longest >= self.long_context else 1
+
+    monkeypatch.setattr(TritonAttentionBackend, "splits", splits)
+    monkeypatch.setattr(TritonAttentionBackend, "long_context", 40)
+    prompts = [[5, 6, 7, 8] * 8, [30, 31, 32]]  # 32 and 3 tokens: the split starts mid-run
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+
+    def run(graphs: bool) -> tuple[list[list[int]], Any]:
+        llm = LLM(
+            str(tiny_model_dir),
+            attention_backend="triton",
+            num_kv_blocks=64,
+            block_size=16,
+            max_model_len=160,
+            max_num_seqs=2,
+            enforce_eager=not graphs,
+        )
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outputs], llm.llm_engine
+
+    eager, _ = run(False)
+    graphed, engine = run(True)
+    assert graphed == eager
+    graphs = engine.runner.graphs
+    assert graphs.long_splits == {(1, 1): 4, (2, 1): 4}
+    assert 0 < graphs.split_replays < graphs.replays == engine.stats.num_steps - 1

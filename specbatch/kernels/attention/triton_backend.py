@@ -111,6 +111,7 @@ class TritonAttentionBackend(AttentionBackend):
     decode_tiles = DECODE_TILES
     prefill_tiles = PREFILL_TILES
     force_splits: int | None = None  # tests pin the split-KV path
+    long_context = _LONG_CONTEXT  # split-KV is considered from this many KV positions on
 
     def build_metadata(self, inputs: AttentionInputs, device: torch.device) -> TritonMetadata:
         group = self.num_heads // self.num_kv_heads
@@ -136,14 +137,17 @@ class TritonAttentionBackend(AttentionBackend):
             block_size=inputs.block_size,
             block_q=block_q,
             block_m=block_m,
-            num_splits=self._splits(len(program_seq), int(inputs.seq_lens.max(initial=0)), device),
+            num_splits=self.splits(len(program_seq), int(inputs.seq_lens.max(initial=0)), device),
             tiles=tiles,
         )
 
-    def _splits(self, programs: int, longest: int, device: torch.device) -> int:
+    def splits(self, programs: int, longest: int, device: torch.device) -> int:
+        """Split-KV count for a step of ``programs`` query blocks whose longest sequence has
+        ``longest`` KV positions: enough splits to fill the GPU's multiprocessors, 1 when the
+        programs fill it already or contexts are short."""
         if self.force_splits is not None:
             return self.force_splits
-        if device.type != "cuda" or longest < _LONG_CONTEXT:
+        if device.type != "cuda" or longest < self.long_context:
             return 1
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         busy = programs * self.num_kv_heads
