@@ -264,8 +264,12 @@ def decode_bandwidth(device: torch.device, small: bool, dtype: torch.dtype) -> d
     }
 
 
-def section_engine(device: torch.device, small: bool, work: Path) -> dict[str, Any]:
-    """(b) decode steps vs the linear floor and HF generate; (c) speculation by alpha, k, batch."""
+def section_engine(
+    device: torch.device, small: bool, work: Path, results: dict[str, Any], checkpoint: Any
+) -> dict[str, Any]:
+    """(b) decode steps vs the linear floor and HF generate; (c) speculation by alpha, k, batch.
+
+    Fills ``results`` part by part and calls ``checkpoint()`` after each (partial saves)."""
     from specbatch import LLMEngine, SamplingParams
     from specbatch.config import EngineConfig
 
@@ -287,7 +291,7 @@ def section_engine(device: torch.device, small: bool, work: Path) -> dict[str, A
         "enable_prefix_caching": False,
     }
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
-    results: dict[str, Any] = {"decode": []}
+    results["decode"] = []
 
     off = LLMEngine(EngineConfig(**common))
     truth: dict[str, list[int]] = {}
@@ -305,12 +309,50 @@ def section_engine(device: torch.device, small: bool, work: Path) -> dict[str, A
                 "replayed_steps": f"{run['graph_replays']}/{run['steps']}",
             }
         )
+    checkpoint()
     guarded("hf", results, lambda: hf_generate(target, prompts, batches, new_tokens, device, dtype))
     del off
+    checkpoint()
     guarded("spec", results, lambda: oracle_speculation(common, truth, results, shape, prompts))
+    checkpoint()
     guarded("draft_c", results, lambda: draft_cost(target, work, shape, device, dtype, small))
     guarded("sampled_draft", results, lambda: sampled_draft(common, work, prompts, batches))
+    checkpoint()
+    guarded("long_context", results, lambda: long_context(common, small))
     return results
+
+
+def long_context(common: dict[str, Any], small: bool) -> dict[str, Any]:
+    """Batch 1 at a long context: the split-KV graph must replay and equal eager decoding."""
+    from specbatch import LLMEngine, SamplingParams
+    from specbatch.config import EngineConfig
+
+    context = 2100 if not small else 64
+    config = dict(common, max_model_len=context + 64, max_num_seqs=1)
+    prompt = np.random.default_rng(2).integers(3, 500, context).tolist()
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    runs = {}
+    for eager in (True, False):
+        engine = LLMEngine(EngineConfig(**config, enforce_eager=eager))
+        if small and engine.runner.graphs is not None:  # CPU check of the script: tiny context
+            engine.runner.graphs.backend.long_context = 32
+        run = decode_run(engine, [prompt], params, tag="long")
+        graphs = engine.runner.graphs
+        runs[eager] = {
+            "tokens": next(iter(run["outputs"].values())),
+            "ms_per_step": 1000 * run["step_s"],
+            "split_replays": graphs.split_replays if graphs is not None else 0,
+            "long_splits": str(graphs.long_splits) if graphs is not None else "",
+        }
+        del engine
+    return {
+        "context": context,
+        "graph_ms_per_step": runs[False]["ms_per_step"],
+        "eager_ms_per_step": runs[True]["ms_per_step"],
+        "split_replays": runs[False]["split_replays"],
+        "long_splits": runs[False]["long_splits"],
+        "equal_to_eager": runs[False]["tokens"] == runs[True]["tokens"],
+    }
 
 
 def oracle_speculation(
@@ -546,7 +588,13 @@ def main() -> None:
     if out_dir is not None:  # what is done so far comes back even if a later part hangs
         save(out_dir, results)
     with tempfile.TemporaryDirectory() as tmp:
-        guarded("engine", results, lambda: section_engine(device, args.small, Path(tmp)))
+        results["engine"] = {}
+
+        def checkpoint() -> None:
+            if out_dir is not None:
+                save(out_dir, results)
+
+        section_engine(device, args.small, Path(tmp), results["engine"], checkpoint)
     try:
         report(results)
     finally:
@@ -641,6 +689,13 @@ def report(results: dict[str, Any]) -> None:
         say(
             f"  small random draft (eager forwards, batch 1): {c['draft_ms']:.3f} ms vs target "
             f"{c['target_ms']:.3f} ms, c = {c['c']:.3f}"
+        )
+    if "long_context" in engine:
+        row = engine["long_context"]
+        say(
+            f"  batch 1 at {row['context']} tokens: graph {row['graph_ms_per_step']:.3f} ms/step "
+            f"(split-KV replays {row['split_replays']}, graphs {row['long_splits']}) vs eager "
+            f"{row['eager_ms_per_step']:.3f} ms/step; same tokens: {row['equal_to_eager']}"
         )
     for row in engine.get("sampled_draft", []):
         say(

@@ -57,8 +57,11 @@ def flatten(runs: Sequence[TokenRun], block_size: int) -> FlatBatch:
         block_tables[run_of_token, positions // block_size] * block_size + positions % block_size
     )
     unslotted = np.fromiter((r.num_unslotted for r in runs), dtype=np.int64, count=len(runs))
-    if unslotted.any():
-        slots[offsets >= (query_lens - unslotted)[run_of_token]] = PAD_SLOT
+    filler = offsets >= (query_lens - unslotted)[run_of_token]
+    held = np.fromiter((len(r.block_table) for r in runs), dtype=np.int64, count=len(runs))
+    if np.any(~filler & (positions // block_size >= held[run_of_token])):
+        raise ValueError("a token to compute lies past its sequence's blocks")
+    slots[filler] = PAD_SLOT
     input_ids = np.fromiter((t for r in runs for t in r.token_ids), dtype=np.int64, count=total)
     attention = AttentionInputs(
         query_lens=query_lens,

@@ -225,13 +225,18 @@ class LLMEngine:
             sampling, sum(s.num_new_tokens for s in scheduled)
         )
         drafts = dict(zip((s.seq.seq_id for s in sampling), proposal.tokens, strict=True))
-        # Under CUDA graphs a step with any draft pads every decode to k drafts (one graph
-        # shape, q = k + 1); a step without drafts stays at q = 1.
-        uniform_k = (
-            self.scheduler.config.num_speculative_tokens
-            if self.runner.graphs is not None and any(proposal.tokens)
-            else 0
-        )
+        # Under CUDA graphs a decode-only step with any draft pads every decode to k drafts
+        # (one graph shape, q = k + 1); a step without drafts stays at q = 1. Steps that cannot
+        # replay anyway (a prefill chunk, more sequences than the ladder) are not padded.
+        graphs = self.runner.graphs
+        uniform_k = 0
+        if (
+            graphs is not None
+            and any(proposal.tokens)
+            and len(scheduled) <= graphs.batch_sizes[-1]
+            and all(s.num_new_tokens == 1 for s in scheduled)
+        ):
+            uniform_k = self.scheduler.config.num_speculative_tokens
         batch = flatten(
             [self._token_run(s, drafts, uniform_k) for s in scheduled], self.config.block_size
         )
@@ -261,7 +266,7 @@ class LLMEngine:
         seq = s.seq
         tokens = seq.token_ids[seq.num_computed_tokens :][: s.num_new_tokens]
         drafted = drafts.get(seq.seq_id, [])
-        fillers = uniform_k - len(drafted) if s.num_new_tokens == 1 else 0
+        fillers = uniform_k - len(drafted)
         if fillers > 0:
             # Uniform query lengths let the step replay a CUDA graph. Fillers get no cache slot
             # (they write nothing), come after every real token (no real row attends to them)

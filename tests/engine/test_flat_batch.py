@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from specbatch.engine.flat_batch import TokenRun, flatten
 from specbatch.kernels.attention import PAD_SLOT
@@ -45,3 +46,10 @@ def test_random_runs_match_a_per_token_loop() -> None:
             assert tables.shape[1] >= needed
             assert tables[row, : len(run.block_table)].tolist() == list(run.block_table)
             assert not tables[row, len(run.block_table) :].any()
+
+
+def test_a_real_token_past_its_blocks_is_refused() -> None:
+    """Only fillers may lie past a sequence's blocks; a real one would write block 0."""
+    flatten([TokenRun([1, 2, 3], 15, [7], num_unslotted=2)], 16)  # fillers: fine
+    with pytest.raises(ValueError, match="past its sequence's blocks"):
+        flatten([TokenRun([1, 2, 3], 15, [7], num_unslotted=1)], 16)

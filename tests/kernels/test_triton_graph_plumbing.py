@@ -13,11 +13,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
 from specbatch import LLM, SamplingParams
 from specbatch.engine import llm_engine, setup
+from specbatch.engine.model_runner import ModelRunner
+from specbatch.kernels.attention import PAD_SLOT
 
 pytest.importorskip("triton")
 
@@ -60,6 +63,10 @@ def generate(
     return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
 
 
+# per forward with graphs on: (carried fillers, could replay a graph)
+FORWARDS: list[tuple[bool, bool]] = []
+
+
 @pytest.fixture
 def cpu_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
     def capture_graphs(config: Any, models: Any) -> Any:
@@ -73,6 +80,16 @@ def cpu_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(llm_engine, "capture_graphs", capture_graphs)
     monkeypatch.setattr(llm_engine, "capture_draft_graphs", capture_draft_graphs)
     EagerReplay.replays = 0
+    FORWARDS.clear()
+    forward = ModelRunner.forward
+
+    def recording_forward(self: ModelRunner, batch: Any, rows: Any) -> Any:
+        if self.graphs is not None:
+            fillers = bool(np.any(batch.attention.slot_mapping == PAD_SLOT))
+            FORWARDS.append((fillers, self.graphs.can_run(batch)))
+        return forward(self, batch, rows)
+
+    monkeypatch.setattr(ModelRunner, "forward", recording_forward)
 
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
@@ -93,12 +110,20 @@ def test_graph_steps_equal_eager(
 ) -> None:
     if speculative is not None and speculative["method"] != "ngram":
         speculative = {**speculative, "model": str(tiny_draft_dir)}
-    params = [GREEDY] * len(PROMPTS)
+    # the second request ends early: the fifth is admitted while the others decode
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (20, 9, 20, 17, 12)
+    ]
     eager = generate(tiny_model_dir, False, params, speculative_config=speculative)
     assert EagerReplay.replays == 0
     graphed = generate(tiny_model_dir, True, params, speculative_config=speculative)
     assert EagerReplay.replays > 0
     assert graphed == eager
+    # fillers only where they buy a replay (a step with a prefill chunk runs eager, unpadded)
+    assert all(replays for fillers, replays in FORWARDS if fillers)
+    if speculative is not None and speculative["method"] != "ngram":
+        assert any(fillers for fillers, _ in FORWARDS)
+    assert any(not replays for _, replays in FORWARDS)  # the fifth prompt's prefill
 
 
 def test_seeded_sampling_with_short_drafts_equals_eager(
@@ -111,8 +136,12 @@ def test_seeded_sampling_with_short_drafts_equals_eager(
         "num_speculative_tokens": 3,
         "draft_confidence_threshold": 0.3,
     }
-    params = [
-        GREEDY if i % 2 else SamplingParams(temperature=1.0, seed=i, max_tokens=20, ignore_eos=True)
+    params = [  # greedy, seeded and unseeded rows (the engine's seed fixes the latter)
+        GREEDY
+        if i % 3 == 0
+        else SamplingParams(
+            temperature=1.0, seed=i if i % 3 == 1 else None, max_tokens=20, ignore_eos=True
+        )
         for i in range(len(PROMPTS))
     ]
     eager = generate(tiny_model_dir, False, params, speculative_config=speculative)
