@@ -156,6 +156,9 @@ class CudaGraphRunner:
         m = g.metadata
         m.seq_lens[:real].copy_(torch.from_numpy(attention.seq_lens.astype(np.int32)))
         m.seq_lens[real:].fill_(q)
+        kv_lens = attention.seq_lens if attention.kv_lens is None else attention.kv_lens
+        m.kv_lens[:real].copy_(torch.from_numpy(kv_lens.astype(np.int32)))
+        m.kv_lens[real:].fill_(q)
         # Only the columns this step reads: the table's rest is never read for these lengths
         # (and padding rows read their first block, zeroed).
         width = attention.block_tables.shape[1]

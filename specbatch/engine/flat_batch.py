@@ -69,5 +69,6 @@ def flatten(runs: Sequence[TokenRun], block_size: int) -> FlatBatch:
         block_tables=block_tables,
         slot_mapping=slots,
         block_size=block_size,
+        kv_lens=starts + query_lens - unslotted if unslotted.any() else None,
     )
     return FlatBatch(input_ids, positions, attention, query_start)

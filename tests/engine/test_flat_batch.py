@@ -39,6 +39,12 @@ def test_random_runs_match_a_per_token_loop() -> None:
         assert batch.attention.slot_mapping.tolist() == slow_slots(runs, block_size)
         expected_positions = [r.start_position + i for r in runs for i in range(len(r.token_ids))]
         assert batch.positions.tolist() == expected_positions
+        kv_lens = [r.start_position + len(r.token_ids) - r.num_unslotted for r in runs]
+        if any(r.num_unslotted for r in runs):
+            assert batch.attention.kv_lens is not None
+            assert batch.attention.kv_lens.tolist() == kv_lens
+        else:
+            assert batch.attention.kv_lens is None
         # the table covers every attended position; what lies past a run's blocks is block 0
         tables = batch.attention.block_tables
         for row, run in enumerate(runs):

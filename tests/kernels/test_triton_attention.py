@@ -133,3 +133,56 @@ def test_engine_with_triton_backend_equals_torch_backend(tiny_model_dir) -> None
     assert [o.outputs[0].token_ids for o in triton_out] == [
         o.outputs[0].token_ids for o in torch_out
     ]
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_fillers_are_neither_read_nor_computed(splits: int) -> None:
+    """Trailing fillers (slot -1, past kv_lens) of a CUDA-graph step: the real rows equal the
+    step without them, filler rows are zeros, and NaN where the fillers' K/V would sit (stale
+    memory) reaches nothing."""
+    rng = np.random.default_rng(21)
+    step = random_step(rng, ["verify", "decode", "verify", "chunk", "verify"], 8, 2, 64, 16)
+    inputs = step.inputs
+    fillers = np.array([min(2, q - 1) if q > 1 and q < 10 else 0 for q in inputs.query_lens])
+    starts = inputs.query_start_loc
+    keep = np.ones(inputs.num_tokens, dtype=bool)
+    for b, f in enumerate(fillers):
+        keep[starts[b + 1] - f : starts[b + 1]] = False
+    assert (~keep).sum() >= 4
+    # the step without fillers, attended by the reference
+    reduced = AttentionInputs(
+        inputs.query_lens - fillers,
+        inputs.seq_lens - fillers,
+        inputs.block_tables,
+        inputs.slot_mapping[keep],
+        16,
+    )
+    expected = reference_attention(
+        step.q[keep],
+        step.k[keep],
+        step.v[keep],
+        step.key_cache.clone(),
+        step.value_cache.clone(),
+        reduced,
+        0.125,
+    )
+    # with fillers: no slots, poisoned cache where they would have been written
+    filler_slots = inputs.slot_mapping[~keep]
+    for cache in (step.key_cache, step.value_cache):
+        flat = cache.view(-1, 2, 64)
+        flat[torch.from_numpy(filler_slots)] = float("nan")
+    slots = inputs.slot_mapping.copy()
+    slots[~keep] = PAD_SLOT
+    padded = AttentionInputs(
+        inputs.query_lens,
+        inputs.seq_lens,
+        inputs.block_tables,
+        slots,
+        16,
+        kv_lens=inputs.seq_lens - fillers,
+    )
+    backend = TritonAttentionBackend(8, 2, 64, 0.125)
+    backend.force_splits = splits
+    got = run(backend, step, padded)
+    torch.testing.assert_close(got[torch.from_numpy(keep)], expected, rtol=1e-4, atol=1e-4)
+    assert torch.equal(got[torch.from_numpy(~keep)], torch.zeros_like(got[torch.from_numpy(~keep)]))

@@ -40,6 +40,10 @@ class AttentionInputs:
     slot_mapping: np.ndarray  # [T] int, PAD_SLOT = skip
     block_size: int
     tree_mask: np.ndarray | None = None  # [T, max_query_len] bool
+    # [B] positions that hold K/V after this step: seq_lens less trailing filler tokens (no
+    # slot; computed only to keep a CUDA graph's shape). None: seq_lens. Backends that honour
+    # it neither read filler positions nor compute filler rows; the others compute them.
+    kv_lens: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         if len(self.query_lens) != len(self.seq_lens) or len(self.query_lens) != len(
@@ -50,6 +54,10 @@ class AttentionInputs:
             raise ValueError("slot_mapping must have one entry per query token")
         if np.any(self.query_lens > self.seq_lens):
             raise ValueError("a sequence cannot have more query tokens than key/value positions")
+        if self.kv_lens is not None and np.any(
+            (self.kv_lens > self.seq_lens) | (self.kv_lens <= self.seq_lens - self.query_lens)
+        ):
+            raise ValueError("kv_lens must keep at least one query token and not exceed seq_lens")
 
     @property
     def num_tokens(self) -> int:

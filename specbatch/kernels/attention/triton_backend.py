@@ -92,6 +92,7 @@ class TritonMetadata:
 
     query_start: torch.Tensor  # [B + 1] int32
     seq_lens: torch.Tensor  # [B] int32
+    kv_lens: torch.Tensor  # [B] int32: seq_lens less trailing fillers
     block_tables: torch.Tensor  # [B, max_blocks] int32
     slot_mapping: torch.Tensor  # [T] int64
     program_seq: torch.Tensor  # [P] int32: the sequence of each query-block program
@@ -129,6 +130,9 @@ class TritonAttentionBackend(AttentionBackend):
         return TritonMetadata(
             query_start=_tensor(inputs.query_start_loc, device, torch.int32),
             seq_lens=_tensor(inputs.seq_lens, device, torch.int32),
+            kv_lens=_tensor(
+                inputs.seq_lens if inputs.kv_lens is None else inputs.kv_lens, device, torch.int32
+            ),
             block_tables=_tensor(inputs.block_tables, device, torch.int32),
             slot_mapping=_tensor(inputs.slot_mapping, device, torch.int64),
             program_seq=_tensor(program_seq, device, torch.int32),
@@ -262,6 +266,7 @@ class TritonAttentionBackend(AttentionBackend):
                     out,
                     metadata.block_tables,
                     metadata.seq_lens,
+                    metadata.kv_lens,
                     metadata.query_start,
                     metadata.program_seq,
                     metadata.program_qstart,

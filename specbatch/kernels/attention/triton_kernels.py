@@ -9,6 +9,8 @@ the block table, keeps an online softmax (running max and sum) in float32 and ac
 ``seq_len - query_len + i`` and sees positions up to its own (the causal offset), which serves
 prefill from 0, prefill chunks at an offset, single-token decodes and ``k + 1``-token verify
 queries alike. An optional tree mask replaces the causal rule among a sequence's new tokens.
+Trailing filler tokens (past ``kv_len``, computed only to keep a CUDA graph's shape) are neither
+computed (their rows are zeros) nor read.
 
 Split-KV ("flash decoding"): with ``NUM_SPLITS > 1`` each program covers one slice of the KV
 positions and writes its unnormalised partial result with its max and sum; ``reduce_splits``
@@ -56,6 +58,7 @@ def paged_attention_kernel(
     out_ptr,
     block_table_ptr,
     seq_lens_ptr,
+    kv_lens_ptr,
     query_start_ptr,
     program_seq_ptr,
     program_qstart_ptr,
@@ -91,12 +94,14 @@ def paged_attention_kernel(
     seq_start = tl.load(query_start_ptr + seq)
     query_len = tl.load(query_start_ptr + seq + 1) - seq_start
     seq_len = tl.load(seq_lens_ptr + seq)
+    kv_len = tl.load(kv_lens_ptr + seq)  # positions holding K/V: trailing fillers excluded
     first_new = seq_len - query_len  # position of the sequence's first query token
 
     rows = tl.arange(0, BLOCK_M)
     q_index = q_first + rows // GROUP  # query index within the sequence
     head = kv_head * GROUP + rows % GROUP
-    row_valid = (rows < BLOCK_Q * GROUP) & (q_index < query_len)
+    row_valid = (rows < BLOCK_Q * GROUP) & (q_index < query_len)  # rows to store
+    row_real = row_valid & (first_new + q_index < kv_len)  # rows to compute (fillers: zeros)
     q_pos = first_new + q_index
     dims = tl.arange(0, HEAD_DIM_POW2)
     dim_valid = dims < HEAD_DIM
@@ -104,12 +109,13 @@ def paged_attention_kernel(
     token = (seq_start + q_index).to(tl.int64)
     q = tl.load(
         q_ptr + token[:, None] * stride_q_token + head[:, None] * stride_q_head + dims[None, :],
-        mask=row_valid[:, None] & dim_valid[None, :],
+        mask=row_real[:, None] & dim_valid[None, :],
         other=0.0,
     )
 
-    # KV positions this program reads: up to the last query's position, this split's share.
-    last_pos = tl.minimum(first_new + q_first + BLOCK_Q, seq_len)
+    # KV positions this program reads: up to the last query's position, this split's share,
+    # never a filler's (unwritten: stale or never-set memory, which 0 * NaN would let in).
+    last_pos = tl.minimum(first_new + q_first + BLOCK_Q, kv_len)
     per_split = tl.cdiv(tl.cdiv(last_pos, BLOCK_N), NUM_SPLITS) * BLOCK_N
     kv_begin = split * per_split
     kv_end = tl.minimum(kv_begin + per_split, last_pos)
@@ -135,12 +141,12 @@ def paged_attention_kernel(
         else:
             q_tile, k_tile, v_tile = q, k, v
         scores = tl.dot(q_tile, tl.trans(k_tile), input_precision=DOT_PRECISION) * scale
-        visible = row_valid[:, None] & kv_valid[None, :] & (kv_pos[None, :] <= q_pos[:, None])
+        visible = row_real[:, None] & kv_valid[None, :] & (kv_pos[None, :] <= q_pos[:, None])
         if HAS_TREE:
             new = kv_pos[None, :] - first_new  # which new token a column is (if >= 0)
             tree = tl.load(
                 tree_mask_ptr + token[:, None] * stride_tree_token + tl.maximum(new, 0),
-                mask=row_valid[:, None] & (new >= 0) & (new < query_len),
+                mask=row_real[:, None] & (new >= 0) & (new < query_len),
                 other=0,
             )
             visible = visible & ((new < 0) | (tree != 0))
