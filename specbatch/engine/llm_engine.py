@@ -370,14 +370,28 @@ class LLMEngine:
     def _record_prompt_logprobs(
         self, prompt_rows: list[tuple[Sequence, int, int]], logits: torch.Tensor
     ) -> None:
+        # A sequence's rows come in position order; a row recomputed after preemption was
+        # recorded already and is skipped. All rows are ranked in one call (one transfer).
+        recorded: dict[int, int] = {}
+        rows, states, targets, counts = [], [], [], []
         for row, (seq, _, position) in enumerate(prompt_rows):
             state, _ = self._seq_owner[seq.seq_id]
             assert state.prompt_logprobs is not None
-            if position + 1 != len(state.prompt_logprobs):
-                continue  # recomputed after preemption: recorded already
-            target = seq.prompt_token_ids[position + 1]
-            entries = ranked_logprobs(logits[row], [target], seq.params.prompt_logprobs or 0)
-            state.prompt_logprobs.append(state.decode_logprobs(entries[0]))
+            have = recorded.get(seq.seq_id, len(state.prompt_logprobs))
+            if position + 1 != have:
+                continue
+            recorded[seq.seq_id] = have + 1
+            rows.append(row)
+            states.append(state)
+            targets.append(seq.prompt_token_ids[position + 1])
+            counts.append(seq.params.prompt_logprobs or 0)
+        if not rows:
+            return
+        index = torch.tensor(rows, dtype=torch.long, device=logits.device)
+        ranked = ranked_logprobs(logits.index_select(0, index), targets, counts)
+        for state, entries in zip(states, ranked, strict=True):
+            assert state.prompt_logprobs is not None
+            state.prompt_logprobs.append(state.decode_logprobs(entries))
 
     def _update(
         self,
