@@ -15,9 +15,10 @@ Randomness, per row:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from specbatch.sampling_params import SamplingParams
@@ -92,23 +93,43 @@ class SamplingTensors:
         )
 
 
+def _flat_ids(
+    rows: Sequence[SamplingRow], ids_of: Callable[[SamplingRow], Sequence[int]], vocab_size: int
+) -> np.ndarray:
+    """Indices ``row * vocab_size + token`` of every row's ``ids_of(row)`` (tokens in the
+    vocabulary only), built on the host so a whole batch uploads in one copy."""
+    lists = [np.asarray(ids_of(row), dtype=np.int64) for row in rows]
+    if not lists:
+        return np.zeros(0, dtype=np.int64)
+    ids = np.concatenate(lists)
+    row_index = np.repeat(np.arange(len(lists), dtype=np.int64), [len(x) for x in lists])
+    keep = (ids >= 0) & (ids < vocab_size)
+    return row_index[keep] * vocab_size + ids[keep]
+
+
 def _counts(rows: Sequence[SamplingRow], vocab_size: int, device: torch.device) -> torch.Tensor:
-    counts = torch.zeros(len(rows), vocab_size, dtype=torch.float32, device=device)
-    for i, row in enumerate(rows):
-        if row.params.has_penalties and len(row.output_ids):
-            ids = torch.as_tensor(list(row.output_ids), dtype=torch.long, device=device)
-            counts[i].index_add_(0, ids, torch.ones(len(ids), device=device))
-    return counts
+    counts = torch.zeros(len(rows) * vocab_size, dtype=torch.float32, device=device)
+    flat = _flat_ids(rows, lambda r: r.output_ids if r.params.has_penalties else (), vocab_size)
+    if len(flat):
+        index = torch.from_numpy(flat).to(device)
+        counts.index_add_(0, index, torch.ones(len(flat), device=device))
+    return counts.view(len(rows), vocab_size)
+
+
+def _mask(flat: np.ndarray, rows: int, vocab_size: int, device: torch.device) -> torch.Tensor:
+    mask = torch.zeros(rows * vocab_size, dtype=torch.bool, device=device)
+    if len(flat):
+        mask[torch.from_numpy(flat).to(device)] = True
+    return mask.view(rows, vocab_size)
 
 
 def _prompt_mask(
     rows: Sequence[SamplingRow], vocab_size: int, device: torch.device
 ) -> torch.Tensor:
-    mask = torch.zeros(len(rows), vocab_size, dtype=torch.bool, device=device)
-    for i, row in enumerate(rows):
-        if row.params.repetition_penalty != 1.0 and len(row.prompt_ids):
-            mask[i, torch.as_tensor(list(row.prompt_ids), dtype=torch.long, device=device)] = True
-    return mask
+    flat = _flat_ids(
+        rows, lambda r: r.prompt_ids if r.params.repetition_penalty != 1.0 else (), vocab_size
+    )
+    return _mask(flat, len(rows), vocab_size, device)
 
 
 def _banned(
@@ -116,12 +137,8 @@ def _banned(
 ) -> torch.Tensor | None:
     if not any(r.banned_token_ids for r in rows):
         return None
-    mask = torch.zeros(len(rows), vocab_size, dtype=torch.bool, device=device)
-    for i, row in enumerate(rows):
-        ids = [t for t in row.banned_token_ids if t < vocab_size]
-        if ids:
-            mask[i, torch.tensor(ids, dtype=torch.long, device=device)] = True
-    return mask
+    flat = _flat_ids(rows, lambda r: r.banned_token_ids, vocab_size)
+    return _mask(flat, len(rows), vocab_size, device)
 
 
 def _logit_bias(
@@ -129,12 +146,17 @@ def _logit_bias(
 ) -> torch.Tensor | None:
     if not any(r.params.logit_bias for r in rows):
         return None
-    bias = torch.zeros(len(rows), vocab_size, dtype=torch.float32, device=device)
-    for i, row in enumerate(rows):
-        for token, value in (row.params.logit_bias or {}).items():
-            if token < vocab_size:
-                bias[i, token] = value
-    return bias
+    flat = _flat_ids(rows, lambda r: list((r.params.logit_bias or {}).keys()), vocab_size)
+    values = [
+        value
+        for row in rows
+        for token, value in (row.params.logit_bias or {}).items()
+        if 0 <= token < vocab_size
+    ]
+    bias = torch.zeros(len(rows) * vocab_size, dtype=torch.float32, device=device)
+    if len(flat):
+        bias[torch.from_numpy(flat).to(device)] = torch.tensor(values, device=device)
+    return bias.view(len(rows), vocab_size)
 
 
 def apply_penalties(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:

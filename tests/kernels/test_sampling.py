@@ -153,3 +153,64 @@ def test_greedy_ties_and_empty_batch() -> None:
     logits[0, 11] = 5.0
     row = SamplingRow(SamplingParams(temperature=0.0), [], [], 0)
     assert int(sample(logits, [row], torch.Generator())[0]) == 11
+
+
+def test_row_tensors_match_per_row_loops() -> None:
+    """Counts, prompt mask, bans and bias built in one upload equal per-row loops (repeated
+    ids accumulate, ids outside the vocabulary are ignored, rows without settings stay zero)."""
+    rng = np.random.default_rng(3)
+    vocab = 30
+    for _ in range(20):
+        rows = []
+        for _ in range(int(rng.integers(1, 6))):
+            params = SamplingParams(
+                temperature=1.0,
+                repetition_penalty=float(rng.choice([1.0, 1.5])),
+                presence_penalty=float(rng.choice([0.0, 0.5])),
+                logit_bias={int(t): float(rng.normal()) for t in rng.integers(0, 40, 3)}
+                if rng.random() < 0.5
+                else None,
+            )
+            rows.append(
+                SamplingRow(
+                    params,
+                    rng.integers(0, 40, int(rng.integers(0, 8))).tolist(),
+                    rng.integers(0, 40, int(rng.integers(0, 8))).tolist(),
+                    position=5,
+                    banned_token_ids=tuple(rng.integers(0, 40, int(rng.integers(0, 3))).tolist()),
+                )
+            )
+        t = SamplingTensors.build(rows, vocab, torch.device("cpu"))
+        counts = torch.zeros(len(rows), vocab)
+        prompt = torch.zeros(len(rows), vocab, dtype=torch.bool)
+        banned = torch.zeros(len(rows), vocab, dtype=torch.bool)
+        bias = torch.zeros(len(rows), vocab)
+        for i, row in enumerate(rows):
+            for token in row.output_ids:
+                if row.params.has_penalties and token < vocab:
+                    counts[i, token] += 1
+            for token in row.prompt_ids:
+                if row.params.repetition_penalty != 1.0 and token < vocab:
+                    prompt[i, token] = True
+            for token in row.banned_token_ids:
+                if token < vocab:
+                    banned[i, token] = True
+            for token, value in (row.params.logit_bias or {}).items():
+                if token < vocab:
+                    bias[i, token] = value
+        penalised = any(r.params.has_penalties for r in rows)
+        if penalised:
+            assert t.output_counts is not None
+            assert t.prompt_mask is not None
+            assert torch.equal(t.output_counts, counts)
+            assert torch.equal(t.prompt_mask, prompt)
+        if any(r.banned_token_ids for r in rows):
+            assert t.banned is not None
+            assert torch.equal(t.banned, banned)
+        else:
+            assert t.banned is None
+        if any(r.params.logit_bias for r in rows):
+            assert t.bias is not None
+            assert torch.equal(t.bias, bias)
+        else:
+            assert t.bias is None
