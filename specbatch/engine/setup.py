@@ -108,13 +108,7 @@ def allocate_cache(config: EngineConfig, models: Models) -> int:
 
 def capture_graphs(config: EngineConfig, models: Models) -> CudaGraphRunner | None:
     """CUDA graphs for decode (and verify, with k drafts) steps, unless disabled."""
-    if models.device.type != "cuda" or config.enforce_eager:
-        return None
-    from specbatch.kernels.attention.triton_backend import TritonAttentionBackend
-
-    if not isinstance(models.model.backend, TritonAttentionBackend):
-        return None
-    return graph_runner(config, models)
+    return graph_runner(config, models) if _graphable(models.model, config) else None
 
 
 def graph_runner(
@@ -128,13 +122,20 @@ def graph_runner(
 def capture_draft_graphs(config: EngineConfig, models: Models) -> CudaGraphRunner | None:
     """Graphs for the draft model's single-token forwards (its drafts after the first), when
     the target runs graphs. Call once the draft's KV cache is bound."""
-    if models.draft is None or models.device.type != "cuda" or config.enforce_eager:
-        return None
-    from specbatch.kernels.attention.triton_backend import TritonAttentionBackend
-
-    if not isinstance(models.draft.backend, TritonAttentionBackend):
+    if models.draft is None or not _graphable(models.draft, config):
         return None
     return draft_graph_runner(config, models)
+
+
+def _graphable(model: LlamaForCausalLM, config: EngineConfig) -> bool:
+    """Graphs are captured on CUDA, unless disabled, for the Triton attention backend."""
+    from specbatch.kernels.attention.triton_backend import TritonAttentionBackend
+
+    return (
+        model.device.type == "cuda"
+        and not config.enforce_eager
+        and isinstance(model.backend, TritonAttentionBackend)
+    )
 
 
 def draft_graph_runner(

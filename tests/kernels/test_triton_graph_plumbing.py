@@ -46,20 +46,24 @@ def eager_capture(forward: Any) -> tuple[EagerReplay, torch.Tensor]:
 PROMPTS = [[5, 6, 7, 8] * 5, [30, 31], list(range(40, 90)), [3] * 17, [9, 10, 11]]
 
 
+def make_llm(model: Path, graphs: bool, **kwargs: Any) -> LLM:
+    """The tiny model on the (interpreted) Triton backend, graphs on or off."""
+    settings: dict[str, Any] = {
+        "num_kv_blocks": 64,
+        "block_size": 16,
+        "max_model_len": 160,
+        "max_num_seqs": 4,  # five prompts do not all fit: the batch changes size mid-run
+        **kwargs,
+    }
+    llm = LLM(str(model), attention_backend="triton", enforce_eager=not graphs, **settings)
+    assert (llm.llm_engine.runner.graphs is not None) == graphs
+    return llm
+
+
 def generate(
     model: Path, graphs: bool, params: list[SamplingParams], **kwargs: Any
 ) -> list[list[int]]:
-    llm = LLM(
-        str(model),
-        attention_backend="triton",
-        num_kv_blocks=64,
-        block_size=16,
-        max_model_len=160,
-        max_num_seqs=4,  # the five prompts do not all fit: the batch changes size mid-run
-        enforce_eager=not graphs,
-        **kwargs,
-    )
-    assert (llm.llm_engine.runner.graphs is not None) == graphs
+    llm = make_llm(model, graphs, **kwargs)
     return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
 
 
@@ -163,16 +167,7 @@ def test_every_decode_step_replays(
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (17, 5, 9)]
 
     def run(graphs: bool) -> tuple[list[list[int]], Any]:
-        llm = LLM(
-            str(tiny_model_dir),
-            attention_backend="triton",
-            num_kv_blocks=64,
-            block_size=16,
-            max_model_len=160,
-            max_num_seqs=4,
-            enforce_eager=not graphs,
-            speculative_config=speculative,
-        )
+        llm = make_llm(tiny_model_dir, graphs, speculative_config=speculative)
         outputs = llm.generate(prompts, params, use_tqdm=False)
         return [o.outputs[0].token_ids for o in outputs], llm.llm_engine
 
@@ -203,15 +198,7 @@ def test_long_contexts_replay_split_kv_graphs(
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 
     def run(graphs: bool) -> tuple[list[list[int]], Any]:
-        llm = LLM(
-            str(tiny_model_dir),
-            attention_backend="triton",
-            num_kv_blocks=64,
-            block_size=16,
-            max_model_len=160,
-            max_num_seqs=2,
-            enforce_eager=not graphs,
-        )
+        llm = make_llm(tiny_model_dir, graphs, max_num_seqs=2)
         outputs = llm.generate(prompts, params, use_tqdm=False)
         return [o.outputs[0].token_ids for o in outputs], llm.llm_engine
 
