@@ -24,8 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import load_specbench, print_conditions, write_json
 from specbatch import LLMEngine, SamplingParams
 from specbatch.config import EngineConfig
-from specbatch.spec.default_draft import default_draft_path
-from specbatch.spec.distill.pipeline import decode_ms, load_and_pack
+from specbatch.distill.pipeline import decode_ms, load_and_pack
+from specbatch.spec_decode.default_draft import default_draft_path
 
 
 def acceptance(per_pos: list[int], drafts: int, k: int) -> dict[str, Any]:

@@ -104,10 +104,10 @@ def write_random_model(
     """A HF directory with random weights (and a tiny tokenizer: prompts are token ids)."""
     from safetensors.torch import save_file
 
+    from specbatch.distill.student import hf_config_dict
     from specbatch.kernels.attention.dense_causal import DenseCausalBackend
     from specbatch.models.config import ModelConfig
     from specbatch.models.llama import LlamaForCausalLM
-    from specbatch.spec.distill.student import hf_config_dict
     from tests.helpers import write_tiny_tokenizer
 
     raw = {
@@ -365,7 +365,7 @@ def oracle_speculation(
     """(c) speedup over off with drafts right with probability alpha, by alpha, k and batch."""
     from specbatch import LLMEngine, SamplingParams
     from specbatch.config import EngineConfig
-    from specbatch.spec.oracle import OracleProposer
+    from specbatch.spec_decode.oracle import OracleProposer
 
     new_tokens = len(next(iter(truth.values())))
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
@@ -537,8 +537,8 @@ def draft_cost(
     small: bool,
 ) -> dict[str, float]:
     """c: one decode step of a small random draft over one of the target (batch 1)."""
+    from specbatch.distill.pipeline import decode_ms
     from specbatch.models import load_model
-    from specbatch.spec.distill.pipeline import decode_ms
 
     draft_shape = dict(
         shape,

@@ -99,7 +99,7 @@ def resolved_method(args: argparse.Namespace) -> str:
     """``--speculative`` with 'auto' resolved: hybrid (prompt lookup, else the draft model)
     when a draft model is given, or when the shipped draft for the default target is good
     enough to be preferred; n-gram otherwise."""
-    from specbatch.spec.default_draft import shipped_draft_preferred
+    from specbatch.spec_decode.default_draft import shipped_draft_preferred
 
     if args.speculative != "auto":
         return str(args.speculative)
@@ -271,7 +271,7 @@ def _add_distill(subparsers: argparse._SubParsersAction) -> None:
 def _distill(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from specbatch.spec.distill import DistillConfig, parse_shape, run
+    from specbatch.distill import DistillConfig, parse_shape, run
 
     run(
         DistillConfig(

@@ -23,7 +23,8 @@ class EngineConfig:
     ``cpu_weight_packing`` re-lays float32 weights out for oneDNN on the CPU (much faster small
     matmuls; see ``specbatch.kernels.linear``).
     ``enforce_eager`` disables CUDA graphs (captured on CUDA for decode and verify steps).
-    ``speculative_config`` turns speculative decoding on (see ``specbatch.spec.SpeculativeConfig``).
+    ``speculative_config`` turns speculative decoding on
+    (see :class:`~specbatch.spec_decode.config.SpeculativeConfig`).
     """
 
     model: str | None = None
@@ -62,7 +63,7 @@ class EngineConfig:
             raise ConfigError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
         if not isinstance(self.seed, int):
             raise ConfigError(f"seed must be an integer, got {self.seed!r}")
-        from specbatch.spec.config import SpeculativeConfig
+        from specbatch.spec_decode.config import SpeculativeConfig
 
         # A vLLM-style dict becomes a validated SpeculativeConfig (frozen: set it directly).
         object.__setattr__(

@@ -8,7 +8,7 @@ import pytest
 
 from specbatch.cli import build_parser, main, speculative_config
 from specbatch.errors import ConfigError
-from specbatch.spec import default_draft
+from specbatch.spec_decode import default_draft
 
 
 def test_generate_streams_text_and_reports_speculation(

@@ -40,7 +40,7 @@ def profile_activation_bytes(
     cache must leave free."""
     if model.device.type != "cuda":
         return 0
-    from specbatch.engine.flat_batch import TokenRun, flatten
+    from specbatch.runner.flat_batch import TokenRun, flatten
 
     blocks = -(-num_tokens // block_size)
     model.bind_kv_caches(

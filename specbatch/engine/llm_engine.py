@@ -13,11 +13,8 @@ import torch
 
 from specbatch.cache.kv_cache_manager import KVCacheManager
 from specbatch.config import EngineConfig
-from specbatch.engine.flat_batch import TokenRun, flatten
 from specbatch.engine.logprobs import ranked_logprobs
-from specbatch.engine.model_runner import ModelRunner
 from specbatch.engine.request_state import RequestState
-from specbatch.engine.sequence import Sequence
 from specbatch.engine.setup import (
     allocate_cache,
     capture_draft_graphs,
@@ -27,12 +24,15 @@ from specbatch.engine.setup import (
 from specbatch.errors import ConfigError
 from specbatch.kernels.sampling import SamplingRow, sample
 from specbatch.outputs import RequestOutput
+from specbatch.runner.flat_batch import TokenRun, flatten
+from specbatch.runner.model_runner import ModelRunner
 from specbatch.sampling_params import SamplingParams
 from specbatch.scheduler import ScheduledSequence, Scheduler, SchedulerConfig
-from specbatch.spec.budget import SpeculationBudget
-from specbatch.spec.factory import build_proposer
-from specbatch.spec.proposer import DraftRequest, Proposal, Proposer
-from specbatch.spec.rejection import VerifyResult, verify
+from specbatch.sequence import Sequence
+from specbatch.spec_decode.budget import SpeculationBudget
+from specbatch.spec_decode.factory import build_proposer
+from specbatch.spec_decode.proposer import DraftRequest, Proposal, Proposer
+from specbatch.spec_decode.rejection import VerifyResult, verify
 
 
 @dataclass

@@ -5,7 +5,6 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from specbatch.engine.sequence import FinishReason, Sequence
 from specbatch.outputs import (
     CompletionOutput,
     Logprob,
@@ -14,6 +13,7 @@ from specbatch.outputs import (
     RequestOutput,
 )
 from specbatch.sampling_params import OutputKind, SamplingParams
+from specbatch.sequence import FinishReason, Sequence
 from specbatch.tokenizer import IncrementalDetokenizer, Tokenizer
 
 

@@ -18,11 +18,11 @@ from specbatch.engine.kv_sizing import (
 from specbatch.models import load_model, resolve_model_path
 from specbatch.models.default_model import is_default_model_name
 from specbatch.models.llama import LlamaForCausalLM
-from specbatch.spec.factory import load_draft_model
+from specbatch.spec_decode.factory import load_draft_model
 from specbatch.tokenizer import Tokenizer, load_tokenizer
 
 if TYPE_CHECKING:
-    from specbatch.engine.cuda_graphs import Capture, CudaGraphRunner
+    from specbatch.runner.cuda_graphs import Capture, CudaGraphRunner
 
 
 @dataclass
@@ -152,7 +152,7 @@ def _captured(
     query_lens: tuple[int, ...],
     capture: Capture | None,
 ) -> CudaGraphRunner:
-    from specbatch.engine.cuda_graphs import CudaGraphRunner
+    from specbatch.runner.cuda_graphs import CudaGraphRunner
 
     k, bs = models.num_speculative_tokens, config.block_size
     runner = CudaGraphRunner(

@@ -1,1 +1,1 @@
-"""Stateless compute: attention backends, KV writes, sampling and rejection sampling."""
+"""Stateless compute: attention backends and KV-cache writes, packed CPU linears, sampling."""

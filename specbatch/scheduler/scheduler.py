@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 
 from specbatch.cache.kv_cache_manager import KVCacheManager
-from specbatch.engine.sequence import Sequence, SequenceStatus
+from specbatch.sequence import Sequence, SequenceStatus
 
 
 @dataclass(frozen=True)

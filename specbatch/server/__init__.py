@@ -1,1 +1,1 @@
-"""server"""
+"""The OpenAI-compatible HTTP server over :class:`~specbatch.engine.AsyncEngine` (FastAPI)."""

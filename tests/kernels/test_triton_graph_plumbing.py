@@ -19,8 +19,8 @@ import torch
 
 from specbatch import LLM, SamplingParams
 from specbatch.engine import llm_engine, setup
-from specbatch.engine.model_runner import ModelRunner
 from specbatch.kernels.attention import PAD_SLOT
+from specbatch.runner.model_runner import ModelRunner
 
 pytest.importorskip("triton")
 

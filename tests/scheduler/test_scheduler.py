@@ -5,9 +5,9 @@ from __future__ import annotations
 import itertools
 
 from specbatch.cache.kv_cache_manager import KVCacheManager
-from specbatch.engine.sequence import Sequence, SequenceStatus
 from specbatch.sampling_params import SamplingParams
 from specbatch.scheduler import Scheduler, SchedulerConfig
+from specbatch.sequence import Sequence, SequenceStatus
 
 _ids = itertools.count()
 

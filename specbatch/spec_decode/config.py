@@ -24,7 +24,7 @@ class SpeculativeConfig:
     text (a suffix of at least ``prompt_lookup_min`` tokens found earlier; 2 by default, 1 for
     ``"ngram"``) and elsewhere with the draft ``model`` or a shorter match, per sequence
     whichever has paid better. ``"external"`` means the application passes its own
-    :class:`~specbatch.spec.proposer.Proposer` to ``LLMEngine(config, proposer=...)``.
+    :class:`~specbatch.spec_decode.proposer.Proposer` to ``LLMEngine(config, proposer=...)``.
 
     ``draft_confidence_threshold`` (draft models only) makes k a ceiling: a sequence stops
     drafting after the draft that brings the draft's own probability that all its drafts so

@@ -19,9 +19,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
+from specbatch.distill.prompts import build_prompts, extra_prompts, stdlib_source_chunks
 from specbatch.outputs import PositionLogprobs, RequestOutput
 from specbatch.sampling_params import SamplingParams
-from specbatch.spec.distill.prompts import build_prompts, extra_prompts, stdlib_source_chunks
 from specbatch.tokenizer import Tokenizer
 
 ANSWER_FILES = ("generations.jsonl", "generations-extra.jsonl")  # base, extra prompt families

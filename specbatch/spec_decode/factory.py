@@ -11,16 +11,16 @@ import torch
 from specbatch.errors import ConfigError, ModelLoadError
 from specbatch.models import load_model, resolve_model_path
 from specbatch.models.llama import LlamaForCausalLM
-from specbatch.spec.config import DRAFT_METHODS, SpeculativeConfig
-from specbatch.spec.default_draft import default_draft_path
-from specbatch.spec.draft_model import BannedTokens, DraftModelProposer
-from specbatch.spec.hybrid import HybridProposer
-from specbatch.spec.ngram import NgramProposer
-from specbatch.spec.proposer import Proposer
+from specbatch.spec_decode.config import DRAFT_METHODS, SpeculativeConfig
+from specbatch.spec_decode.default_draft import default_draft_path
+from specbatch.spec_decode.draft_model import BannedTokens, DraftModelProposer
+from specbatch.spec_decode.hybrid import HybridProposer
+from specbatch.spec_decode.ngram import NgramProposer
+from specbatch.spec_decode.proposer import Proposer
 from specbatch.tokenizer import Tokenizer, load_tokenizer
 
 if TYPE_CHECKING:  # triton is optional: only CUDA engines build graphs
-    from specbatch.engine.cuda_graphs import CudaGraphRunner
+    from specbatch.runner.cuda_graphs import CudaGraphRunner
 
 _PROBE = "Hello, world! 12345 naïve café 你好 🙂\n    def f(x):\n        return x * 2"
 

@@ -13,10 +13,15 @@ import pytest
 from specbatch import LLM, LLMEngine
 from specbatch.config import EngineConfig
 from specbatch.errors import ConfigError
-from specbatch.spec.budget import DECAY, PRIOR, PROBE_AFTER, SpeculationBudget, StepTimes
-from specbatch.spec.config import SpeculativeConfig
-from specbatch.spec.oracle import OracleProposer
-from tests.spec.test_spec_engine import GREEDY, engine_kwargs, greedy_tokens, prompts_with_repeats
+from specbatch.spec_decode.budget import DECAY, PRIOR, PROBE_AFTER, SpeculationBudget, StepTimes
+from specbatch.spec_decode.config import SpeculativeConfig
+from specbatch.spec_decode.oracle import OracleProposer
+from tests.spec_decode.test_spec_engine import (
+    GREEDY,
+    engine_kwargs,
+    greedy_tokens,
+    prompts_with_repeats,
+)
 
 
 class LinearTimes:

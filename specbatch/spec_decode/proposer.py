@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specbatch.engine.sequence import Sequence
+from specbatch.sequence import Sequence
 
 
 @dataclass

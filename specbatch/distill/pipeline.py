@@ -28,24 +28,24 @@ from typing import Generic, TypeVar
 import torch
 
 from specbatch.cache.kv_tensors import allocate_kv_caches
-from specbatch.engine.flat_batch import TokenRun, flatten
-from specbatch.engine.model_runner import ModelRunner
-from specbatch.models import load_model, resolve_model_path
-from specbatch.models.llama import LlamaForCausalLM
-from specbatch.spec.distill.corpus import (
+from specbatch.distill.corpus import (
     corpus_parts,
     generate_answers,
     tokenize_text,
 )
-from specbatch.spec.distill.student import (
+from specbatch.distill.student import (
     StudentShape,
     build_student,
     save_student,
     select_vocabulary,
     student_config,
 )
-from specbatch.spec.distill.teacher import label_shards, load_shards, run_dense, score_corpus
-from specbatch.spec.distill.train import Example, train
+from specbatch.distill.teacher import label_shards, load_shards, run_dense, score_corpus
+from specbatch.distill.train import Example, train
+from specbatch.models import load_model, resolve_model_path
+from specbatch.models.llama import LlamaForCausalLM
+from specbatch.runner.flat_batch import TokenRun, flatten
+from specbatch.runner.model_runner import ModelRunner
 from specbatch.tokenizer import load_tokenizer
 
 HELD_OUT_EVERY = 30

@@ -7,11 +7,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from specbatch.engine.flat_batch import FlatBatch
 from specbatch.models.llama import LlamaForCausalLM
+from specbatch.runner.flat_batch import FlatBatch
 
 if TYPE_CHECKING:  # triton is optional: only CUDA engines build graphs
-    from specbatch.engine.cuda_graphs import CudaGraphRunner
+    from specbatch.runner.cuda_graphs import CudaGraphRunner
 
 
 class ModelRunner:

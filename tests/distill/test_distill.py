@@ -10,14 +10,14 @@ import pytest
 import torch
 
 from specbatch import LLM, SamplingParams
+from specbatch.distill import DistillConfig, parse_shape, run
+from specbatch.distill.corpus import corpus_parts, load_sequences
+from specbatch.distill.pipeline import mix, split_corpus
+from specbatch.distill.student import build_student, student_config
+from specbatch.distill.teacher import label_shards, load_shards, score_corpus
+from specbatch.distill.train import Example, train
 from specbatch.kernels.attention.dense_causal import DenseCausalMetadata
 from specbatch.models import load_model
-from specbatch.spec.distill import DistillConfig, parse_shape, run
-from specbatch.spec.distill.corpus import corpus_parts, load_sequences
-from specbatch.spec.distill.pipeline import mix, split_corpus
-from specbatch.spec.distill.student import build_student, student_config
-from specbatch.spec.distill.teacher import label_shards, load_shards, score_corpus
-from specbatch.spec.distill.train import Example, train
 
 
 @pytest.fixture(scope="module")

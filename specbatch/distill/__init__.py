@@ -7,6 +7,6 @@ trained to match them (`train`), and the one with the best expected speedup is w
 ordinary HF model directory (`student`, `pipeline`).
 """
 
-from specbatch.spec.distill.pipeline import DistillConfig, parse_shape, run
+from specbatch.distill.pipeline import DistillConfig, parse_shape, run
 
 __all__ = ["DistillConfig", "parse_shape", "run"]

@@ -22,9 +22,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from specbatch.cache.kv_tensors import allocate_kv_caches
-from specbatch.engine.flat_batch import TokenRun, flatten
-from specbatch.engine.model_runner import ModelRunner
-from specbatch.engine.sequence import Sequence
 from specbatch.kernels.sampling import (
     SamplingRow,
     SamplingTensors,
@@ -35,10 +32,13 @@ from specbatch.kernels.sampling import (
     target_probs,
 )
 from specbatch.models.llama import LlamaForCausalLM
-from specbatch.spec.proposer import DraftRequest, Proposal, Proposer
+from specbatch.runner.flat_batch import TokenRun, flatten
+from specbatch.runner.model_runner import ModelRunner
+from specbatch.sequence import Sequence
+from specbatch.spec_decode.proposer import DraftRequest, Proposal, Proposer
 
 if TYPE_CHECKING:  # triton is optional: only CUDA engines build graphs
-    from specbatch.engine.cuda_graphs import CudaGraphRunner
+    from specbatch.runner.cuda_graphs import CudaGraphRunner
 
 # (sequence, number of drafts already appended) -> token ids the row may not produce
 BannedTokens = Callable[[Sequence, int], tuple[int, ...]]

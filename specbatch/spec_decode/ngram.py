@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from specbatch.engine.sequence import Sequence
-from specbatch.spec.proposer import DraftRequest, Proposal, Proposer
+from specbatch.sequence import Sequence
+from specbatch.spec_decode.proposer import DraftRequest, Proposal, Proposer
 
 
 def ngram_propose(tokens: np.ndarray, min_n: int, max_n: int, max_drafts: int) -> list[int]:

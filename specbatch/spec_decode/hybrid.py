@@ -21,10 +21,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specbatch.engine.sequence import Sequence
-from specbatch.spec.draft_model import DraftModelProposer
-from specbatch.spec.ngram import NgramProposer
-from specbatch.spec.proposer import DraftRequest, Proposal, Proposer
+from specbatch.sequence import Sequence
+from specbatch.spec_decode.draft_model import DraftModelProposer
+from specbatch.spec_decode.ngram import NgramProposer
+from specbatch.spec_decode.proposer import DraftRequest, Proposal, Proposer
 
 EXPLORE_STEPS = 2  # tries of each way before values are compared
 PROBE_EVERY = 8  # every so many choices, the way that lost is tried again

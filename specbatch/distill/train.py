@@ -18,9 +18,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
+from specbatch.distill.teacher import dense_batches
 from specbatch.kernels.attention.dense_causal import DenseCausalMetadata
 from specbatch.models.llama import LlamaForCausalLM
-from specbatch.spec.distill.teacher import dense_batches
 
 Example = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 

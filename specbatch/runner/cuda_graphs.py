@@ -17,10 +17,10 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from specbatch.engine.flat_batch import FlatBatch
 from specbatch.kernels.attention import PAD_SLOT, AttentionInputs
 from specbatch.kernels.attention.triton_backend import TritonAttentionBackend, TritonMetadata
 from specbatch.models.llama import LlamaForCausalLM
+from specbatch.runner.flat_batch import FlatBatch
 
 BATCH_LADDER = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
 

@@ -18,11 +18,11 @@ from scipy.stats import chisquare
 
 from specbatch import LLMEngine, SamplingParams
 from specbatch.config import EngineConfig
-from specbatch.engine.sequence import Sequence
 from specbatch.kernels.sampling import SamplingRow, SamplingTensors, target_probs
 from specbatch.models import load_model
-from specbatch.spec import hybrid
-from specbatch.spec.hybrid import HybridProposer
+from specbatch.sequence import Sequence
+from specbatch.spec_decode import hybrid
+from specbatch.spec_decode.hybrid import HybridProposer
 from tests.helpers import PagedHarness, write_tiny_model
 
 V = 32

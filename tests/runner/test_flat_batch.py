@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from specbatch.engine.flat_batch import TokenRun, flatten
 from specbatch.kernels.attention import PAD_SLOT
+from specbatch.runner.flat_batch import TokenRun, flatten
 
 
 def slow_slots(runs: list[TokenRun], block_size: int) -> list[int]:

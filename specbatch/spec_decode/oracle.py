@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 from collections.abc import Mapping, Sequence
 
-from specbatch.spec.proposer import DraftRequest, Proposal, Proposer
+from specbatch.spec_decode.proposer import DraftRequest, Proposal, Proposer
 
 
 class OracleProposer(Proposer):

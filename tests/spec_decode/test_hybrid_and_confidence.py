@@ -17,12 +17,12 @@ import pytest
 import torch
 
 from specbatch import LLM, SamplingParams
-from specbatch.engine.sequence import Sequence
 from specbatch.errors import ConfigError
 from specbatch.models import load_model
-from specbatch.spec.config import SpeculativeConfig
-from specbatch.spec.draft_model import DraftModelProposer
-from specbatch.spec.hybrid import (
+from specbatch.sequence import Sequence
+from specbatch.spec_decode.config import SpeculativeConfig
+from specbatch.spec_decode.draft_model import DraftModelProposer
+from specbatch.spec_decode.hybrid import (
     DRAFT,
     EXPLORE_STEPS,
     LOOKUP,
@@ -32,10 +32,15 @@ from specbatch.spec.hybrid import (
     _with_point_masses,
     choose_way,
 )
-from specbatch.spec.ngram import NgramProposer, ngram_propose
-from specbatch.spec.proposer import DraftRequest, Proposal
+from specbatch.spec_decode.ngram import NgramProposer, ngram_propose
+from specbatch.spec_decode.proposer import DraftRequest, Proposal
 from tests.helpers import PagedHarness
-from tests.spec.test_spec_engine import GREEDY, engine_kwargs, greedy_tokens, prompts_with_repeats
+from tests.spec_decode.test_spec_engine import (
+    GREEDY,
+    engine_kwargs,
+    greedy_tokens,
+    prompts_with_repeats,
+)
 
 BLOCK = 4
 K = 5

@@ -11,7 +11,7 @@ import pytest
 from specbatch import LLM, LLMEngine, SamplingParams
 from specbatch.config import EngineConfig
 from specbatch.errors import ConfigError
-from specbatch.spec.oracle import OracleProposer
+from specbatch.spec_decode.oracle import OracleProposer
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
 

@@ -10,7 +10,7 @@ import pytest
 from specbatch import LLM, SamplingParams
 from specbatch.errors import ConfigError, ModelLoadError
 from specbatch.models import load_model
-from specbatch.spec import default_draft
+from specbatch.spec_decode import default_draft
 from tests.prompts import CHAT, PLAIN
 
 pytestmark = pytest.mark.slow

@@ -1,0 +1,108 @@
+"""The package's import graph flows one way: no two rooms import each other, even lazily."""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+import specbatch
+
+ROOT = Path(specbatch.__file__).parent
+
+
+def _room(module: str) -> str | None:
+    """The room a module lives in: its subpackage, or itself for a top-level module."""
+    parts = module.split(".")
+    if parts[0] != "specbatch" or len(parts) == 1:
+        return None  # outside the package, or the package's own facade
+    if (ROOT / parts[1]).is_dir():
+        return parts[1]
+    return parts[1]
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _imports(tree: ast.AST) -> Iterator[str]:
+    """Every module imported at run time (module level or inside functions), not the
+    imports that exist for type checkers only."""
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, ast.If) and _is_type_checking(node):
+            for child in node.orelse:
+                yield from _imports(child)
+            continue
+        if isinstance(node, ast.Import):
+            yield from (alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            yield node.module
+        yield from _imports(node)
+
+
+def import_graph() -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {}
+    for path in ROOT.rglob("*.py"):
+        module = ".".join(("specbatch", *path.relative_to(ROOT).with_suffix("").parts))
+        module = module.removesuffix(".__init__")
+        source = _room(module)
+        if source is None:
+            continue
+        for imported in _imports(ast.parse(path.read_text())):
+            target = _room(imported)
+            if target is not None and target != source:
+                graph.setdefault(source, set()).add(target)
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one room (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for nxt in graph.get(node, ()):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_cycle_finder_finds_a_loop() -> None:
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": {"c"}}) == []
+
+
+def test_no_room_imports_a_room_that_imports_it() -> None:
+    graph = import_graph()
+    assert {"engine", "scheduler", "cache", "spec_decode", "runner"} <= set(graph)
+    assert cycles(graph) == []
+
+
+def test_lower_rooms_do_not_reach_up() -> None:
+    graph = import_graph()
+    # Policy and memory never see the engine or the proposers; kernels hold no state.
+    for low in ("scheduler", "cache", "kernels", "sequence", "runner", "models"):
+        assert not graph.get(low, set()) & {"engine", "spec_decode", "server", "cli"}, low
