@@ -6,8 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-import torch
-
+from specbatch.kernels.sampling import SamplingRow
 from specbatch.sampling_params import SamplingParams
 
 
@@ -62,8 +61,10 @@ class Sequence:
     params: SamplingParams
     arrival_time: float
     priority: int = 0
-    generator: torch.Generator | None = None
+    # End-of-sequence ids that finish it (empty with ignore_eos), from the tokenizer.
+    eos_token_ids: frozenset[int] = frozenset()
     token_ids: list[int] = field(init=False)
+    stop_token_ids: frozenset[int] = field(init=False)  # the request's own stop ids
     num_computed_tokens: int = 0
     num_cached_prompt_tokens: int = 0  # prompt tokens found in the prefix cache
     block_table: list[int] = field(default_factory=list)
@@ -78,6 +79,7 @@ class Sequence:
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
+        self.stop_token_ids = frozenset(self.params.stop_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -106,6 +108,26 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return self.num_tokens - self.num_computed_tokens
+
+    def banned_token_ids(self, extra_outputs: int = 0) -> tuple[int, ...]:
+        """Tokens it may not produce while ``min_tokens`` is not reached (counting
+        ``extra_outputs`` draft tokens before the row as output)."""
+        if self.num_output_tokens + extra_outputs >= self.params.min_tokens:
+            return ()
+        return tuple(self.eos_token_ids | self.stop_token_ids)
+
+    def sampling_row(self, drafts: list[int] | None = None) -> SamplingRow:
+        """The row that samples the token after this sequence's tokens and ``drafts``."""
+        drafts = drafts or []
+        # The history only matters to penalties: skip copying it otherwise.
+        history = self.output_token_ids + drafts if self.params.has_penalties else ()
+        return SamplingRow(
+            self.params,
+            self.prompt_token_ids,
+            history,
+            position=self.num_tokens + len(drafts),
+            banned_token_ids=self.banned_token_ids(len(drafts)),
+        )
 
     def finish(self, reason: FinishReason, stop_reason: int | str | None = None) -> None:
         self.status = SequenceStatus.FINISHED

@@ -22,7 +22,7 @@ from specbatch.engine.setup import (
     load_models,
 )
 from specbatch.errors import ConfigError
-from specbatch.kernels.sampling import SamplingRow, sample
+from specbatch.kernels.sampling import sample
 from specbatch.outputs import RequestOutput
 from specbatch.runner.flat_batch import TokenRun, flatten
 from specbatch.runner.model_runner import ModelRunner
@@ -105,7 +105,6 @@ class LLMEngine:
                 self.num_kv_blocks,
                 config.block_size,
                 self.generator,
-                self._banned_tokens,
                 external=proposer,
                 draft_graphs=lambda: capture_draft_graphs(config, models),
             )
@@ -187,8 +186,9 @@ class LLMEngine:
         if params.seed is not None and index > 0:
             # Each of the n completions needs its own randomness; completion 0 equals n=1.
             params = params.clone(seed=hash((params.seed, index)) & 0x7FFF_FFFF_FFFF_FFFF)
+        eos = frozenset() if params.ignore_eos else self.tokenizer.eos_token_ids
         return Sequence(
-            next(self._seq_ids), request_id, index, token_ids, params, arrival, priority
+            next(self._seq_ids), request_id, index, token_ids, params, arrival, priority, eos
         )
 
     def abort(self, request_id: str) -> bool:
@@ -341,31 +341,15 @@ class LLMEngine:
     ) -> VerifyResult:
         if not any(proposal.tokens):  # the plain, non-speculative path
             sampled = sample(
-                logits, [self._sampling_row(s.seq) for s in sampling], self.generator
+                logits, [s.seq.sampling_row() for s in sampling], self.generator
             ).tolist()
             return VerifyResult([0] * len(sampling), [[t] for t in sampled])
         rows = [
-            self._sampling_row(s.seq, drafted[:j])
+            s.seq.sampling_row(drafted[:j])
             for s, drafted in zip(sampling, proposal.tokens, strict=True)
             for j in range(len(drafted) + 1)
         ]
         return verify(logits, rows, proposal.tokens, proposal.draft_probs, self.generator)
-
-    def _sampling_row(self, seq: Sequence, drafts: list[int] | None = None) -> SamplingRow:
-        drafts = drafts or []
-        # The history only matters to penalties: skip copying it otherwise.
-        history = seq.output_token_ids + drafts if seq.params.has_penalties else ()
-        return SamplingRow(
-            seq.params,
-            seq.prompt_token_ids,
-            history,
-            position=seq.num_tokens + len(drafts),
-            banned_token_ids=self._banned_tokens(seq, len(drafts)),
-        )
-
-    def _banned_tokens(self, seq: Sequence, extra_outputs: int) -> tuple[int, ...]:
-        state, _ = self._seq_owner[seq.seq_id]
-        return state.banned_token_ids(seq, extra_outputs)
 
     def _record_prompt_logprobs(
         self, prompt_rows: list[tuple[Sequence, int, int]], logits: torch.Tensor

@@ -46,8 +46,6 @@ class RequestState:
         self.params = params
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
-        self.eos_ids = frozenset() if params.ignore_eos else tokenizer.eos_token_ids
-        self.stop_ids = frozenset(params.stop_token_ids)
         self.completions = [
             _Completion(
                 s, IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens)
@@ -66,13 +64,6 @@ class RequestState:
     @property
     def finished(self) -> bool:
         return all(c.seq.is_finished for c in self.completions)
-
-    def banned_token_ids(self, seq: Sequence, extra_outputs: int = 0) -> tuple[int, ...]:
-        """Tokens masked out of sampling while ``min_tokens`` is not reached (counting
-        ``extra_outputs`` draft tokens before the row as output)."""
-        if seq.num_output_tokens + extra_outputs >= self.params.min_tokens:
-            return ()
-        return tuple(self.eos_ids | self.stop_ids)
 
     def append_tokens(
         self, index: int, tokens: list[int], logprobs: list[PositionLogprobs] | None = None
@@ -96,9 +87,9 @@ class RequestState:
 
     def _check_stop(self, completion: _Completion, token: int) -> None:
         seq = completion.seq
-        if token in self.eos_ids:
+        if token in seq.eos_token_ids:
             seq.finish(FinishReason.STOP)
-        elif token in self.stop_ids:
+        elif token in seq.stop_token_ids:
             seq.finish(FinishReason.STOP, stop_reason=token)
         detokenize = self.params.detokenize
         before = len(completion.text)

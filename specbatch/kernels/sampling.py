@@ -238,8 +238,13 @@ def sample(
         return torch.empty(0, dtype=torch.long)
     t = SamplingTensors.build(rows, logits.shape[1], logits.device)
     if t.all_greedy:
-        return apply_penalties(logits.float(), t).argmax(-1)
+        return greedy_tokens(logits, t)
     return sample_rows(target_probs(logits, t), rows, t, generator)
+
+
+def greedy_tokens(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """The argmax of every row's penalised logits (what a greedy row emits)."""
+    return apply_penalties(logits.float(), t).argmax(-1)
 
 
 def sample_rows(
@@ -248,11 +253,12 @@ def sample_rows(
     t: SamplingTensors,
     generator: torch.Generator,
 ) -> torch.Tensor:
-    """One token per row from ``probs`` (the output of :func:`target_probs`)."""
+    """One token per row from ``probs`` (the output of :func:`target_probs`): the argmax of
+    greedy rows, an inverse-CDF draw from ``generator`` for unseeded rows (in row order), the
+    Gumbel-max sample of seeded rows."""
     tokens = probs.argmax(-1)
     if t.all_greedy:
         return tokens
-    seeded = [i for i, r in enumerate(rows) if r.params.seed is not None and not r.params.greedy]
     unseeded = [i for i, r in enumerate(rows) if r.params.seed is None and not r.params.greedy]
     if unseeded:
         index = torch.tensor(unseeded, device=probs.device)
@@ -260,11 +266,20 @@ def sample_rows(
             len(unseeded), dtype=torch.float64, generator=generator, device=generator.device
         )
         tokens[index] = inverse_cdf(probs[index], uniforms.to(probs.device))
-    for i in seeded:
-        row = rows[i]
-        assert row.params.seed is not None
-        noise = gumbel_noise(row.params.seed, row.position, probs.shape[1], probs.device)
-        tokens[i] = gumbel_argmax(probs[i], noise)
+    return with_seeded_samples(tokens, probs, rows)
+
+
+def with_seeded_samples(
+    tokens: torch.Tensor, probs: torch.Tensor, rows: Sequence[SamplingRow]
+) -> torch.Tensor:
+    """``tokens`` with every seeded random row replaced by its Gumbel-max sample of ``probs``
+    under the noise of ``(seed, position)``: the one seeded draw of the engine, shared by the
+    sampler, the rejection sampler and the draft model (so a draft proposes what the target
+    would sample when both distributions agree)."""
+    for i, row in enumerate(rows):
+        if row.params.seed is not None and not row.params.greedy:
+            noise = gumbel_noise(row.params.seed, row.position, probs.shape[1], probs.device)
+            tokens[i] = gumbel_argmax(probs[i], noise)
     return tokens
 
 

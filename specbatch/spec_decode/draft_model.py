@@ -26,9 +26,8 @@ from specbatch.kernels.sampling import (
     SamplingRow,
     SamplingTensors,
     apply_penalties,
-    gumbel_argmax,
-    gumbel_noise,
-    inverse_cdf,
+    greedy_tokens,
+    sample_rows,
     target_probs,
 )
 from specbatch.models.llama import LlamaForCausalLM
@@ -40,9 +39,6 @@ from specbatch.spec_decode.proposer import DraftRequest, Proposal, Proposer
 if TYPE_CHECKING:  # triton is optional: only CUDA engines build graphs
     from specbatch.runner.cuda_graphs import CudaGraphRunner
 
-# (sequence, number of drafts already appended) -> token ids the row may not produce
-BannedTokens = Callable[[Sequence, int], tuple[int, ...]]
-
 
 class DraftModelProposer(Proposer):
     """Drafts with a small model, sampling each draft from its processed distribution q."""
@@ -53,7 +49,6 @@ class DraftModelProposer(Proposer):
         num_blocks: int,
         block_size: int,
         generator: torch.Generator,
-        banned_token_ids: BannedTokens,
         confidence_threshold: float = 0.0,
         capture_graphs: Callable[[], CudaGraphRunner | None] | None = None,
     ) -> None:
@@ -63,7 +58,6 @@ class DraftModelProposer(Proposer):
         self.confidence_threshold = confidence_threshold
         self.block_size = block_size
         self.generator = generator
-        self.banned_token_ids = banned_token_ids
         model.bind_kv_caches(
             allocate_kv_caches(model.config, num_blocks, block_size, model.dtype, model.device)
         )
@@ -89,7 +83,7 @@ class DraftModelProposer(Proposer):
             self.num_forwards += 1
             for i, run in zip(active, runs, strict=True):
                 self._computed[requests[i].seq.seq_id] = run.start_position + len(run.token_ids)
-            rows = [self._row(requests[i].seq, tokens[i]) for i in active]
+            rows = [requests[i].seq.sampling_row(tokens[i]) for i in active]
             drafted, q, chosen = self._sample(logits, rows, keep_probs)
             for row, i in enumerate(active):
                 tokens[i].append(drafted[row])
@@ -114,54 +108,23 @@ class DraftModelProposer(Proposer):
             draft_probs = torch.stack([row for per_request in probs for row in per_request])
         return Proposal(tokens, draft_probs)
 
-    def _row(self, seq: Sequence, drafts: list[int]) -> SamplingRow:
-        return SamplingRow(
-            seq.params,
-            seq.prompt_token_ids,
-            seq.output_token_ids + drafts if seq.params.has_penalties else (),
-            position=seq.num_tokens + len(drafts),
-            banned_token_ids=self.banned_token_ids(seq, len(drafts)),
-        )
-
     def _sample(
         self, logits: torch.Tensor, rows: list[SamplingRow], need_q: bool
     ) -> tuple[list[int], torch.Tensor | None, list[float]]:
-        """Draft tokens, their distributions q (when ``need_q``: one-hot on greedy rows), and,
-        with a confidence threshold, the draft's probability of each drafted token (for greedy
-        rows: under its unscaled softmax; 1 without a threshold)."""
+        """Draft tokens (drawn exactly as the target's sampler would draw from q), their
+        distributions q (when ``need_q``: one-hot on greedy rows), and, with a confidence
+        threshold, the draft's probability of each drafted token (for greedy rows: under its
+        unscaled softmax; 1 without a threshold)."""
         t = SamplingTensors.build(rows, logits.shape[1], logits.device)
-        if t.all_greedy:
-            penalised = apply_penalties(logits.float(), t)
-            q = target_probs(logits, t) if need_q else None
-            if not self.confidence_threshold:
-                return penalised.argmax(-1).tolist(), q, [1.0] * len(rows)
-            best = torch.softmax(penalised, dim=-1).max(-1)
-            return best.indices.tolist(), q, best.values.tolist()
-        q = target_probs(logits, t)
-        drafted = q.argmax(-1)
-        random_rows = [
-            i for i, r in enumerate(rows) if not r.params.greedy and r.params.seed is None
-        ]
-        if random_rows:
-            index = torch.tensor(random_rows, device=q.device)
-            uniforms = torch.rand(
-                len(random_rows),
-                dtype=torch.float64,
-                generator=self.generator,
-                device=self.generator.device,
-            ).to(q.device)
-            drafted[index] = inverse_cdf(q[index], uniforms)
-        for i, row in enumerate(rows):
-            if row.params.seed is not None and not row.params.greedy:
-                # Same noise as the target's row for this position: the coupled proposal.
-                noise = gumbel_noise(row.params.seed, row.position, q.shape[1], q.device)
-                drafted[i] = gumbel_argmax(q[i], noise)
+        q = target_probs(logits, t) if need_q or not t.all_greedy else None
+        drafted = greedy_tokens(logits, t) if q is None else sample_rows(q, rows, t, self.generator)
         if not self.confidence_threshold:
             return drafted.tolist(), q, [1.0] * len(rows)
-        chosen = q.gather(1, drafted[:, None])[:, 0]
+        chosen = None if q is None else q.gather(1, drafted[:, None])[:, 0]
         if t.any_greedy:  # q is one-hot there: take the softmax's confidence instead
             natural = torch.softmax(apply_penalties(logits.float(), t), dim=-1).amax(-1)
-            chosen = torch.where(t.greedy, natural, chosen)
+            chosen = natural if chosen is None else torch.where(t.greedy, natural, chosen)
+        assert chosen is not None
         return drafted.tolist(), q, chosen.tolist()
 
     def on_verified(self, seq: Sequence) -> None:

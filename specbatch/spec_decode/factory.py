@@ -13,7 +13,7 @@ from specbatch.models import load_model, resolve_model_path
 from specbatch.models.llama import LlamaForCausalLM
 from specbatch.spec_decode.config import DRAFT_METHODS, SpeculativeConfig
 from specbatch.spec_decode.default_draft import default_draft_path
-from specbatch.spec_decode.draft_model import BannedTokens, DraftModelProposer
+from specbatch.spec_decode.draft_model import DraftModelProposer
 from specbatch.spec_decode.hybrid import HybridProposer
 from specbatch.spec_decode.ngram import NgramProposer
 from specbatch.spec_decode.proposer import Proposer
@@ -83,7 +83,6 @@ def build_proposer(
     num_blocks: int,
     block_size: int,
     generator: torch.Generator,
-    banned_token_ids: BannedTokens,
     external: Proposer | None = None,
     draft_graphs: Callable[[], CudaGraphRunner | None] | None = None,
 ) -> Proposer:
@@ -103,7 +102,6 @@ def build_proposer(
         num_blocks,
         block_size,
         generator,
-        banned_token_ids,
         confidence_threshold=spec.draft_confidence_threshold,
         capture_graphs=draft_graphs,
     )

@@ -32,11 +32,10 @@ import torch
 from specbatch.kernels.sampling import (
     SamplingRow,
     SamplingTensors,
-    apply_penalties,
-    gumbel_argmax,
-    gumbel_noise,
+    greedy_tokens,
     inverse_cdf,
     target_probs,
+    with_seeded_samples,
 )
 
 
@@ -89,8 +88,7 @@ def verify(
     layout = _Layout.of(drafts, device)
     t = SamplingTensors.build(rows, logits.shape[1], device)
     if t.all_greedy:
-        targets = apply_penalties(logits.float(), t).argmax(-1)
-        accepted, final = _match(layout, targets[layout.rows])
+        accepted, final = _match(layout, greedy_tokens(logits, t)[layout.rows])
         return _result(layout, accepted, final)
     p = target_probs(logits, t)
     first_rows, total = [], 0
@@ -101,23 +99,14 @@ def verify(
         not (rows[i].params.greedy or rows[i].params.seed is not None) for i in first_rows
     ]
     random_seq = torch.tensor(random_flags, dtype=torch.bool, device=device)
-    targets = _deterministic_targets(p, rows)
+    # Per row: the argmax, or for seeded random rows their Gumbel-max sample.
+    targets = with_seeded_samples(p.argmax(-1), p, rows)
     accepted, final = _match(layout, targets[layout.rows])
     if any(random_flags):  # known on the host: no wait on the device
         r_accepted, r_final = _rejection(p, layout, draft_probs, generator)
         accepted = torch.where(random_seq, r_accepted, accepted)
         final = torch.where(random_seq, r_final, final)
     return _result(layout, accepted, final)
-
-
-def _deterministic_targets(p: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-    """Per row: the argmax, or for seeded random rows their Gumbel-max sample."""
-    targets = p.argmax(-1)
-    for i, row in enumerate(rows):
-        if row.params.seed is not None and not row.params.greedy:
-            noise = gumbel_noise(row.params.seed, row.position, p.shape[1], p.device)
-            targets[i] = gumbel_argmax(p[i], noise)
-    return targets
 
 
 def _match(layout: _Layout, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

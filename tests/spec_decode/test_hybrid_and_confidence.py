@@ -52,7 +52,6 @@ def drafter(draft_dir: Path, threshold: float = 0.0) -> DraftModelProposer:
         num_blocks=256,
         block_size=BLOCK,
         generator=torch.Generator().manual_seed(0),
-        banned_token_ids=lambda seq, extra: (),
         confidence_threshold=threshold,
     )
 
