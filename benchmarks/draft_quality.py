@@ -84,8 +84,8 @@ def main() -> None:
     tokenizer = engine.tokenizer
     by_category: dict[str, list[list[int]]] = defaultdict(list)
     for prompt in load_specbench(args.dataset, args.categories, args.prompts_per_category):
-        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt.text}])
-        by_category[prompt.category].append(tokenizer.encode(text, add_special_tokens=False))
+        _, ids = tokenizer.encode_chat([{"role": "user", "content": prompt.text}])
+        by_category[prompt.category].append(ids)
     draft_path = args.draft or str(default_draft_path())
     c = decode_ms(load_and_pack(draft_path)) / decode_ms(load_and_pack(args.target))
     print_conditions(

@@ -200,8 +200,8 @@ def main() -> None:
         prompts += [Prompt(text, "code_editing") for text in CODE_EDIT_PROMPTS]
     for prompt in prompts:
         if len(by_category[prompt.category]) < args.prompts_per_category:
-            text = tokenizer.apply_chat_template([{"role": "user", "content": prompt.text}])
-            ids = tokenizer.encode(text, add_special_tokens=False)[-args.max_prompt_len :]
+            _, ids = tokenizer.encode_chat([{"role": "user", "content": prompt.text}])
+            ids = ids[-args.max_prompt_len :]
             by_category[prompt.category].append(ids)
     print_conditions(
         "speculative decoding vs off (greedy, EOS or max tokens)",

@@ -45,8 +45,8 @@ def prompt_ids(engine: LLMEngine, args: argparse.Namespace, count: int) -> list[
     texts = (texts * (count // max(len(texts), 1) + 1))[:count]
     ids = []
     for text in texts:
-        rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}])
-        ids.append(tokenizer.encode(rendered, add_special_tokens=False)[: args.max_prompt_len])
+        _, chat_ids = tokenizer.encode_chat([{"role": "user", "content": text}])
+        ids.append(chat_ids[: args.max_prompt_len])
     return ids
 
 

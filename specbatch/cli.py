@@ -1,4 +1,5 @@
-"""The ``specbatch`` command line: ``generate`` streams a completion; more subcommands follow."""
+"""The ``specbatch`` command line: ``generate`` streams a completion, ``serve`` runs the
+OpenAI-compatible server, ``distill-draft`` trains a draft model for a target."""
 
 from __future__ import annotations
 
@@ -165,9 +166,8 @@ def _generate(args: argparse.Namespace) -> int:
     engine = LLMEngine(engine_config(args, max_num_seqs=1, kv_cache_max_gib=1.0))
     loaded = time.monotonic()
     if args.chat:
-        prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
-        token_ids = engine.tokenizer.encode(prompt, add_special_tokens=False)
-        engine.add_request("cli", prompt, params, prompt_token_ids=token_ids)
+        text, token_ids = engine.tokenizer.encode_chat([{"role": "user", "content": prompt}])
+        engine.add_request("cli", text, params, prompt_token_ids=token_ids)
     else:
         engine.add_request("cli", prompt, params)
     generated, reason, metrics = 0, None, None

@@ -13,3 +13,20 @@ class ModelLoadError(SpecbatchError, ValueError):
 
 class ConfigError(SpecbatchError, ValueError):
     """An engine or speculative configuration is impossible; raised at start-up."""
+
+
+class InvalidRequestError(SpecbatchError, ValueError):
+    """A request (its prompt or one of its sampling parameters) is invalid.
+
+    ``param`` names the field at fault (``"prompt"``, ``"top_k"``, ``"logit_bias"``, ...), so
+    that a server can point the client at it without parsing the message.
+    """
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class ChatTemplateError(SpecbatchError, RuntimeError):
+    """The model's chat template is broken (does not compile, or fails on a plain conversation):
+    a fault of the model files, not of the request that used it."""

@@ -27,7 +27,7 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     logprobs: list[PositionLogprobs] | None = None
-    finish_reason: str | None = None  # "stop", "length", "abort"
+    finish_reason: str | None = None  # "stop", "length", "abort", "error"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
 
     @property
@@ -88,3 +88,6 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     prompt_logprobs: list[PositionLogprobs | None] | None = None
+    # Why the request failed, when a step it was in raised (finish reason "error"); the
+    # engine freed its resources and went on serving the others.
+    error: str | None = None

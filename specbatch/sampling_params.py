@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 from dataclasses import dataclass, field
 
+from specbatch.errors import InvalidRequestError
+
 _GREEDY_EPS = 1e-5
+_INT64_MAX = 2**63 - 1
 
 
 class OutputKind(enum.Enum):
@@ -29,7 +33,11 @@ class SamplingParams:
     those of the raw model distribution (before temperature, penalties and truncation).
     ``detokenize=False`` skips all text work (outputs carry token ids only, ``text`` stays empty
     and logprob entries have no ``decoded_token``); it cannot be combined with ``stop`` strings.
-    Every field is checked here; a bad value raises ``ValueError`` naming the field and its range.
+    Every field is checked here; a bad value raises ``InvalidRequestError`` (a ``ValueError``)
+    naming the field (its ``param``) and its range. Numbers must be finite; ``temperature`` and
+    ``repetition_penalty`` are at most ``MAX_SCALE`` (beyond it every distribution is flat or
+    one-hot anyway). Checks that need the model (token ids within its vocabulary, the context
+    length) happen when the engine admits the request.
     """
 
     n: int = 1
@@ -56,6 +64,7 @@ class SamplingParams:
 
     MAX_LOGPROBS = 20
     MAX_N = 128
+    MAX_SCALE = 100.0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -68,37 +77,44 @@ class SamplingParams:
 
     def _validate(self) -> None:
         _check_int("n", self.n, 1, self.MAX_N)
-        _check_number("temperature", self.temperature, 0.0, None)
+        _check_number("temperature", self.temperature, 0.0, self.MAX_SCALE)
         _check_number("top_p", self.top_p, 0.0, 1.0, low_open=True)
-        _check_int("top_k", self.top_k, 0, None, note="0 or -1 disables it")
+        _check_int("top_k", self.top_k, 0, note="0 or -1 disables it")
         _check_number("min_p", self.min_p, 0.0, 1.0)
         _check_number("presence_penalty", self.presence_penalty, -2.0, 2.0)
         _check_number("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
-        _check_number("repetition_penalty", self.repetition_penalty, 0.0, None, low_open=True)
+        _check_number(
+            "repetition_penalty", self.repetition_penalty, 0.0, self.MAX_SCALE, low_open=True
+        )
         if self.seed is not None:
-            _check_int("seed", self.seed, -(2**63), 2**63 - 1)
+            _check_int("seed", self.seed, -(2**63), _INT64_MAX)
         if self.max_tokens is not None:
-            _check_int("max_tokens", self.max_tokens, 1, None)
+            _check_int("max_tokens", self.max_tokens, 1)
         _check_int("min_tokens", self.min_tokens, 0, self.max_tokens)
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None:
                 _check_int(name, value, 0, self.MAX_LOGPROBS)
         if not all(isinstance(s, str) and s for s in self.stop):
-            raise ValueError("stop must be a non-empty string or a list of non-empty strings")
+            raise InvalidRequestError(
+                "stop must be a non-empty string or a list of non-empty strings", "stop"
+            )
         if self.stop and not self.detokenize:
-            raise ValueError("stop strings need detokenize=True (use stop_token_ids instead)")
-        if not all(
-            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids
-        ):
-            raise ValueError("stop_token_ids must be a list of non-negative token ids")
+            raise InvalidRequestError(
+                "stop strings need detokenize=True (use stop_token_ids instead)", "stop"
+            )
+        for token in self.stop_token_ids:
+            _check_int("stop_token_ids", token, 0, what="token ids")
         if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise InvalidRequestError("logit_bias must map token ids to numbers", "logit_bias")
             for token, bias in self.logit_bias.items():
-                if isinstance(token, bool) or not isinstance(token, int) or token < 0:
-                    raise ValueError(f"logit_bias keys must be token ids >= 0, got {token!r}")
-                _check_number(f"logit_bias[{token}]", bias, -100.0, 100.0)
+                _check_int("logit_bias", token, 0, what="keys are token ids")
+                _check_number("logit_bias", bias, -100.0, 100.0, what=f"value of {token}")
         if not isinstance(self.output_kind, OutputKind):
-            raise ValueError(f"output_kind must be one of {[k.value for k in OutputKind]}")
+            raise InvalidRequestError(
+                f"output_kind must be one of {[k.value for k in OutputKind]}", "output_kind"
+            )
 
     @property
     def greedy(self) -> bool:
@@ -123,25 +139,45 @@ def _check_number(
     low: float | None,
     high: float | None,
     low_open: bool = False,
+    what: str = "",
 ) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
-        raise ValueError(f"{name} must be a number, got {value!r}")
+    label = f"{name} ({what})" if what else name
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(float(value) if isinstance(value, float) else 0.0)
+    ):
+        raise InvalidRequestError(f"{label} must be a finite number, got {value!r}", name)
+    assert isinstance(value, (int, float))
     too_low = low is not None and (value <= low if low_open else value < low)
     too_high = high is not None and value > high
     if too_low or too_high:
         left = "(" if low_open else "["
-        raise ValueError(
-            f"{name} must be in {left}{'-inf' if low is None else low}, "
-            f"{'inf' if high is None else high}], got {value}"
+        raise InvalidRequestError(
+            f"{label} must be in {left}{'-inf' if low is None else low}, "
+            f"{'inf' if high is None else high}], got {value}",
+            name,
         )
 
 
-def _check_int(name: str, value: object, low: int | None, high: int | None, note: str = "") -> None:
+def _check_int(
+    name: str,
+    value: object,
+    low: int,
+    high: int | None = None,
+    note: str = "",
+    what: str = "",
+) -> None:
+    """An integer in [low, high]; without ``high``, any up to int64 (what tensors hold)."""
+    label = f"{name} ({what})" if what else name
+    suffix = f" ({note})" if note else ""
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
-    if (low is not None and value < low) or (high is not None and value > high):
-        suffix = f" ({note})" if note else ""
-        raise ValueError(
-            f"{name} must be in [{'-inf' if low is None else low}, "
-            f"{'inf' if high is None else high}], got {value}{suffix}"
+        raise InvalidRequestError(f"{label} must be an integer, got {value!r}{suffix}", name)
+    if high is None and value > _INT64_MAX:
+        raise InvalidRequestError(
+            f"{label} must be an integer below 2^63, got one of {len(str(value))} digits", name
         )
+    if value < low or (high is not None and value > high):
+        shown = value if abs(value) < 10**30 else f"one of {len(str(abs(value)))} digits"
+        bounds = f"in [{low}, {high}]" if high is not None else f">= {low}"
+        raise InvalidRequestError(f"{label} must be {bounds}, got {shown}{suffix}", name)

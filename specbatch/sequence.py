@@ -20,6 +20,7 @@ class FinishReason(enum.Enum):
     STOP = "stop"  # EOS, a stop token id or a stop string
     LENGTH = "length"  # max_tokens or the context length
     ABORT = "abort"
+    ERROR = "error"  # the step it was in failed (the engine logged why and went on)
 
 
 @dataclass

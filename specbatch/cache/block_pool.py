@@ -75,9 +75,6 @@ class BlockPool:
         self._key_of[block] = key
         self._index[key] = block
 
-    def is_evictable_cached(self, block: int) -> bool:
-        return self.ref_counts[block] == 0 and self._key_of[block] is not None
-
     def _evict(self, block: int) -> None:
         key = self._key_of[block]
         if key is not None:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from specbatch.cache.block_pool import BlockKey, BlockPool
+from specbatch.utils import ceil_div
 
 
 class CacheSequence(Protocol):
@@ -58,7 +59,7 @@ class KVCacheManager:
         return 1.0 - self.pool.num_free / self.pool.num_blocks
 
     def blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return ceil_div(num_tokens, self.block_size)
 
     def find_cached_prefix(self, seq: CacheSequence) -> list[int]:
         """Cached blocks equal to the leading full blocks of a not-yet-started sequence.

@@ -127,8 +127,7 @@ def _prompt_ids(tokenizer: Tokenizer, prompt: str, room: int) -> list[int]:
     last ``room`` tokens."""
     if tokenizer.chat_template is None:
         return tokenizer.encode(prompt)[-room:]
-    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
-    return tokenizer.encode(text, add_special_tokens=False)[-room:]
+    return tokenizer.encode_chat([{"role": "user", "content": prompt}])[1][-room:]
 
 
 def tokenize_text(target: str | None, work: Path, max_chars: int) -> Path:

@@ -287,7 +287,7 @@ def decode_ms(model: LlamaForCausalLM, context: int = 256, repeats: int = 30) ->
     model.bind_kv_caches(
         allocate_kv_caches(model.config, blocks, block_size, model.dtype, model.device)
     )
-    runner = ModelRunner(model)
+    runner = ModelRunner(model, block_size)
     batch = flatten([TokenRun([1], context - 1, list(range(blocks)))], block_size)
     rows = batch.query_start[1:] - 1
     for _ in range(5):

@@ -9,6 +9,7 @@ from specbatch.config import EngineConfig
 from specbatch.errors import ConfigError
 from specbatch.models.config import ModelConfig
 from specbatch.models.llama import LlamaForCausalLM
+from specbatch.utils import ceil_div
 
 
 def available_host_memory() -> int:
@@ -42,7 +43,7 @@ def profile_activation_bytes(
         return 0
     from specbatch.runner.flat_batch import TokenRun, flatten
 
-    blocks = -(-num_tokens // block_size)
+    blocks = ceil_div(num_tokens, block_size)
     model.bind_kv_caches(
         allocate_kv_caches(model.config, blocks, block_size, model.dtype, model.device)
     )
@@ -83,7 +84,7 @@ def choose_num_kv_blocks(
     """
     block_size = config.block_size
     per_block = kv_bytes_per_block(model_config, block_size, dtype) + extra_bytes_per_block
-    blocks_per_seq = -(-(max_model_len + lookahead) // block_size)
+    blocks_per_seq = ceil_div(max_model_len + lookahead, block_size)
     if config.num_kv_blocks is not None:
         num_blocks = config.num_kv_blocks
     else:

@@ -72,13 +72,11 @@ class LLM:
         tokenizer = self.get_tokenizer()
         prompts: list[PromptType] = []
         for conversation in conversations:
-            text = tokenizer.apply_chat_template(
+            text, ids = tokenizer.encode_chat(
                 [dict(m) for m in conversation],
                 add_generation_prompt=add_generation_prompt,
                 **(chat_template_kwargs or {}),
             )
-            # The template already holds any BOS the model wants.
-            ids = tokenizer.encode(text, add_special_tokens=False)
             prompts.append({"prompt": text, "prompt_token_ids": ids})
         params = _params_per_prompt(sampling_params, len(prompts))
         return self._run(prompts, params, [0] * len(prompts), use_tqdm)

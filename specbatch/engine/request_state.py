@@ -56,6 +56,7 @@ class RequestState:
         if params.prompt_logprobs is not None:
             self.prompt_logprobs = [None]
         self._stop_window = max((len(s) for s in params.stop), default=0)
+        self.error: str | None = None
 
     @property
     def seqs(self) -> list[Sequence]:
@@ -127,6 +128,13 @@ class RequestState:
             if not completion.seq.is_finished:
                 completion.seq.finish(FinishReason.ABORT)
 
+    def fail(self, error: str) -> None:
+        """A step this request was in raised: it ends now, reporting ``error``."""
+        self.error = error
+        for completion in self.completions:
+            if not completion.seq.is_finished:
+                completion.seq.finish(FinishReason.ERROR)
+
     def output(self) -> RequestOutput | None:
         """The request's output now, or None when its ``output_kind`` has nothing to report."""
         finished = self.finished
@@ -144,6 +152,7 @@ class RequestState:
             finished=finished,
             metrics=self.metrics(),
             prompt_logprobs=self.prompt_logprobs,
+            error=self.error,
         )
 
     def _completion_output(self, c: _Completion, kind: OutputKind) -> CompletionOutput:

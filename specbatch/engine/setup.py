@@ -20,6 +20,7 @@ from specbatch.models.default_model import is_default_model_name
 from specbatch.models.llama import LlamaForCausalLM
 from specbatch.spec_decode.factory import load_draft_model
 from specbatch.tokenizer import Tokenizer, load_tokenizer
+from specbatch.utils import ceil_div
 
 if TYPE_CHECKING:
     from specbatch.runner.cuda_graphs import Capture, CudaGraphRunner
@@ -156,7 +157,7 @@ def _captured(
 
     k, bs = models.num_speculative_tokens, config.block_size
     runner = CudaGraphRunner(
-        model, bs, -(-(models.max_model_len + k) // bs), query_lens, config.max_num_seqs, capture
+        model, bs, ceil_div(models.max_model_len + k, bs), query_lens, config.max_num_seqs, capture
     )
     runner.capture()
     return runner

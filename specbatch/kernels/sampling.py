@@ -79,7 +79,9 @@ class SamplingTensors:
                 device=device,
             ),
             min_p=column([p.min_p for p in params], 0.0),
-            top_k=column([p.top_k or vocab_size for p in params], vocab_size, torch.long),
+            top_k=column(
+                [min(p.top_k, vocab_size) or vocab_size for p in params], vocab_size, torch.long
+            ),
             top_p=column([p.top_p for p in params], 1.0),
             presence=column([p.presence_penalty for p in params], 0.0),
             frequency=column([p.frequency_penalty for p in params], 0.0),

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from specbatch.errors import ModelLoadError
+from specbatch.utils import ceil_div
 
 _SCALARS = {
     0: "<B",
@@ -129,7 +130,7 @@ class GGUFFile:
             dims = [cursor.scalar("<Q") for _ in range(cursor.scalar("<I"))]
             raw_infos.append((name, dims, cursor.scalar("<I"), cursor.scalar("<Q")))
         alignment = int(metadata.get("general.alignment", 32))
-        data_start = -(-cursor.pos // alignment) * alignment
+        data_start = ceil_div(cursor.pos, alignment) * alignment
         tensors = [self._tensor_info(data_start, *raw) for raw in raw_infos]
         return metadata, tensors
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from specbatch.kernels.attention import PAD_SLOT, AttentionInputs
+from specbatch.utils import ceil_div
 
 
 @dataclass
@@ -17,9 +18,41 @@ class TokenRun:
     token_ids: Sequence[int]
     start_position: int
     block_table: Sequence[int]
+    # Trailing draft tokens among ``token_ids`` (a decode verifying them: 1 + num_drafts).
+    num_drafts: int = 0
     # Trailing filler tokens that get no cache slot (PAD_SLOT): computed only so that a step
     # keeps the uniform shape of a CUDA graph; nothing reads their K/V or their outputs.
     num_unslotted: int = 0
+
+    @property
+    def is_decode(self) -> bool:
+        """One new token, plus drafts to verify."""
+        return len(self.token_ids) - self.num_drafts - self.num_unslotted == 1
+
+    def with_fillers(self, num_drafts: int) -> TokenRun:
+        """The run padded to ``num_drafts`` drafts with fillers (which come after every real
+        token, so no real row attends to them, and are never verified)."""
+        fillers = num_drafts - self.num_drafts - self.num_unslotted
+        if fillers <= 0:
+            return self
+        return TokenRun(
+            [*self.token_ids, *[self.token_ids[-1]] * fillers],
+            self.start_position,
+            self.block_table,
+            self.num_drafts,
+            self.num_unslotted + fillers,
+        )
+
+
+@dataclass
+class LogitRows:
+    """Which rows of a step need logits: ``offset`` within run ``run``, in the order wanted."""
+
+    run: np.ndarray  # [R] int
+    offset: np.ndarray  # [R] int
+
+    def flat(self, query_start: np.ndarray) -> np.ndarray:
+        return query_start[self.run] + self.offset
 
 
 @dataclass
@@ -44,7 +77,7 @@ def flatten(runs: Sequence[TokenRun], block_size: int) -> FlatBatch:
 
     # Wide enough for every position the step attends to (fillers may lie past the blocks
     # a sequence holds: their table entries read block 0, never past the table).
-    ends = -(-(starts + query_lens) // block_size)
+    ends = ceil_div(starts + query_lens, block_size)
     width = max(max((len(r.block_table) for r in runs), default=1), int(ends.max(initial=1)), 1)
     block_tables = np.zeros((len(runs), width), dtype=np.int64)
     for b, run in enumerate(runs):

@@ -2,26 +2,50 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from specbatch.models.llama import LlamaForCausalLM
-from specbatch.runner.flat_batch import FlatBatch
+from specbatch.runner.flat_batch import FlatBatch, LogitRows, TokenRun, flatten
 
 if TYPE_CHECKING:  # triton is optional: only CUDA engines build graphs
     from specbatch.runner.cuda_graphs import CudaGraphRunner
 
 
 class ModelRunner:
-    """Owns the host-to-device step: metadata, one forward (a CUDA-graph replay when the step
-    has a captured shape), logits at chosen rows only."""
+    """Owns the host-to-device step: the step's shape (padding for CUDA graphs), metadata, one
+    forward (a CUDA-graph replay when the step has a captured shape), logits at chosen rows."""
 
-    def __init__(self, model: LlamaForCausalLM, graphs: CudaGraphRunner | None = None) -> None:
+    def __init__(
+        self, model: LlamaForCausalLM, block_size: int, graphs: CudaGraphRunner | None = None
+    ) -> None:
         self.model = model
+        self.block_size = block_size
         self.device = model.device
         self.graphs = graphs
+
+    def execute(self, runs: Sequence[TokenRun], rows: LogitRows) -> torch.Tensor:
+        """Float32 logits ``[len(rows.run), vocab]`` for one step of ``runs``."""
+        batch = flatten(self._shaped(runs), self.block_size)
+        return self.forward(batch, rows.flat(batch.query_start))
+
+    def _shaped(self, runs: Sequence[TokenRun]) -> Sequence[TokenRun]:
+        """Under CUDA graphs a decode-only step with any draft pads every decode to k drafts
+        (one graph shape, q = k + 1); a step without drafts stays at q = 1. Steps that cannot
+        replay anyway (a prefill chunk, more sequences than the ladder) are not padded."""
+        graphs = self.graphs
+        if (
+            graphs is None
+            or len(runs) > graphs.batch_sizes[-1]
+            or not any(r.num_drafts for r in runs)
+            or not all(r.is_decode for r in runs)
+        ):
+            return runs
+        k = max(graphs.query_lens) - 1
+        return [r.with_fillers(k) for r in runs]
 
     def forward(self, batch: FlatBatch, logit_rows: np.ndarray) -> torch.Tensor:
         """Float32 logits ``[len(logit_rows), vocab]`` for a batch (K/V written to the cache)."""

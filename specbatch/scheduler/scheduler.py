@@ -10,7 +10,11 @@ Policy (vLLM V1 style, one token budget per step):
 2. Then waiting sequences by (priority, arrival), while the budget, ``max_num_seqs`` and the
    cache allow, reusing prefix-cached blocks. Nothing is admitted in a step that preempted.
 
-The scheduler touches no tensors: it returns a plain :class:`SchedulerOutput`.
+After the step, :meth:`Scheduler.update_from_output` is the one place where what happened
+reaches the cache: computed tokens advance (accepted drafts included), full blocks of final
+tokens enter the prefix index, rejected draft slots are rolled back and finished sequences
+leave their queue and free their blocks. The scheduler touches no tensors: it returns a plain
+:class:`SchedulerOutput` and takes back plain counts.
 """
 
 from __future__ import annotations
@@ -76,8 +80,9 @@ class Scheduler:
         self._budget = 0  # tokens left in the step being scheduled
 
     @property
-    def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
+    def kv_cache_usage(self) -> float:
+        """Fraction of the cache's blocks held by sequences."""
+        return self.cache.usage
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -110,6 +115,26 @@ class Scheduler:
         if not out.preempted:
             self._admit(out)
         return out
+
+    def update_from_output(
+        self, out: SchedulerOutput, num_accepted: dict[int, int]
+    ) -> list[Sequence]:
+        """Apply a step that ran ``out``: every scheduled sequence computed its new tokens plus
+        ``num_accepted[seq_id]`` accepted drafts, and has already appended the tokens it
+        emitted (and finished, if a stop rule said so). Returns the sequences that finished;
+        they are out of their queues with their blocks freed."""
+        finished = []
+        for scheduled in out.scheduled:
+            seq = scheduled.seq
+            seq.num_computed_tokens += scheduled.num_new_tokens + num_accepted.get(seq.seq_id, 0)
+            self.cache.commit(seq)  # before any free: a finished prefix stays reusable
+            if seq.is_finished:
+                self.remove(seq)
+                finished.append(seq)
+            else:
+                # Rollback: keep the blocks the next step needs (its token plus lookahead).
+                self.cache.truncate(seq, seq.num_tokens + self.lookahead(seq))
+        return finished
 
     def lookahead(self, seq: Sequence) -> int:
         """Draft slots a decoding sequence may use: never past max_tokens or the context."""

@@ -61,7 +61,7 @@ class DraftModelProposer(Proposer):
         model.bind_kv_caches(
             allocate_kv_caches(model.config, num_blocks, block_size, model.dtype, model.device)
         )
-        self.runner = ModelRunner(model, capture_graphs() if capture_graphs else None)
+        self.runner = ModelRunner(model, block_size, capture_graphs() if capture_graphs else None)
         self._computed: dict[int, int] = {}  # seq_id -> leading tokens held by the draft cache
         self.num_forwards = 0  # batched draft forwards run so far (for cost accounting)
 

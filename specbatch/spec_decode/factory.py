@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -11,12 +12,14 @@ import torch
 from specbatch.errors import ConfigError, ModelLoadError
 from specbatch.models import load_model, resolve_model_path
 from specbatch.models.llama import LlamaForCausalLM
+from specbatch.spec_decode.budget import SpeculationBudget
 from specbatch.spec_decode.config import DRAFT_METHODS, SpeculativeConfig
 from specbatch.spec_decode.default_draft import default_draft_path
 from specbatch.spec_decode.draft_model import DraftModelProposer
 from specbatch.spec_decode.hybrid import HybridProposer
 from specbatch.spec_decode.ngram import NgramProposer
 from specbatch.spec_decode.proposer import Proposer
+from specbatch.spec_decode.speculator import Speculator
 from specbatch.tokenizer import Tokenizer, load_tokenizer
 
 if TYPE_CHECKING:  # triton is optional: only CUDA engines build graphs
@@ -75,6 +78,39 @@ def check_draft_compatible(
             f"draft model {path} tokenizes text differently from the target (same vocabulary "
             "size, different tokenizer): its drafts would be meaningless"
         )
+
+
+def build_speculator(
+    spec: SpeculativeConfig | None,
+    draft: LlamaForCausalLM | None,
+    num_blocks: int,
+    block_size: int,
+    generator: torch.Generator,
+    external: Proposer | None = None,
+    draft_graphs: Callable[[], CudaGraphRunner | None] | None = None,
+    cuda_graphs: bool = False,
+) -> Speculator:
+    """The engine's speculator: the proposer of ``spec`` (none when it is None: the plain
+    sampler) and, with ``adaptive_k``, the draft budget (not under CUDA graphs, whose replays
+    pad every decode to k drafts, so that fewer drafts would save nothing)."""
+    if spec is None:
+        if external is not None:
+            raise ConfigError("a proposer needs speculative_config={'method': 'external', ...}")
+        return Speculator(None, None, generator)
+    budget = None
+    if spec.adaptive_k:
+        if cuda_graphs:
+            warnings.warn(
+                "adaptive_k is ignored while CUDA graphs are on (every decode step is padded to "
+                "k drafts); pass enforce_eager=True to use it",
+                stacklevel=3,
+            )
+        else:
+            budget = SpeculationBudget()
+    proposer = build_proposer(
+        spec, draft, num_blocks, block_size, generator, external, draft_graphs
+    )
+    return Speculator(proposer, budget, generator)
 
 
 def build_proposer(

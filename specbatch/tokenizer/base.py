@@ -12,8 +12,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from specbatch.errors import ModelLoadError
+from specbatch.errors import InvalidRequestError, ModelLoadError
 from specbatch.tokenizer.chat_template import ChatTemplate
+from specbatch.tokenizer.text import check_text
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,7 @@ class Tokenizer(ABC):
     def __init__(self, special: SpecialTokens) -> None:
         self._special = special
         self._template: ChatTemplate | None = None
+        self._max_token_chars: int | None = None
 
     @abstractmethod
     def _encode_text(self, text: str) -> list[int]:
@@ -99,6 +101,7 @@ class Tokenizer(ABC):
         configuration asks for it. Text rendered by a chat template usually already starts with
         the BOS text, so encode it with ``add_special_tokens=False``.
         """
+        check_text(text, "prompt")
         ids = self._encode_text(text)
         if add_special_tokens:
             if self._special.add_bos and self._special.bos_token_id is not None:
@@ -106,6 +109,23 @@ class Tokenizer(ABC):
             if self._special.add_eos and self._special.eos_token_id is not None:
                 ids.append(self._special.eos_token_id)
         return ids
+
+    def encode_chat(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+    ) -> tuple[str, list[int]]:
+        """The prompt text of a conversation rendered by the chat template, and its token ids
+        (the template already holds any BOS text the model wants, so none is added)."""
+        text = self.apply_chat_template(messages, add_generation_prompt, **kwargs)
+        return text, self.encode(text, add_special_tokens=False)
+
+    @property
+    def max_token_chars(self) -> int:
+        """The most characters one token's text holds (bounds the tokens of a text from
+        below without tokenizing it); computed once, on first use."""
+        if self._max_token_chars is None:
+            longest = max((len(self.decode([i])) for i in range(self.vocab_size)), default=1)
+            self._max_token_chars = max(longest, 1)
+        return self._max_token_chars
 
     @property
     def bos_token_id(self) -> int | None:
@@ -144,22 +164,45 @@ class Tokenizer(ABC):
 
         ``bos_token`` and ``eos_token`` are available to the template; ``kwargs`` (``tools``,
         ``documents``, template options) are passed through and override them. Raises
-        `ValueError` if the model has no chat template or the template rejects the messages.
+        `InvalidRequestError` (a ``ValueError``) if the model has no chat template or the
+        template rejects the messages, `ChatTemplateError` if the template itself is broken.
         """
-        if self._special.chat_template is None:
-            raise ValueError(
+        self._check_messages_text(messages)
+        template = self.compiled_chat_template()
+        if template is None:
+            raise InvalidRequestError(
                 "this model has no chat template (no tokenizer.chat_template in the GGUF, no "
                 "chat_template in tokenizer_config.json or chat_template.jinja); send a plain "
-                "prompt instead of chat messages"
+                "prompt instead of chat messages",
+                "messages",
             )
-        if self._template is None:
-            self._template = ChatTemplate(self._special.chat_template)
         variables = {
             "bos_token": self._token_text(self._special.bos_token_id),
             "eos_token": self._token_text(self._special.eos_token_id),
             **kwargs,
         }
-        return self._template.render(messages, add_generation_prompt, **variables)
+        return template.render(messages, add_generation_prompt, **variables)
+
+    def compiled_chat_template(self) -> ChatTemplate | None:
+        """The compiled template (None without one); `ChatTemplateError` if it is broken."""
+        if self._special.chat_template is None:
+            return None
+        if self._template is None:
+            self._template = ChatTemplate(self._special.chat_template)
+        return self._template
+
+    @staticmethod
+    def _check_messages_text(messages: list[dict[str, Any]]) -> None:
+        for message in messages:
+            if not isinstance(message, dict):
+                continue  # the template's render reports it
+            for key, value in message.items():
+                if isinstance(value, str):
+                    check_text(value, "messages")
+                elif key == "content" and isinstance(value, list):
+                    for part in value:
+                        if isinstance(part, dict) and isinstance(part.get("text"), str):
+                            check_text(part["text"], "messages")
 
     def _token_text(self, token_id: int | None) -> str:
         return "" if token_id is None else self.decode([token_id])

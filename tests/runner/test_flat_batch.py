@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from specbatch.kernels.attention import PAD_SLOT
-from specbatch.runner.flat_batch import TokenRun, flatten
+from specbatch.runner.flat_batch import LogitRows, TokenRun, flatten
 
 
 def slow_slots(runs: list[TokenRun], block_size: int) -> list[int]:
@@ -34,7 +34,7 @@ def test_random_runs_match_a_per_token_loop() -> None:
             unslotted = int(rng.integers(0, count)) if rng.random() < 0.5 else 0
             held = -(-(start + count - unslotted) // block_size)  # blocks of the real tokens
             table = rng.permutation(100)[:held].tolist()
-            runs.append(TokenRun(list(range(count)), start, table, unslotted))
+            runs.append(TokenRun(list(range(count)), start, table, num_unslotted=unslotted))
         batch = flatten(runs, block_size)
         assert batch.attention.slot_mapping.tolist() == slow_slots(runs, block_size)
         expected_positions = [r.start_position + i for r in runs for i in range(len(r.token_ids))]
@@ -59,3 +59,18 @@ def test_a_real_token_past_its_blocks_is_refused() -> None:
     flatten([TokenRun([1, 2, 3], 15, [7], num_unslotted=2)], 16)  # fillers: fine
     with pytest.raises(ValueError, match="past its sequence's blocks"):
         flatten([TokenRun([1, 2, 3], 15, [7], num_unslotted=1)], 16)
+
+
+def test_fillers_pad_a_decode_to_k_drafts_and_logit_rows_follow_the_runs() -> None:
+    decode = TokenRun([5, 8, 9], 20, [3, 4], num_drafts=2)
+    assert decode.is_decode
+    padded = decode.with_fillers(4)
+    assert list(padded.token_ids) == [5, 8, 9, 9, 9]
+    assert (padded.num_drafts, padded.num_unslotted) == (2, 2)
+    assert padded.is_decode
+    assert padded.with_fillers(4) is padded
+    assert decode.with_fillers(2) is decode
+    assert not TokenRun([1, 2, 3], 0, [0]).is_decode  # a prefill chunk
+    batch = flatten([TokenRun([1, 2, 3], 0, [0]), padded], 16)
+    rows = LogitRows(np.array([1, 1, 0]), np.array([0, 2, 2]))
+    assert rows.flat(batch.query_start).tolist() == [3, 5, 2]

@@ -179,8 +179,8 @@ def adaptive_engine(
         ),
         proposer=OracleProposer(truth, acceptance, 300, seed=3),
     )
-    assert engine.budget is not None
-    engine.budget.step_times = LinearTimes(1.0, per_token)  # type: ignore[assignment]
+    assert engine.speculator.budget is not None
+    engine.speculator.budget.step_times = LinearTimes(1.0, per_token)  # type: ignore[assignment]
     return engine
 
 
@@ -192,9 +192,9 @@ def run(engine: LLMEngine, prompts: list[list[int]]) -> list[list[int]]:
         for out in engine.step():
             if out.finished:
                 outputs[out.request_id] = out.outputs[0].token_ids
-    assert engine.budget is not None
-    assert not engine.budget._acceptance  # finished sequences are forgotten
-    assert not engine.budget._idle
+    assert engine.speculator.budget is not None
+    assert not engine.speculator.budget._acceptance  # finished sequences are forgotten
+    assert not engine.speculator.budget._idle
     return [outputs[str(i)] for i in range(len(prompts))]
 
 

@@ -45,23 +45,21 @@ def checked_engine(
         ),
         proposer=OracleProposer(truth, acceptance, 300, seed=int(acceptance * 100) + k),
     )
-    verify = engine._verify
+    verify = engine.speculator.verify
 
-    def recomputing_verify(
-        logits: torch.Tensor, sampling: list, proposal: Proposal
-    ) -> VerifyResult:
+    def recomputing_verify(logits: torch.Tensor, seqs: list, proposal: Proposal) -> VerifyResult:
         row = 0
-        for s, drafts in zip(sampling, proposal.tokens, strict=True):
-            tokens = s.seq.token_ids + drafts
+        for seq, drafts in zip(seqs, proposal.tokens, strict=True):
+            tokens = seq.token_ids + drafts
             expected = PagedHarness(fresh, num_blocks=32, block_size=4).forward([(0, tokens)])[0]
             rows = len(drafts) + 1
             torch.testing.assert_close(
                 logits[row : row + rows], expected[-rows:], rtol=0, atol=1e-4
             )
             row += rows
-        return verify(logits, sampling, proposal)
+        return verify(logits, seqs, proposal)
 
-    engine._verify = recomputing_verify  # type: ignore[method-assign]
+    engine.speculator.verify = recomputing_verify  # type: ignore[method-assign]
     return engine
 
 

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from specbatch.errors import ChatTemplateError, InvalidRequestError
 from specbatch.tokenizer import SpecialTokens, Tokenizer
 from specbatch.tokenizer.chat_template import ChatTemplate
 from specbatch.tokenizer.spm_tokenizer import SPMTokenizer
@@ -41,7 +42,7 @@ def test_tojson_keeps_text_as_is() -> None:
     assert out.endswith('{\n  "b": 1,\n  "a": [\n    1,\n    2\n  ]\n}')
 
 
-def test_raise_exception_becomes_value_error() -> None:
+def test_raise_exception_is_the_requests_fault() -> None:
     source = "{% if messages[0]['role'] != 'system' %}{{ raise_exception('need a system turn') }}"
     source += "{% endif %}"
     with pytest.raises(ValueError, match="need a system turn"):
@@ -73,15 +74,45 @@ def test_none_valued_keys_are_dropped() -> None:
 
 
 def test_sandbox_blocks_python_internals() -> None:
-    with pytest.raises(ValueError, match="rejected"):
+    # A template that reaches for Python internals fails on every conversation: it is broken.
+    with pytest.raises(ChatTemplateError, match="SecurityError"):
         render("{{ messages.__class__.__mro__ }}{{ ''.__class__.__subclasses__() }}")
+    guarded = "{% if messages[0]['content'] == 'x' %}{{ ''.__class__.__subclasses__() }}{% endif %}"
+    with pytest.raises(InvalidRequestError, match="rejected") as caught:
+        render(guarded, [{"role": "user", "content": "x"}])
+    assert caught.value.param == "messages"
 
 
-def test_bad_templates_and_messages() -> None:
-    with pytest.raises(ValueError, match="not valid jinja2"):
+def test_bad_templates_are_the_models_fault_bad_messages_the_requests() -> None:
+    with pytest.raises(ChatTemplateError, match="not valid jinja2"):
         ChatTemplate("{% for m in messages %}")
-    with pytest.raises(ValueError, match=re.escape("messages[1] must be a dict")):
+    with pytest.raises(ChatTemplateError, match="fails on a one-message conversation"):
+        ChatTemplate("{{ messages[0]['content'] + 1 }}")
+    with pytest.raises(InvalidRequestError, match=re.escape("messages[1] must be a dict")):
         render("x", [HELLO[0], "oops"])  # type: ignore[list-item]
+    # works for plain text, trips over a message without content: the request's fault
+    source = "{% for m in messages %}{{ m['content'] | length }}{% endfor %}"
+    with pytest.raises(InvalidRequestError, match="failed on these messages"):
+        render(source, [{"role": "user", "content": 3}])
+
+
+def test_encode_chat_adds_no_bos_of_its_own() -> None:
+    source = "{{ bos_token }}{{ messages | length }}{% if add_generation_prompt %}+{% endif %}"
+    tokenizer = tiny_tokenizer(source)
+    assert tokenizer.apply_chat_template(HELLO, add_generation_prompt=False) == "<s>1"
+    text, ids = tokenizer.encode_chat(HELLO)
+    assert text == tokenizer.apply_chat_template(HELLO)
+    assert ids == tokenizer.encode(text, add_special_tokens=False)
+    assert ids.count(tokenizer.bos_token_id) == 1
+
+
+def test_lone_surrogates_are_refused_by_name() -> None:
+    tokenizer = tiny_tokenizer("{{ messages[0]['content'] }}")
+    with pytest.raises(InvalidRequestError, match="not valid Unicode") as caught:
+        tokenizer.apply_chat_template([{"role": "user", "content": "a\ud800"}])
+    assert caught.value.param == "messages"
+    with pytest.raises(InvalidRequestError, match=r"\(U\+DC00\) at character 1"):
+        tokenizer.encode("a\udc00b")
 
 
 def tiny_tokenizer(template: str | None) -> Tokenizer:

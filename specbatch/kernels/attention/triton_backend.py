@@ -15,6 +15,7 @@ from specbatch.kernels.attention.triton_kernels import (
     reduce_splits_kernel,
     write_kv_kernel,
 )
+from specbatch.utils import ceil_div
 
 _MIN_ROWS = 16  # tl.dot needs at least 16 rows
 # The interpreter's tl.dot mishandles bfloat16 (numpy has no such type): upcast tiles there.
@@ -120,7 +121,7 @@ class TritonAttentionBackend(AttentionBackend):
         tiles = self.prefill_tiles if max_query * group > _MIN_ROWS else self.decode_tiles
         block_m = max(tiles.rows, _MIN_ROWS, _pow2(group))
         block_q = max(1, block_m // group)
-        programs = -(-inputs.query_lens.astype(np.int64) // block_q)
+        programs = ceil_div(inputs.query_lens.astype(np.int64), block_q)
         program_seq = np.repeat(np.arange(len(programs)), programs)
         first = np.concatenate([[0], np.cumsum(programs)[:-1]]).astype(np.int64)
         program_qstart = (np.arange(len(program_seq)) - first[program_seq]) * block_q
@@ -157,7 +158,7 @@ class TritonAttentionBackend(AttentionBackend):
         busy = programs * self.num_kv_heads
         if busy >= sms:
             return 1
-        wanted = int(min(_MAX_SPLITS, -(-sms // busy), longest // 512))
+        wanted = int(min(_MAX_SPLITS, ceil_div(sms, busy), longest // 512))
         # a power of two: NUM_SPLITS is a compile-time constant, so few distinct values
         return 1 << (wanted.bit_length() - 1) if wanted > 1 else 1
 
