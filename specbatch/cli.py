@@ -10,13 +10,12 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from specbatch.errors import SpecbatchError
+from specbatch.spec_decode.config import DEFAULT_DRAFT_CONFIDENCE
 
 if TYPE_CHECKING:
     from specbatch.config import EngineConfig
 
 
-# Measured on the shipped draft (docs/distillation.md): 0.3-0.7 all beat 0 clearly.
-DRAFT_CONFIDENCE = 0.5
 # 1-token lookups in free text are mostly wrong; there the draft model does better.
 HYBRID_LOOKUP_MIN = 2
 
@@ -37,9 +36,10 @@ def _add_speculative_args(parser: argparse.ArgumentParser, default: str = "auto"
     parser.add_argument(
         "--draft-confidence",
         type=float,
-        default=DRAFT_CONFIDENCE,
+        default=None,
         help="a draft model stops drafting after the draft that brings its probability that all "
-        f"its drafts are right below this (default {DRAFT_CONFIDENCE}; 0 always drafts k tokens)",
+        f"its drafts are right below this (default {DEFAULT_DRAFT_CONFIDENCE}; 0 always drafts k "
+        "tokens)",
     )
     parser.add_argument(
         "--adaptive-k",
@@ -58,8 +58,8 @@ def _add_speculative_args(parser: argparse.ArgumentParser, default: str = "auto"
         "-k",
         "--num-speculative-tokens",
         type=int,
-        default=4,
-        help="draft tokens verified per step (default 4)",
+        default=None,
+        help="draft tokens verified per step at most (default: the method's, 4)",
     )
 
 
@@ -72,6 +72,8 @@ def speculative_config(args: argparse.Namespace) -> dict[str, object] | None:
             ("--adaptive-k", args.adaptive_k, ("ngram", "draft", "hybrid")),
             ("--ngram-min", args.ngram_min is not None, ("ngram", "hybrid")),
             ("--draft-model", args.draft_model is not None, ("draft", "hybrid")),
+            ("--draft-confidence", args.draft_confidence is not None, ("draft", "hybrid")),
+            ("-k", args.num_speculative_tokens is not None, ("ngram", "draft", "hybrid")),
         )
         if given and method not in used_by
     ]
@@ -81,7 +83,9 @@ def speculative_config(args: argparse.Namespace) -> dict[str, object] | None:
         raise ConfigError(f"{', '.join(unused)} has no effect with --speculative {method}")
     if method == "off":
         return None
-    config: dict[str, object] = {"num_speculative_tokens": args.num_speculative_tokens}
+    config: dict[str, object] = {}
+    if args.num_speculative_tokens is not None:
+        config["num_speculative_tokens"] = args.num_speculative_tokens
     if args.adaptive_k:
         config["adaptive_k"] = True
     if method in ("ngram", "hybrid"):
@@ -91,7 +95,8 @@ def speculative_config(args: argparse.Namespace) -> dict[str, object] | None:
         config.update(prompt_lookup_min=low, prompt_lookup_max=max(4, low))
     if method in ("draft", "hybrid"):
         config["model"] = args.draft_model
-        config["draft_confidence_threshold"] = args.draft_confidence
+        if args.draft_confidence is not None:
+            config["draft_confidence_threshold"] = args.draft_confidence
     config["method"] = "draft_model" if method == "draft" else method
     return config
 
@@ -119,6 +124,8 @@ def engine_config(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
         device=args.device,
         max_model_len=args.max_model_len,
         num_threads=args.num_threads,
+        kv_cache_gib=args.kv_cache_gib,
+        num_kv_blocks=args.num_kv_blocks,
         speculative_config=speculative_config(args),
         **overrides,
     )
@@ -132,6 +139,18 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto", help="cpu, cuda or auto")
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
+    cache = parser.add_mutually_exclusive_group()
+    cache.add_argument(
+        "--kv-cache-gib",
+        type=float,
+        default=None,
+        help="KV cache size in GiB (default: what --max-num-seqs sequences of --max-model-len "
+        "tokens can use, within the free memory; at most 4 GiB on the CPU, where memory is "
+        "committed as the cache fills)",
+    )
+    cache.add_argument(
+        "--num-kv-blocks", type=int, default=None, help="KV cache size in blocks of 16 tokens"
+    )
 
 
 def _add_generate(subparsers: argparse._SubParsersAction) -> None:
@@ -163,7 +182,7 @@ def _generate(args: argparse.Namespace) -> int:
         output_kind=OutputKind.DELTA,
     )
     started = time.monotonic()
-    engine = LLMEngine(engine_config(args, max_num_seqs=1, kv_cache_max_gib=1.0))
+    engine = LLMEngine(engine_config(args, max_num_seqs=1))
     loaded = time.monotonic()
     if args.chat:
         text, token_ids = engine.tokenizer.encode_chat([{"role": "user", "content": prompt}])
@@ -183,8 +202,9 @@ def _generate(args: argparse.Namespace) -> int:
     if not args.quiet:
         spec = ""
         if metrics is not None and metrics.num_drafts:
+            spec_k = engine.speculative_config.k if engine.speculative_config else 0
             spec = (
-                f"; {resolved_method(args)} k={args.num_speculative_tokens}: mean accepted "
+                f"; {resolved_method(args)} k={spec_k}: mean accepted "
                 f"length {metrics.mean_accepted_length:.2f}, acceptance "
                 f"{metrics.acceptance_rate:.0%}"
             )

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
+import math
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from specbatch.errors import ConfigError
+from specbatch.spec_decode.config import SpeculativeConfig
 
 
 @dataclass(frozen=True)
@@ -17,8 +21,11 @@ class EngineConfig:
 
     ``model`` is a HF directory, a ``.gguf`` file, or None for the default SmolLM2-135M-Instruct.
     ``max_model_len`` defaults to the model's context length. The KV cache holds ``num_kv_blocks``
-    blocks of ``block_size`` tokens when given; otherwise it takes ``kv_cache_memory_fraction`` of
-    the free device memory (on the CPU: of the available RAM, at most ``kv_cache_max_gib``).
+    blocks of ``block_size`` tokens, or ``kv_cache_gib`` GiB of them, when given; otherwise as
+    many as ``max_num_seqs`` sequences of ``max_model_len`` tokens can use, within
+    ``kv_cache_memory_fraction`` of the free device memory (on the CPU: of the available RAM,
+    and at most ``DEFAULT_CPU_KV_CACHE_GIB``). On the CPU the cache's memory is committed as
+    blocks are first used, so a reservation costs nothing until the load needs it.
     ``max_num_batched_tokens`` is the per-step token budget (prefill chunks are cut to fit it).
     ``cpu_weight_packing`` re-lays float32 weights out for oneDNN on the CPU (much faster small
     matmuls; see ``specbatch.kernels.linear``).
@@ -35,7 +42,7 @@ class EngineConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None
     kv_cache_memory_fraction: float = 0.9
-    kv_cache_max_gib: float = 4.0
+    kv_cache_gib: float | None = None
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
@@ -44,31 +51,58 @@ class EngineConfig:
     num_threads: int | None = None
     cpu_weight_packing: bool = True
     enforce_eager: bool = False
-    speculative_config: Any = None
+    speculative_config: SpeculativeConfig | Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
+        for name in ("model", "tokenizer", "attention_backend"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                if name == "attention_backend" or not isinstance(value, os.PathLike):
+                    raise ConfigError(f"{name} must be a string, got {value!r}")
+                object.__setattr__(self, name, os.fspath(value))
         _positive("block_size", self.block_size, 1024)
         _positive("max_num_seqs", self.max_num_seqs)
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
         for name in ("max_model_len", "num_kv_blocks", "num_threads"):
             if getattr(self, name) is not None:
                 _positive(name, getattr(self, name))
-        if not 0.0 < self.kv_cache_memory_fraction <= 1.0:
-            raise ConfigError(
-                f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}"
-            )
-        if self.kv_cache_max_gib <= 0:
-            raise ConfigError(f"kv_cache_max_gib must be > 0, got {self.kv_cache_max_gib}")
-        if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
+        _fraction("kv_cache_memory_fraction", self.kv_cache_memory_fraction)
+        if self.kv_cache_gib is not None:
+            _positive_number("kv_cache_gib", self.kv_cache_gib)
+        for name in ("enable_prefix_caching", "cpu_weight_packing", "enforce_eager"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if not isinstance(self.device, str) or (
+            self.device not in ("auto", "cpu") and not self.device.startswith("cuda")
+        ):
             raise ConfigError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
-        if not isinstance(self.seed, int):
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ConfigError(f"seed must be an integer, got {self.seed!r}")
-        from specbatch.spec_decode.config import SpeculativeConfig
+        if not isinstance(self.dtype, str):
+            raise ConfigError(f"dtype must be a string such as 'float32', got {self.dtype!r}")
+        if self.dtype != "auto":
+            from specbatch.models.loader import parse_dtype
 
+            parse_dtype(self.dtype)
+        if self.attention_backend is not None:
+            from specbatch.kernels.attention import available_backends
+
+            if self.attention_backend not in available_backends():
+                raise ConfigError(
+                    f"unknown attention backend {self.attention_backend!r}; available: "
+                    f"{', '.join(available_backends())}"
+                )
         # A vLLM-style dict becomes a validated SpeculativeConfig (frozen: set it directly).
         object.__setattr__(
             self, "speculative_config", SpeculativeConfig.parse(self.speculative_config)
         )
+
+    @property
+    def speculation(self) -> SpeculativeConfig | None:
+        """``speculative_config`` as validated at construction (None: speculation off)."""
+        spec = self.speculative_config
+        assert spec is None or isinstance(spec, SpeculativeConfig)
+        return spec
 
     def replace(self, **changes: Any) -> EngineConfig:
         return dataclasses.replace(self, **changes)
@@ -88,6 +122,21 @@ class EngineConfig:
             # bfloat16 matmuls are slower than float32 on CPUs without AMX; GPUs want bf16.
             return torch.bfloat16 if device.type == "cuda" else torch.float32
         return parse_dtype(self.dtype)
+
+
+def _fraction(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value <= 1.0:
+        raise ConfigError(f"{name} must be a number in (0, 1], got {value!r}")
+
+
+def _positive_number(name: str, value: object) -> None:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise ConfigError(f"{name} must be a positive number, got {value!r}")
 
 
 def _positive(name: str, value: object, maximum: int | None = None) -> None:

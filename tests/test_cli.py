@@ -9,6 +9,7 @@ import pytest
 from specbatch.cli import build_parser, main, speculative_config
 from specbatch.errors import ConfigError
 from specbatch.spec_decode import default_draft
+from specbatch.spec_decode.config import SpeculativeConfig
 
 
 def test_generate_streams_text_and_reports_speculation(
@@ -83,6 +84,11 @@ def test_bad_input_is_an_error_exit(
 def test_speculative_flags(monkeypatch: pytest.MonkeyPatch) -> None:
     parser = build_parser()
     assert speculative_config(parser.parse_args(["generate", "x", "--speculative", "off"])) is None
+
+    def resolved(argv: list[str]) -> SpeculativeConfig | None:
+        """What the engine makes of the flags (the method's defaults filled in)."""
+        return SpeculativeConfig.parse(speculative_config(parser.parse_args(argv)))
+
     lookup = {"prompt_lookup_min": 1, "prompt_lookup_max": 4}
     ngram = {"method": "ngram", "num_speculative_tokens": 6, **lookup}
     shipped = {
@@ -96,41 +102,56 @@ def test_speculative_flags(monkeypatch: pytest.MonkeyPatch) -> None:
     # 'auto' (the default): hybrid lookup + the shipped draft for the default target when that
     # draft is preferred, n-gram for any other target or while the shipped draft does not pay.
     monkeypatch.setattr(default_draft, "shipped_draft_preferred", lambda: True)
-    assert speculative_config(parser.parse_args(["generate", "x", "-k", "6"])) == shipped
-    other = parser.parse_args(["generate", "x", "-k", "6", "--model", "m.gguf"])
-    assert speculative_config(other) == ngram
+    assert resolved(["generate", "x", "-k", "6"]) == SpeculativeConfig.parse(shipped)
+    other = ["generate", "x", "-k", "6", "--model", "m.gguf"]
+    assert resolved(other) == SpeculativeConfig.parse(ngram)
     monkeypatch.setattr(default_draft, "shipped_draft_preferred", lambda: False)
-    assert speculative_config(parser.parse_args(["generate", "x", "-k", "6"])) == ngram
-    given = parser.parse_args(["generate", "x", "--draft-model", "d", "--ngram-min", "3"])
-    assert speculative_config(given) == {
-        **shipped,
-        "model": "d",
-        "num_speculative_tokens": 4,
-        "prompt_lookup_min": 3,
-    }
-    draft = parser.parse_args(
-        ["generate", "x", "--speculative", "draft", "--draft-model", "d", "--draft-confidence", "0"]
+    assert resolved(["generate", "x", "-k", "6"]) == SpeculativeConfig.parse(ngram)
+    given = ["generate", "x", "--draft-model", "d", "--ngram-min", "3"]
+    assert resolved(given) == SpeculativeConfig(
+        **{
+            **shipped,
+            "model": "d",
+            "num_speculative_tokens": 4,
+            "prompt_lookup_min": 3,
+        }
     )
-    assert speculative_config(draft) == {
-        "method": "draft_model",
-        "model": "d",
-        "num_speculative_tokens": 4,
-        "draft_confidence_threshold": 0.0,
-    }
-    adaptive = parser.parse_args(["serve", "--speculative", "ngram", "--adaptive-k"])
-    assert speculative_config(adaptive) == {
-        "method": "ngram",
-        "num_speculative_tokens": 4,
-        "adaptive_k": True,
-        **lookup,
-    }
-    long_lookup = parser.parse_args(["generate", "x", "--speculative", "ngram", "--ngram-min", "6"])
-    assert speculative_config(long_lookup) == {
-        "method": "ngram",
-        "num_speculative_tokens": 4,
-        "prompt_lookup_min": 6,
-        "prompt_lookup_max": 6,
-    }
+    draft = [
+        "generate",
+        "x",
+        "--speculative",
+        "draft",
+        "--draft-model",
+        "d",
+        "--draft-confidence",
+        "0",
+    ]
+    assert resolved(draft) == SpeculativeConfig(
+        **{
+            "method": "draft_model",
+            "model": "d",
+            "num_speculative_tokens": 4,
+            "draft_confidence_threshold": 0.0,
+        }
+    )
+    adaptive = ["serve", "--speculative", "ngram", "--adaptive-k"]
+    assert resolved(adaptive) == SpeculativeConfig(
+        **{
+            "method": "ngram",
+            "num_speculative_tokens": 4,
+            "adaptive_k": True,
+            **lookup,
+        }
+    )
+    long_lookup = ["generate", "x", "--speculative", "ngram", "--ngram-min", "6"]
+    assert resolved(long_lookup) == SpeculativeConfig(
+        **{
+            "method": "ngram",
+            "num_speculative_tokens": 4,
+            "prompt_lookup_min": 6,
+            "prompt_lookup_max": 6,
+        }
+    )
     for flags, unused in (
         (["--speculative", "off", "--adaptive-k"], "--adaptive-k"),
         (["--speculative", "draft", "--ngram-min", "2"], "--ngram-min"),

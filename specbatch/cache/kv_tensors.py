@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+import mmap
+
 import torch
 
 from specbatch.kernels.attention import LayerKVCache
@@ -24,13 +27,25 @@ def allocate_kv_caches(
     """Zeroed ``[num_blocks, block_size, kv_heads, head_dim]`` key and value tensors per layer.
 
     Zeros, not garbage: padded attention columns are masked, but a NaN in masked memory would
-    still poison ``0 * NaN`` in the value product.
+    still poison ``0 * NaN`` in the value product. On the CPU the zeros cost nothing until used:
+    each tensor is an anonymous memory map, whose pages the kernel provides zeroed on first
+    write, so the process holds the blocks it has used, not the whole reservation.
     """
     shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
-    return [
-        (
-            torch.zeros(shape, dtype=dtype, device=device),
-            torch.zeros(shape, dtype=dtype, device=device),
-        )
-        for _ in range(config.num_hidden_layers)
-    ]
+
+    def zeros() -> torch.Tensor:
+        if torch.device(device).type == "cpu":
+            return lazy_zeros(shape, dtype)
+        return torch.zeros(shape, dtype=dtype, device=device)
+
+    return [(zeros(), zeros()) for _ in range(config.num_hidden_layers)]
+
+
+def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A CPU tensor of zeros whose memory is committed page by page as it is written (an
+    anonymous map: unlike ``torch.zeros``, nothing is touched up front). The tensor keeps the
+    map alive; it is unmapped when the tensor is freed."""
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    buffer = mmap.mmap(-1, max(nbytes, 1))
+    flat = torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes)
+    return flat.view(dtype).view(shape)

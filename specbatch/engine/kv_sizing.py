@@ -11,6 +11,10 @@ from specbatch.models.config import ModelConfig
 from specbatch.models.llama import LlamaForCausalLM
 from specbatch.utils import ceil_div
 
+# The CPU cache's reservation when nothing says otherwise (vLLM's CPU default, 4 GiB); memory is
+# committed only as blocks are used.
+DEFAULT_CPU_KV_CACHE_GIB = 4.0
+
 
 def available_host_memory() -> int:
     """Bytes of RAM the kernel reports as available (MemAvailable), or 4 GiB if unknown."""
@@ -76,8 +80,9 @@ def choose_num_kv_blocks(
     extra_bytes_per_block: int = 0,
     reserved_bytes: int = 0,
 ) -> int:
-    """Blocks for the cache: explicit, or sized from free memory, never more than
-    ``max_num_seqs`` full-length sequences need. Fails at start-up if one sequence cannot fit.
+    """Blocks for the cache: explicit (``num_kv_blocks`` or ``kv_cache_gib``), or sized from
+    free memory, never more than ``max_num_seqs`` full-length sequences need. Fails at start-up
+    if one sequence cannot fit.
 
     ``extra_bytes_per_block`` accounts for a draft model's cache, which shares the block ids;
     ``reserved_bytes`` is memory the forward passes need (see ``profile_activation_bytes``).
@@ -87,6 +92,8 @@ def choose_num_kv_blocks(
     blocks_per_seq = ceil_div(max_model_len + lookahead, block_size)
     if config.num_kv_blocks is not None:
         num_blocks = config.num_kv_blocks
+    elif config.kv_cache_gib is not None:
+        num_blocks = int(config.kv_cache_gib * (1 << 30)) // per_block
     else:
         if device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(device)
@@ -94,13 +101,13 @@ def choose_num_kv_blocks(
         else:
             budget = min(
                 int(available_host_memory() * config.kv_cache_memory_fraction),
-                int(config.kv_cache_max_gib * (1 << 30)),
+                int(DEFAULT_CPU_KV_CACHE_GIB * (1 << 30)),
             )
         num_blocks = min(budget // per_block, config.max_num_seqs * blocks_per_seq)
     if num_blocks < blocks_per_seq:
         raise ConfigError(
             f"the KV cache ({num_blocks} blocks of {block_size} tokens) cannot hold one sequence "
             f"of max_model_len={max_model_len} tokens (+{lookahead} draft slots): lower "
-            "max_model_len or give the cache more memory (num_kv_blocks / kv_cache_max_gib)"
+            "max_model_len or give the cache more memory (num_kv_blocks / kv_cache_gib)"
         )
     return num_blocks

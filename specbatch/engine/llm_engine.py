@@ -76,7 +76,7 @@ class LLMEngine:
             models.tokenizer,
         )
         self.draft_model, self.max_model_len = models.draft, models.max_model_len
-        self.speculative_config = config.speculative_config
+        self.speculative_config = config.speculation
         self.num_kv_blocks = allocate_cache(config, models)
         self.cache = KVCacheManager(
             self.num_kv_blocks, config.block_size, config.enable_prefix_caching

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -21,6 +22,8 @@ from specbatch.models.llama import LlamaForCausalLM
 from specbatch.spec_decode.factory import load_draft_model
 from specbatch.tokenizer import Tokenizer, load_tokenizer
 from specbatch.utils import ceil_div
+
+logger = logging.getLogger("specbatch")
 
 if TYPE_CHECKING:
     from specbatch.runner.cuda_graphs import Capture, CudaGraphRunner
@@ -51,7 +54,7 @@ def load_models(config: EngineConfig) -> Models:
         release_freed_memory()  # the plain weights just dropped
     tokenizer = load_tokenizer(config.tokenizer or path)
     positions = model.config.max_position_embeddings
-    spec = config.speculative_config
+    spec = config.speculation
     draft = None
     if spec is not None:
         draft = load_draft_model(
@@ -73,7 +76,7 @@ def load_models(config: EngineConfig) -> Models:
         tokenizer,
         draft,
         max_model_len=min(config.max_model_len or positions, positions),
-        num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
+        num_speculative_tokens=spec.k if spec else 0,
     )
 
 
@@ -104,6 +107,16 @@ def allocate_cache(config: EngineConfig, models: Models) -> int:
             models.model.config, num_blocks, config.block_size, models.dtype, models.device
         )
     )
+    per_block = kv_bytes_per_block(models.model.config, config.block_size, models.dtype)
+    logger.info(
+        "KV cache: %d blocks of %d tokens (%d tokens), %.2f GiB reserved on %s%s",
+        num_blocks,
+        config.block_size,
+        num_blocks * config.block_size,
+        num_blocks * (per_block + draft_bytes) / (1 << 30),
+        models.device,
+        ", committed as blocks are first used" if models.device.type == "cpu" else "",
+    )
     return num_blocks
 
 
@@ -129,13 +142,12 @@ def capture_draft_graphs(config: EngineConfig, models: Models) -> CudaGraphRunne
 
 
 def _graphable(model: LlamaForCausalLM, config: EngineConfig) -> bool:
-    """Graphs are captured on CUDA, unless disabled, for the Triton attention backend."""
-    from specbatch.kernels.attention.triton_backend import TritonAttentionBackend
-
+    """Graphs are captured on CUDA, unless disabled, for a backend that supports them (the
+    device is checked first: nothing optional is imported on the CPU)."""
     return (
         model.device.type == "cuda"
         and not config.enforce_eager
-        and isinstance(model.backend, TritonAttentionBackend)
+        and model.backend.supports_cuda_graphs
     )
 
 

@@ -12,13 +12,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
 from specbatch.kernels.attention import PAD_SLOT, AttentionInputs
-from specbatch.kernels.attention.triton_backend import TritonAttentionBackend, TritonMetadata
 from specbatch.models.llama import LlamaForCausalLM
 from specbatch.runner.flat_batch import FlatBatch
 
@@ -56,7 +55,7 @@ class _Graph:
     graph: Replayable
     input_ids: torch.Tensor  # [B * q]
     positions: torch.Tensor  # [B * q]
-    metadata: TritonMetadata
+    metadata: Any  # the backend's, captured: refreshed by prepare_for_replay
     hidden: torch.Tensor  # [B * q, hidden] (the captured output)
 
 
@@ -72,9 +71,9 @@ class CudaGraphRunner:
         max_batch: int,
         capture: Capture | None = None,
     ) -> None:
-        if not isinstance(model.backend, TritonAttentionBackend):
-            raise ValueError("CUDA graphs need the triton attention backend")
-        self.backend: TritonAttentionBackend = model.backend
+        if not model.backend.supports_cuda_graphs:
+            raise ValueError(f"the {model.backend.name} attention backend cannot run in graphs")
+        self.backend = model.backend
         self.model = model
         self.block_size = block_size
         self.max_blocks = max_blocks_per_seq
@@ -110,15 +109,12 @@ class CudaGraphRunner:
         )
 
     def _long_context_splits(self, batch: int, q: int) -> int:
-        backend = self.backend
-        programs = backend.build_metadata(self._padded_inputs(batch, q), torch.device("cpu"))
         longest = self.max_blocks * self.block_size
-        return backend.splits(len(programs.program_seq), longest, self.model.device)
+        return self.backend.graph_splits(self._padded_inputs(batch, q), longest, self.model.device)
 
     def _capture(self, batch: int, q: int, splits: int) -> _Graph:
         device = self.model.device
-        metadata = self.backend.build_metadata(self._padded_inputs(batch, q), device)
-        metadata.num_splits = splits
+        metadata = self.backend.prepare_for_capture(self._padded_inputs(batch, q), device, splits)
         input_ids = torch.zeros(batch * q, dtype=torch.long, device=device)
         positions = torch.zeros(batch * q, dtype=torch.long, device=device)
         with torch.no_grad():
@@ -153,21 +149,7 @@ class CudaGraphRunner:
         g.input_ids[tokens:].zero_()
         g.positions[:tokens].copy_(torch.from_numpy(batch.positions), non_blocking=True)
         g.positions[tokens:].zero_()
-        m = g.metadata
-        m.seq_lens[:real].copy_(torch.from_numpy(attention.seq_lens.astype(np.int32)))
-        m.seq_lens[real:].fill_(q)
-        kv_lens = attention.seq_lens if attention.kv_lens is None else attention.kv_lens
-        m.kv_lens[:real].copy_(torch.from_numpy(kv_lens.astype(np.int32)))
-        m.kv_lens[real:].fill_(q)
-        # Only the columns this step reads: the table's rest is never read for these lengths
-        # (and padding rows read their first block, zeroed).
-        width = attention.block_tables.shape[1]
-        m.block_tables[:real, :width].copy_(
-            torch.from_numpy(attention.block_tables.astype(np.int32))
-        )
-        m.block_tables[real:, :1].zero_()
-        m.slot_mapping[:tokens].copy_(torch.from_numpy(attention.slot_mapping.astype(np.int64)))
-        m.slot_mapping[tokens:].fill_(PAD_SLOT)
+        self.backend.prepare_for_replay(g.metadata, attention)
         g.graph.replay()
         self.replays += 1
         self.split_replays += splits > 1

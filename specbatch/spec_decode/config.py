@@ -10,6 +10,11 @@ from specbatch.errors import ConfigError
 
 METHODS = ("draft_model", "ngram", "hybrid", "external")
 DRAFT_METHODS = ("draft_model", "hybrid")
+# k when the config does not say: what the benchmarks in docs/architecture.md were measured with
+# (with the confidence stop a draft model's k is only a ceiling).
+DEFAULT_NUM_SPECULATIVE_TOKENS = {"draft_model": 4, "ngram": 4, "hybrid": 4, "external": 4}
+# Measured on the shipped draft (docs/distillation.md): 0.3-0.7 all beat 0 (always k) clearly.
+DEFAULT_DRAFT_CONFIDENCE = 0.5
 
 
 @dataclass(frozen=True)
@@ -29,21 +34,23 @@ class SpeculativeConfig:
     ``draft_confidence_threshold`` (draft models only) makes k a ceiling: a sequence stops
     drafting after the draft that brings the draft's own probability that all its drafts so
     far are right (the product of its probabilities of the tokens it drafted) below the
-    threshold (that draft is still verified: its forward is paid, a verify row is cheap). 0
-    (the default) always drafts k tokens. ``adaptive_k`` makes k a ceiling for every method: each
-    step the engine gives each sequence the number of drafts that maximises the expected
-    tokens per second of the step, from measured step times and the sequence's own acceptance
-    so far (``spec/budget.py``); with many sequences or poor acceptance that is often none.
+    threshold (that draft is still verified: its forward is paid, a verify row is cheap); 0.5 by
+    default, 0 always drafts k tokens. Without ``num_speculative_tokens`` k is the method's
+    default (``DEFAULT_NUM_SPECULATIVE_TOKENS``). ``adaptive_k`` makes k a ceiling for every
+    method: each step the engine gives each sequence the number of drafts that maximises the
+    expected tokens per second of the step, from measured step times and the sequence's own
+    acceptance so far (``spec_decode/budget.py``); with many sequences or poor acceptance that
+    is often none.
     None of these change what is generated: greedy and seeded outputs are token for token the
     same, unseeded sampling keeps the target's distribution (its draws differ).
     """
 
     method: str
-    num_speculative_tokens: int
+    num_speculative_tokens: int | None = None  # the method's default
     model: str | None = None
     prompt_lookup_min: int | None = None  # 1 for ngram, 2 for hybrid
     prompt_lookup_max: int = 4
-    draft_confidence_threshold: float = 0.0
+    draft_confidence_threshold: float | None = None  # 0.5 for draft models, else 0
     adaptive_k: bool = False
 
     MAX_TOKENS = 16
@@ -53,6 +60,13 @@ class SpeculativeConfig:
             raise ConfigError(
                 f"speculative_config method must be one of {METHODS}, got {self.method!r}"
             )
+        # frozen: defaults are set through object
+        if self.num_speculative_tokens is None:
+            default = DEFAULT_NUM_SPECULATIVE_TOKENS[self.method]
+            object.__setattr__(self, "num_speculative_tokens", default)
+        if self.draft_confidence_threshold is None:
+            default_threshold = DEFAULT_DRAFT_CONFIDENCE if self.method in DRAFT_METHODS else 0.0
+            object.__setattr__(self, "draft_confidence_threshold", default_threshold)
         k = self.num_speculative_tokens
         if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= self.MAX_TOKENS:
             raise ConfigError(
@@ -73,7 +87,7 @@ class SpeculativeConfig:
             )
         if not isinstance(self.adaptive_k, bool):
             raise ConfigError(f"adaptive_k must be true or false, got {self.adaptive_k!r}")
-        if self.prompt_lookup_min is None:  # frozen: set through object
+        if self.prompt_lookup_min is None:
             object.__setattr__(self, "prompt_lookup_min", 2 if self.method == "hybrid" else 1)
         if self.method in ("ngram", "hybrid"):
             low, high = self.prompt_lookup_min, self.prompt_lookup_max
@@ -98,6 +112,18 @@ class SpeculativeConfig:
         unknown = sorted(set(value) - known)
         if unknown:
             raise ConfigError(f"unknown speculative_config keys {unknown}; known: {sorted(known)}")
-        if "method" not in value or "num_speculative_tokens" not in value:
-            raise ConfigError("speculative_config needs 'method' and 'num_speculative_tokens'")
+        if "method" not in value:
+            raise ConfigError(f"speculative_config needs a 'method', one of {METHODS}")
         return cls(**value)
+
+    @property
+    def k(self) -> int:
+        """Drafts verified per step at most (``num_speculative_tokens``, resolved)."""
+        assert self.num_speculative_tokens is not None
+        return self.num_speculative_tokens
+
+    @property
+    def confidence_threshold(self) -> float:
+        """``draft_confidence_threshold``, resolved."""
+        assert self.draft_confidence_threshold is not None
+        return self.draft_confidence_threshold

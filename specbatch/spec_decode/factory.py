@@ -138,7 +138,7 @@ def build_proposer(
         num_blocks,
         block_size,
         generator,
-        confidence_threshold=spec.draft_confidence_threshold,
+        confidence_threshold=spec.confidence_threshold,
         capture_graphs=draft_graphs,
     )
     if spec.method == "hybrid":

@@ -161,8 +161,8 @@ def test_every_decode_step_replays(
     """Sequences near max_tokens draft fewer than k (their lookahead shrinks) and steps where
     nothing was drafted have q = 1: both still replay a graph."""
     speculative: dict[str, Any] = {"method": method, "num_speculative_tokens": 3}
-    if method == "draft_model":
-        speculative["model"] = str(tiny_draft_dir)
+    if method == "draft_model":  # always k drafts: k - 1 single-token draft forwards a step
+        speculative.update(model=str(tiny_draft_dir), draft_confidence_threshold=0.0)
     prompts = [[5, 6, 7, 8] * 5, [9, 10, 11] * 4, [40, 41, 42, 43, 44]]
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (17, 5, 9)]
 

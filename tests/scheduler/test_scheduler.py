@@ -109,6 +109,22 @@ def test_preempts_the_newest_when_blocks_run_out() -> None:
 
 def test_self_preemption_when_alone_does_not_loop() -> None:
     sched = make(num_blocks=2, block_size=2, budget=32)
+    a = make_seq(4, 0.0)
+    sched.add(a)
+    assert run_step(sched) == [(a.seq_id, 4, 0)]  # both blocks
+    out = sched.schedule()  # its next token needs a third block: only itself to preempt
+    assert out.scheduled == []
+    assert out.preempted == [a]
+    assert sched.running == []
+    assert sched.waiting == [a]
+    assert a.block_table == []
+    assert a.num_computed_tokens == 0
+    assert sched.cache.num_free_blocks == 2
+    assert sched.schedule().is_empty  # it cannot fit again, and scheduling still returns
+
+
+def test_preemption_takes_the_newest_other_sequence_first() -> None:
+    sched = make(num_blocks=2, block_size=2, budget=32)
     a, b = make_seq(2, 0.0), make_seq(2, 1.0)
     sched.add(a)
     sched.add(b)

@@ -70,9 +70,19 @@ class AttentionInputs:
 
 
 class AttentionBackend(ABC):
-    """Stateless paged attention for one model shape (head counts, head size)."""
+    """Stateless paged attention for one model shape (head counts, head size).
+
+    Backends that can run inside a CUDA graph set ``supports_cuda_graphs`` and implement the
+    capture/replay hooks: the graph runner captures a forward over the metadata of
+    :meth:`prepare_for_capture` (a padded shape), and before each replay
+    :meth:`prepare_for_replay` copies the step's layout into those same tensors.
+    """
 
     name: str = "abstract"
+    supports_cuda_graphs: bool = False
+    # Contexts from which a graph with split-KV (flash decoding) replays, for backends that
+    # split; never, for the others.
+    long_context: int = 1 << 62
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
         self.num_heads = num_heads
@@ -98,3 +108,20 @@ class AttentionBackend(ABC):
         ``q`` is ``[T, num_heads, head_dim]``, ``k`` and ``v`` ``[T, num_kv_heads, head_dim]``
         (views may be strided); returns ``[T, num_heads, head_dim]``.
         """
+
+    def prepare_for_capture(
+        self, inputs: AttentionInputs, device: torch.device, num_splits: int = 1
+    ) -> Any:
+        """Metadata for a graph of the padded layout ``inputs``, whose tensors the graph keeps
+        reading on every replay; ``num_splits`` is the split-KV count compiled into it."""
+        raise NotImplementedError(f"the {self.name} attention backend has no CUDA-graph support")
+
+    def prepare_for_replay(self, metadata: Any, inputs: AttentionInputs) -> None:
+        """Copy a step's layout (at most the captured batch, the same query length) into the
+        tensors of captured ``metadata``; the rows past the step's become inert padding."""
+        raise NotImplementedError(f"the {self.name} attention backend has no CUDA-graph support")
+
+    def graph_splits(self, inputs: AttentionInputs, longest: int, device: torch.device) -> int:
+        """The split-KV count a graph of the padded layout ``inputs`` should be captured with
+        for contexts up to ``longest`` positions (1: no split-KV graph)."""
+        return 1

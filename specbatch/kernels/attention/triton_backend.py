@@ -9,7 +9,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from specbatch.kernels.attention.base import AttentionBackend, AttentionInputs, LayerKVCache
+from specbatch.kernels.attention.base import (
+    PAD_SLOT,
+    AttentionBackend,
+    AttentionInputs,
+    LayerKVCache,
+)
 from specbatch.kernels.attention.triton_kernels import (
     paged_attention_kernel,
     reduce_splits_kernel,
@@ -110,6 +115,7 @@ class TritonAttentionBackend(AttentionBackend):
     """Paged FlashAttention-style attention; one kernel for prefill, decode and verify."""
 
     name = "triton"
+    supports_cuda_graphs = True
     decode_tiles = DECODE_TILES
     prefill_tiles = PREFILL_TILES
     force_splits: int | None = None  # tests pin the split-KV path
@@ -145,6 +151,35 @@ class TritonAttentionBackend(AttentionBackend):
             num_splits=self.splits(len(program_seq), int(inputs.seq_lens.max(initial=0)), device),
             tiles=tiles,
         )
+
+    def prepare_for_capture(
+        self, inputs: AttentionInputs, device: torch.device, num_splits: int = 1
+    ) -> TritonMetadata:
+        metadata = self.build_metadata(inputs, device)
+        metadata.num_splits = num_splits
+        return metadata
+
+    def prepare_for_replay(self, metadata: TritonMetadata, inputs: AttentionInputs) -> None:
+        real, q = len(inputs.query_lens), int(inputs.query_lens[0])
+        tokens = real * q
+        metadata.seq_lens[:real].copy_(torch.from_numpy(inputs.seq_lens.astype(np.int32)))
+        metadata.seq_lens[real:].fill_(q)
+        kv_lens = inputs.seq_lens if inputs.kv_lens is None else inputs.kv_lens
+        metadata.kv_lens[:real].copy_(torch.from_numpy(kv_lens.astype(np.int32)))
+        metadata.kv_lens[real:].fill_(q)
+        # Only the columns this step reads: the table's rest is never read for these lengths
+        # (and padding rows read their first block, zeroed).
+        width = inputs.block_tables.shape[1]
+        metadata.block_tables[:real, :width].copy_(
+            torch.from_numpy(inputs.block_tables.astype(np.int32))
+        )
+        metadata.block_tables[real:, :1].zero_()
+        metadata.slot_mapping[:tokens].copy_(torch.from_numpy(inputs.slot_mapping.astype(np.int64)))
+        metadata.slot_mapping[tokens:].fill_(PAD_SLOT)
+
+    def graph_splits(self, inputs: AttentionInputs, longest: int, device: torch.device) -> int:
+        programs = self.build_metadata(inputs, torch.device("cpu")).program_seq.shape[0]
+        return self.splits(programs, longest, device)
 
     def splits(self, programs: int, longest: int, device: torch.device) -> int:
         """Split-KV count for a step of ``programs`` query blocks whose longest sequence has

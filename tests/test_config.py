@@ -1,0 +1,86 @@
+"""EngineConfig and SpeculativeConfig refuse impossible settings at construction, naming them,
+and fill the per-method defaults of speculation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from specbatch.config import EngineConfig
+from specbatch.errors import ConfigError
+from specbatch.spec_decode.config import SpeculativeConfig
+
+INVALID: list[tuple[dict[str, Any], str]] = [
+    ({"block_size": 0}, "block_size must be a positive integer, got 0"),
+    ({"block_size": 2048}, "block_size must be at most 1024"),
+    ({"block_size": True}, "block_size must be a positive integer"),
+    ({"max_num_seqs": 0}, "max_num_seqs must be a positive integer"),
+    ({"max_num_batched_tokens": "2048"}, "max_num_batched_tokens must be a positive integer"),
+    ({"max_model_len": -1}, "max_model_len must be a positive integer"),
+    ({"num_kv_blocks": 0}, "num_kv_blocks must be a positive integer"),
+    ({"num_threads": 1.5}, "num_threads must be a positive integer"),
+    ({"kv_cache_memory_fraction": 0.0}, r"kv_cache_memory_fraction must be a number in \(0, 1\]"),
+    ({"kv_cache_memory_fraction": "all"}, "kv_cache_memory_fraction must be a number"),
+    ({"kv_cache_gib": 0}, "kv_cache_gib must be a positive number"),
+    ({"kv_cache_gib": float("inf")}, "kv_cache_gib must be a positive number"),
+    ({"device": "tpu"}, "device must be 'auto', 'cpu' or 'cuda"),
+    ({"device": 0}, "device must be 'auto', 'cpu' or 'cuda"),
+    ({"seed": "0"}, "seed must be an integer"),
+    ({"seed": False}, "seed must be an integer"),
+    ({"dtype": "int8"}, "dtype 'int8' is not supported"),
+    ({"dtype": 32}, "dtype must be a string"),
+    ({"attention_backend": "magic"}, "unknown attention backend 'magic'; available:"),
+    ({"enable_prefix_caching": "yes"}, "enable_prefix_caching must be true or false"),
+    ({"enforce_eager": 1}, "enforce_eager must be true or false"),
+    ({"model": 3}, "model must be a string"),
+    ({"speculative_config": "ngram"}, "speculative_config must be a dict"),
+    ({"speculative_config": {"num_speculative_tokens": 3}}, "needs a 'method'"),
+    ({"speculative_config": {"method": "medusa"}}, "method must be one of"),
+    ({"speculative_config": {"method": "ngram", "k": 3}}, "unknown speculative_config keys"),
+    (
+        {"speculative_config": {"method": "ngram", "num_speculative_tokens": 0}},
+        r"num_speculative_tokens must be an integer in \[1, 16\]",
+    ),
+    (
+        {"speculative_config": {"method": "ngram", "draft_confidence_threshold": 0.5}},
+        "draft_confidence_threshold is for methods",
+    ),
+    (
+        {"speculative_config": {"method": "draft_model", "draft_confidence_threshold": 1.0}},
+        r"draft_confidence_threshold must be a number in \[0, 1\)",
+    ),
+    (
+        {"speculative_config": {"method": "ngram", "prompt_lookup_min": 5}},
+        "1 <= prompt_lookup_min <= prompt_lookup_max",
+    ),
+    ({"speculative_config": {"method": "ngram", "model": "x"}}, "'model' is for methods"),
+]
+
+
+@pytest.mark.parametrize(("fields", "message"), INVALID)
+def test_impossible_settings_fail_at_construction(fields: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        EngineConfig(**fields)
+
+
+def test_paths_and_defaults() -> None:
+    config = EngineConfig(model=Path("/some/model.gguf"))  # type: ignore[arg-type]
+    assert config.model == "/some/model.gguf"
+    assert config.speculation is None
+    assert EngineConfig(dtype="bf16", attention_backend="torch").dtype == "bf16"
+
+
+@pytest.mark.parametrize(
+    ("method", "k", "threshold", "lookup_min"),
+    [("ngram", 4, 0.0, 1), ("draft_model", 4, 0.5, 1), ("hybrid", 4, 0.5, 2)],
+)
+def test_speculation_defaults_per_method(
+    method: str, k: int, threshold: float, lookup_min: int
+) -> None:
+    spec = EngineConfig(speculative_config={"method": method}).speculation
+    assert spec is not None
+    assert (spec.k, spec.confidence_threshold, spec.prompt_lookup_min) == (k, threshold, lookup_min)
+    explicit = SpeculativeConfig(method, num_speculative_tokens=2, draft_confidence_threshold=0.0)
+    assert (explicit.k, explicit.confidence_threshold) == (2, 0.0)
