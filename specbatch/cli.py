@@ -236,12 +236,40 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
         default=10.0,
         help="seconds in-flight requests get to finish on shutdown",
     )
+    p.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=16 << 20,
+        help="larger request bodies get HTTP 413 (default 16 MiB)",
+    )
+    p.add_argument(
+        "--open-metrics",
+        action="store_true",
+        help="serve /metrics without the API key (everything but /health needs it otherwise)",
+    )
+    p.add_argument(
+        "--allow-priority",
+        action="store_true",
+        help="let clients set a request's scheduling priority (refused otherwise)",
+    )
     p.add_argument("--log-level", default="info")
     _add_speculative_args(p, default="off")
     p.set_defaults(handler=_serve)
 
 
+SERVER_PACKAGES = ("fastapi", "uvicorn", "prometheus_client")
+
+
 def _serve(args: argparse.Namespace) -> int:
+    import importlib.util
+
+    from specbatch.errors import ConfigError
+
+    missing = [name for name in SERVER_PACKAGES if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ConfigError(
+            f"specbatch serve needs {', '.join(missing)}: pip install 'specbatch[server]'"
+        )
     from specbatch.server.serve import serve
 
     return serve(args, engine_config(args, max_num_seqs=args.max_num_seqs))

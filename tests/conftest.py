@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -48,3 +50,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _no_unexpected_engine_errors(
+    request: pytest.FixtureRequest, caplog: pytest.LogCaptureFixture
+) -> Iterator[None]:
+    """A failing step is logged and the engine goes on: outputs alone could hide it, so any
+    error the package logs fails the test, unless the test is marked ``engine_errors``."""
+    yield
+    if request.node.get_closest_marker("engine_errors") is not None:
+        return
+    errors = [
+        record
+        for record in caplog.get_records("call")
+        if record.name.startswith("specbatch") and record.levelno >= logging.ERROR
+    ]
+    assert not errors, f"specbatch logged errors: {[r.getMessage() for r in errors]}"

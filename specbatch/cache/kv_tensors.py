@@ -46,6 +46,7 @@ def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     anonymous map: unlike ``torch.zeros``, nothing is touched up front). The tensor keeps the
     map alive; it is unmapped when the tensor is freed."""
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    buffer = mmap.mmap(-1, max(nbytes, 1))
+    # private: counted as the process's own (anonymous) memory, never shared with a fork
+    buffer = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     flat = torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes)
     return flat.view(dtype).view(shape)

@@ -1,17 +1,24 @@
 """``AsyncEngine``: the engine behind asyncio, stepping in a worker thread.
 
-The event loop never runs model code: one worker thread owns the :class:`LLMEngine` and loops
-"apply queued commands (add, abort), step, hand outputs back". Outputs reach each request's
+The event loop never runs model code nor tokenizes: one worker thread owns the
+:class:`LLMEngine` and loops "apply queued commands (add, abort), step, hand outputs back", and
+prompts are tokenized in a thread pool before they are queued. Outputs reach each request's
 ``asyncio.Queue`` through ``call_soon_threadsafe``. A consumer that stops iterating (breaks out,
-is cancelled, its HTTP client disconnects) aborts its request, which frees its blocks. An
-exception in the step loop is delivered to every waiting request and the engine refuses new
-work (``EngineDeadError``) instead of hanging anyone.
+is cancelled, its HTTP client disconnects) aborts its request, which frees its blocks.
+
+Nothing one request does can stop the loop: bad input is refused when it is added
+(``InvalidRequestError``), and a step that raises fails only the requests in it (their streams
+raise :class:`RequestFailedError`) while the engine goes on. :meth:`AsyncEngine.drain` refuses
+new work, lets in-flight requests finish for a while, then ends the rest with
+:class:`EngineDrainingError`, so that a server shutting down answers every client.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
+import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -21,13 +28,23 @@ from typing import Any
 
 from specbatch.config import EngineConfig
 from specbatch.engine.llm_engine import LLMEngine
-from specbatch.errors import SpecbatchError
+from specbatch.errors import InvalidRequestError, SpecbatchError
 from specbatch.outputs import RequestOutput
 from specbatch.sampling_params import OutputKind, SamplingParams
 
+logger = logging.getLogger("specbatch")
+
 
 class EngineDeadError(SpecbatchError, RuntimeError):
-    """The step loop failed or the engine was stopped; no request can be served."""
+    """The engine's loop stopped (shut down, or a fatal error); no request can be served."""
+
+
+class EngineDrainingError(EngineDeadError):
+    """The engine is shutting down: it takes no new request, and ended this one."""
+
+
+class RequestFailedError(SpecbatchError, RuntimeError):
+    """A step this request was in raised; the engine logged why and serves the others."""
 
 
 @dataclass
@@ -43,6 +60,7 @@ class _Add:
 @dataclass
 class _Abort:
     request_id: str
+    error: BaseException | None = None  # delivered to the stream instead of a final output
 
 
 class _Stream:
@@ -53,7 +71,8 @@ class _Stream:
         self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
 
     def put(self, item: RequestOutput | BaseException) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        with contextlib.suppress(RuntimeError):  # the caller's loop closed: nobody listens
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
 
 class RequestStream:
@@ -79,6 +98,8 @@ class RequestStream:
         if item.finished:
             self.finished = True
             self.owner._forget_stream(self.request_id)
+            if item.error is not None:
+                raise RequestFailedError(item.error)
         return item
 
     def close(self) -> None:
@@ -107,8 +128,10 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._draining = False
         self._stopped = False
         self._ids = itertools.count()
+        self._adding = 0  # requests between add_request's start and the engine's answer
         self.on_finished: list[Callable[[RequestOutput], None]] = []
 
     @property
@@ -123,13 +146,19 @@ class AsyncEngine:
     def errored(self) -> bool:
         return self._error is not None
 
+    @property
+    def accepting(self) -> bool:
+        """Whether new requests are taken (not draining, stopped or dead)."""
+        return not (self._draining or self._stopped or self._error is not None)
+
     def num_in_flight(self) -> int:
         with self._lock:
             return len(self._streams)
 
     def num_waiting(self) -> int:
-        """Requests not yet running: queued commands plus the scheduler's waiting queue."""
-        return self.engine.stats.num_waiting + self._commands.qsize()
+        """Requests not yet running: those being added plus the scheduler's waiting queue."""
+        with self._lock:
+            return self.engine.stats.num_waiting + self._adding
 
     def start(self) -> None:
         if self._thread is None:
@@ -147,24 +176,45 @@ class AsyncEngine:
     ) -> RequestStream:
         """Queue a request and return its :class:`RequestStream` once the engine accepted it.
 
-        Bad input raises ``ValueError`` here. Iterate the stream, or ``close()`` it to abort.
+        Bad input raises ``InvalidRequestError`` (a ``ValueError``) here. Text prompts are
+        tokenized in a worker thread. Iterate the stream, or ``close()`` it to abort.
         """
         self._check_alive()
         self.start()
+        with self._lock:
+            self._adding += 1  # counted as waiting from now on (no await before this line)
+        try:
+            return await self._add(request_id, prompt, params, prompt_token_ids, priority)
+        finally:
+            with self._lock:
+                self._adding -= 1
+
+    async def _add(
+        self,
+        request_id: str | None,
+        prompt: str | Sequence[int] | None,
+        params: SamplingParams | None,
+        prompt_token_ids: Sequence[int] | None,
+        priority: int,
+    ) -> RequestStream:
         request_id = request_id or f"req-{next(self._ids)}"
         params = params or SamplingParams()
         if prompt is not None and not isinstance(prompt, str):
             prompt_token_ids, prompt = prompt, None
+        if prompt_token_ids is None and isinstance(prompt, str):
+            prompt_token_ids = await asyncio.to_thread(self.engine.intake.tokenize, prompt)
         stream = _Stream(asyncio.get_running_loop())
         with self._lock:
             if request_id in self._streams:
-                raise ValueError(f"request_id {request_id!r} is already in use")
+                raise InvalidRequestError(
+                    f"request_id {request_id!r} is already in use", "request_id"
+                )
             self._streams[request_id] = stream
         done: Future[None] = Future()
         ids = list(prompt_token_ids) if prompt_token_ids is not None else None
         self._send(_Add(request_id, prompt, ids, params, priority, done))
         try:
-            await asyncio.wrap_future(done)  # raises the engine's ValueError for bad input
+            await asyncio.wrap_future(done)  # raises the engine's error for bad input
         except BaseException:
             self._forget_stream(request_id)
             if not done.done() or done.exception() is None:
@@ -212,8 +262,10 @@ class AsyncEngine:
         """Stop a request; its stream ends with a final output whose finish reason is abort."""
         self._send(_Abort(request_id))
 
-    async def shutdown(self, timeout: float = 5.0) -> None:
-        """Let in-flight requests finish for up to ``timeout`` seconds, abort the rest, stop."""
+    async def drain(self, timeout: float) -> None:
+        """Take no new request; let in-flight ones finish for up to ``timeout`` seconds; end
+        the rest, whose streams raise :class:`EngineDrainingError`. Idempotent."""
+        self._draining = True
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         while self.num_in_flight() and loop.time() < deadline and not self.errored:
@@ -221,7 +273,11 @@ class AsyncEngine:
         with self._lock:
             pending = list(self._streams)
         for request_id in pending:
-            self._send(_Abort(request_id))
+            self._send(_Abort(request_id, EngineDrainingError("the server is shutting down")))
+
+    async def shutdown(self, timeout: float = 5.0) -> None:
+        """Drain for up to ``timeout`` seconds, then stop the worker thread."""
+        await self.drain(timeout)
         self._stopped = True
         self._commands.put(None)
         self._wake.set()
@@ -243,6 +299,8 @@ class AsyncEngine:
             raise EngineDeadError(f"the engine failed and serves no requests: {self._error!r}")
         if self._stopped:
             raise EngineDeadError("the engine is shut down")
+        if self._draining:
+            raise EngineDrainingError("the server is shutting down")
 
     def _loop(self) -> None:
         try:
@@ -250,16 +308,21 @@ class AsyncEngine:
                 if not self._apply_commands():
                     return
                 if self.engine.has_unfinished_requests():
-                    self._dispatch(self.engine.step())
+                    # A step that raises fails its own requests inside step(); what escapes
+                    # here is a bug of the loop itself, logged, and the loop goes on.
+                    try:
+                        self._dispatch(self.engine.step())
+                    except Exception:
+                        logger.exception("the engine loop failed to step; going on")
                 else:
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
-        except BaseException as exc:  # deliver to everyone, never hang a request
+        except BaseException as exc:  # interpreter shutdown: deliver, never hang a request
             self._error = exc
             with self._lock:
                 streams = list(self._streams.values())
             for stream in streams:
-                stream.put(EngineDeadError(f"the engine step failed: {exc!r}"))
+                stream.put(EngineDeadError(f"the engine stopped: {exc!r}"))
             self._fail_pending(exc)
 
     def _apply_commands(self) -> bool:
@@ -272,40 +335,46 @@ class AsyncEngine:
                 self._abort_everything()
                 return False
             if isinstance(command, _Abort):
-                self._abort(command.request_id)
-                continue
-            try:
-                self.engine.add_request(
-                    command.request_id,
-                    command.prompt,
-                    command.params,
-                    prompt_token_ids=command.prompt_token_ids,
-                    priority=command.priority,
-                )
-            except (ValueError, SpecbatchError) as exc:
-                with self._lock:
-                    self._streams.pop(command.request_id, None)
-                command.done.set_exception(exc)
+                self._abort(command.request_id, command.error)
             else:
-                command.done.set_result(None)
+                self._apply_add(command)
 
-    def _abort(self, request_id: str) -> None:
+    def _apply_add(self, command: _Add) -> None:
+        try:
+            self.engine.add_request(
+                command.request_id,
+                command.prompt,
+                command.params,
+                prompt_token_ids=command.prompt_token_ids,
+                priority=command.priority,
+            )
+        except Exception as exc:  # refused: the caller gets the reason, the loop goes on
+            if not isinstance(exc, ValueError):
+                logger.exception("adding request %s failed", command.request_id)
+            self._forget_stream(command.request_id)
+            command.done.set_exception(exc)
+        else:
+            command.done.set_result(None)
+
+    def _abort(self, request_id: str, error: BaseException | None = None) -> None:
         state = self.engine.requests.get(request_id)
         if state is None or not self.engine.abort(request_id):
             return
         output = state.output()
         with self._lock:
             stream = self._streams.get(request_id)
-        if stream is not None and output is not None:
-            output.finished = True
-            stream.put(output)
+        if stream is not None:
+            if error is not None:
+                stream.put(error)
+            elif output is not None:
+                output.finished = True
+                stream.put(output)
         if output is not None:
-            for callback in self.on_finished:
-                callback(output)
+            self._notify_finished(output)
 
     def _abort_everything(self) -> None:
         for request_id in list(self.engine.requests):
-            self._abort(request_id)
+            self._abort(request_id, EngineDeadError("the engine is shut down"))
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:
@@ -314,8 +383,14 @@ class AsyncEngine:
             if stream is not None:
                 stream.put(output)
             if output.finished:
-                for callback in self.on_finished:
-                    callback(output)
+                self._notify_finished(output)
+
+    def _notify_finished(self, output: RequestOutput) -> None:
+        for callback in self.on_finished:
+            try:
+                callback(output)
+            except Exception:
+                logger.exception("a finished-request callback failed")
 
     def _fail_pending(self, exc: BaseException) -> None:
         while True:

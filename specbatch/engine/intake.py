@@ -37,17 +37,22 @@ class RequestIntake:
         if not isinstance(text, str):
             raise InvalidRequestError(f"{param} must be a string", param)
         check_text(text, param)
-        if len(text) > _NORMALISATION_SLACK * self.max_model_len:
-            # No token covers more than max_token_chars characters, so this many characters
-            # cannot fit however they are tokenized.
-            limit = _NORMALISATION_SLACK * self.tokenizer.max_token_chars * self.max_model_len
-            if len(text) > limit:
-                raise InvalidRequestError(
-                    f"{param} has {len(text)} characters, more than the context of "
-                    f"{self.max_model_len} tokens can hold",
-                    param,
-                )
+        self.check_length(len(text), param)
         return self.tokenizer.encode(text)
+
+    def check_length(self, num_chars: int, param: str = "prompt") -> None:
+        """Refuse text of ``num_chars`` characters that cannot fit the context however it is
+        tokenized (no token covers more than ``max_token_chars`` characters), before any
+        tokenizer or template spends time on it."""
+        if num_chars <= _NORMALISATION_SLACK * self.max_model_len:
+            return  # cheap: no need to know the longest token
+        limit = _NORMALISATION_SLACK * self.tokenizer.max_token_chars * self.max_model_len
+        if num_chars > limit:
+            raise InvalidRequestError(
+                f"{param} has {num_chars} characters, more than the context of "
+                f"{self.max_model_len} tokens can hold",
+                param,
+            )
 
     def prompt(
         self,

@@ -17,7 +17,6 @@ from specbatch.engine.kv_sizing import (
     release_freed_memory,
 )
 from specbatch.models import load_model, resolve_model_path
-from specbatch.models.default_model import is_default_model_name
 from specbatch.models.llama import LlamaForCausalLM
 from specbatch.spec_decode.factory import load_draft_model
 from specbatch.tokenizer import Tokenizer, load_tokenizer
@@ -63,7 +62,6 @@ def load_models(config: EngineConfig) -> Models:
             tokenizer,
             dtype,
             device,
-            target_is_default=is_default_model_name(config.model),
             attention_backend=config.attention_backend,
         )
         if draft is not None and config.cpu_weight_packing:

@@ -1,22 +1,34 @@
-"""The OpenAI-compatible HTTP API over an :class:`AsyncEngine` (FastAPI)."""
+"""The OpenAI-compatible HTTP API over an :class:`AsyncEngine` (FastAPI).
+
+Every client mistake is a 4xx with an OpenAI error object naming the field; only a fault of the
+server itself (a failing step, a broken chat template) is a 5xx, and it ends only the requests it
+touched. Prompts are rendered and tokenized off the event loop, so one huge body does not stall
+the others.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from specbatch.engine.async_engine import AsyncEngine, EngineDeadError, RequestStream
+from specbatch.engine.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    RequestFailedError,
+    RequestStream,
+)
+from specbatch.errors import ChatTemplateError, InvalidRequestError
 from specbatch.outputs import RequestOutput
 from specbatch.sampling_params import SamplingParams
-from specbatch.server.errors import APIError, install_handlers, param_of
+from specbatch.server.errors import APIError, error_body, install_handlers
 from specbatch.server.formatting import (
     chat_chunk,
     chat_response,
@@ -25,23 +37,36 @@ from specbatch.server.formatting import (
     sse,
     usage,
 )
+from specbatch.server.guard import OPEN_PATHS, RequestGuard
 from specbatch.server.metrics import ServerMetrics
 from specbatch.server.protocol import ChatCompletionRequest, CompletionRequest
+
+MAX_PRIORITY = 2**31  # |priority| bound where clients may set it
 
 
 @dataclass(frozen=True)
 class ServerSettings:
-    """How the server behaves (see ``specbatch serve --help``)."""
+    """How the server behaves (see ``specbatch serve --help``).
+
+    ``max_queued``: waiting requests beyond which new ones get 429 (and the most sequences,
+    prompts times ``n``, one request may ask for: more gets 400). ``max_body_bytes``: larger
+    bodies get 413. ``open_metrics``: ``/metrics`` answers without the API key (it is protected,
+    like everything but ``/health``, when a key is set). ``allow_priority``: clients may set a
+    request's scheduling ``priority`` (otherwise only 0 is accepted).
+    """
 
     served_model_name: str
     api_key: str | None = None
     max_queued: int = 256
     shutdown_timeout: float = 10.0
     disconnect_poll_s: float = 0.25
+    max_body_bytes: int = 16 << 20
+    open_metrics: bool = False
+    allow_priority: bool = False
 
 
-def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
-    """The FastAPI application serving ``engine``."""
+def build_app(engine: AsyncEngine, settings: ServerSettings) -> RequestGuard:
+    """The ASGI application serving ``engine``: FastAPI behind the key and body-size guard."""
     metrics = ServerMetrics(engine, settings.served_model_name)
 
     @asynccontextmanager
@@ -54,29 +79,19 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     install_handlers(app)
     app.state.engine, app.state.metrics, app.state.settings = engine, metrics, settings
 
-    async def check_api_key(request: Request) -> None:
-        if settings.api_key is None:
-            return
-        header = request.headers.get("authorization", "")
-        if header != f"Bearer {settings.api_key}":
-            metrics.rejected.labels(settings.served_model_name, "401").inc()
-            raise APIError(
-                401,
-                "missing or incorrect API key (send 'Authorization: Bearer KEY')",
-                code="invalid_api_key",
-            )
-
     @app.get("/health")
     async def health() -> Response:
         if engine.errored:
             return JSONResponse({"status": "error"}, status_code=503)
+        if not engine.accepting:
+            return JSONResponse({"status": "draining"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.get("/v1/models", dependencies=[Depends(check_api_key)])
+    @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         return {
             "object": "list",
@@ -90,18 +105,21 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
             ],
         }
 
-    @app.post("/v1/completions", dependencies=[Depends(check_api_key)])
+    @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        _check_model(body.model, settings)
+        _check_common(body, settings)
         if body.suffix is not None:
             raise APIError(400, "suffix is not supported", "suffix")
         if body.echo:
             raise APIError(400, "echo is not supported", "echo")
         if body.best_of not in (None, body.n):
             raise APIError(400, "best_of must equal n (or be omitted)", "best_of")
-        params = _params(lambda: body.sampling_params(body.max_tokens, body.logprobs, 16))
-        prompts = body.prompts()
-        streams = await _add_all(engine, settings, metrics, "cmpl", prompts, params, body.priority)
+        with _request_errors({}):
+            prompts = body.prompts()
+            params = body.sampling_params(body.max_tokens, body.logprobs, 16)
+        streams = await _add_all(
+            engine, settings, metrics, "cmpl", prompts, params, body.priority, {}
+        )
         created, name = int(time.time()), settings.served_model_name
         rid = streams[0].request_id.rsplit("-", 1)[0]
         if body.stream:
@@ -132,27 +150,32 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
             )
         )
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(check_api_key)])
+    @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
-        _check_model(body.model, settings)
+        _check_common(body, settings)
         tokenizer = engine.tokenizer
-        try:
-            text = tokenizer.apply_chat_template(
-                body.conversation(),
-                add_generation_prompt=body.add_generation_prompt,
-                **(body.chat_template_kwargs or {}),
-            )
-        except ValueError as exc:
-            raise APIError(400, str(exc), "messages") from None
-        ids = tokenizer.encode(text, add_special_tokens=False)
+        # Field names as the client spelled them: the prompt is its messages.
+        renames = {"prompt": "messages"}
+        if body.max_completion_tokens is not None:
+            renames["max_tokens"] = "max_completion_tokens"
         top = body.top_logprobs if body.logprobs else None
         if body.logprobs and top is None:
             top = 0
-        params = _params(
-            lambda: body.sampling_params(body.max_completion_tokens or body.max_tokens, top, None)
-        )
+        with _request_errors(renames):
+            add_generation_prompt, options = body.template_options()
+            conversation = body.conversation()
+            engine.engine.intake.check_length(
+                sum(len(m["content"]) for m in conversation), "messages"
+            )
+            max_tokens = body.max_completion_tokens
+            if max_tokens is None:
+                max_tokens = body.max_tokens
+            params = body.sampling_params(max_tokens, top, None)
+            _, ids = await asyncio.to_thread(
+                tokenizer.encode_chat, conversation, add_generation_prompt, **options
+            )
         streams = await _add_all(
-            engine, settings, metrics, "chatcmpl", [ids], params, body.priority
+            engine, settings, metrics, "chatcmpl", [ids], params, body.priority, renames
         )
         created, name = int(time.time()), settings.served_model_name
         rid = streams[0].request_id.rsplit("-", 1)[0]
@@ -172,25 +195,53 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
         finals = await _finals(streams, request, settings)
         return JSONResponse(chat_response(rid, created, name, finals[0], top, tokenizer))
 
-    return app
+    open_paths = OPEN_PATHS | ({"/metrics"} if settings.open_metrics else set())
+    return RequestGuard(
+        app,
+        settings.api_key,
+        settings.max_body_bytes,
+        open_paths,
+        on_reject=lambda status: metrics.rejected.labels(
+            settings.served_model_name, str(status)
+        ).inc(),
+    )
 
 
-def _check_model(model: str | None, settings: ServerSettings) -> None:
-    if model is not None and model != settings.served_model_name:
+def _check_common(
+    body: CompletionRequest | ChatCompletionRequest, settings: ServerSettings
+) -> None:
+    if body.model is not None and body.model != settings.served_model_name:
         raise APIError(
             404,
-            f"The model `{model}` does not exist; this server serves "
+            f"The model `{body.model}` does not exist; this server serves "
             f"`{settings.served_model_name}`",
             "model",
             "model_not_found",
         )
+    if body.priority and not settings.allow_priority:
+        raise APIError(
+            400, "priority is not enabled on this server (serve --allow-priority)", "priority"
+        )
+    if abs(body.priority) >= MAX_PRIORITY:
+        raise APIError(400, f"priority must be in ({-MAX_PRIORITY}, {MAX_PRIORITY})", "priority")
 
 
-def _params(build: Callable[[], SamplingParams]) -> SamplingParams:
+@contextmanager
+def _request_errors(renames: dict[str, str]) -> Iterator[None]:
+    """Turn the request's own faults into 400s naming the field (``renames``: the engine's name
+    of a field -> the name the client used), and a broken chat template into a 500."""
     try:
-        return build()
-    except ValueError as exc:
-        raise APIError(400, str(exc), param_of(str(exc))) from None
+        yield
+    except InvalidRequestError as exc:
+        param = renames.get(exc.param or "", exc.param)
+        message = str(exc)
+        if exc.param and param and param != exc.param and message.startswith(exc.param):
+            message = param + message[len(exc.param) :]
+        raise APIError(400, message, param) from None
+    except ChatTemplateError as exc:
+        raise APIError(500, str(exc), code="chat_template_error") from None
+    except ValueError as exc:  # a library check without a field
+        raise APIError(400, str(exc)) from None
 
 
 async def _add_all(
@@ -201,7 +252,16 @@ async def _add_all(
     prompts: list[Any],
     params: SamplingParams,
     priority: int,
+    renames: dict[str, str],
 ) -> list[RequestStream]:
+    sequences = len(prompts) * params.n
+    if sequences > settings.max_queued:
+        raise APIError(
+            400,
+            f"the request asks for {sequences} sequences (prompts x n); this server takes at "
+            f"most {settings.max_queued} per request",
+            "prompt" if len(prompts) > 1 else "n",
+        )
     if engine.num_waiting() + len(prompts) > settings.max_queued:
         metrics.rejected.labels(settings.served_model_name, "429").inc()
         raise APIError(
@@ -212,21 +272,24 @@ async def _add_all(
     base = f"{prefix}-{uuid.uuid4().hex}"
     streams: list[RequestStream] = []
     try:
-        for i, prompt in enumerate(prompts):
-            streams.append(
-                await engine.add_request(prompt, params, f"{base}-{i}", priority=priority)
-            )
-    except ValueError as exc:
+        with _request_errors(renames):
+            for i, prompt in enumerate(prompts):
+                streams.append(
+                    await engine.add_request(prompt, params, f"{base}-{i}", priority=priority)
+                )
+    except APIError as exc:
         for stream in streams:
             stream.close()
-        metrics.rejected.labels(settings.served_model_name, "400").inc()
-        raise APIError(
-            400, str(exc), "prompt" if "prompt" in str(exc) else param_of(str(exc))
-        ) from None
+        metrics.rejected.labels(settings.served_model_name, str(exc.status)).inc()
+        raise
     except EngineDeadError as exc:
         for stream in streams:
             stream.close()
-        raise APIError(503, str(exc)) from None
+        raise APIError(503, str(exc), code="unavailable") from None
+    except BaseException:
+        for stream in streams:
+            stream.close()
+        raise
     return streams
 
 
@@ -251,7 +314,9 @@ async def _finals(
             if await request.is_disconnected():
                 raise APIError(499, "client disconnected")
     except EngineDeadError as exc:
-        raise APIError(503, str(exc)) from None
+        raise APIError(503, str(exc), code="unavailable") from None
+    except RequestFailedError as exc:
+        raise APIError(500, str(exc), code="engine_step_failed") from None
     finally:
         task.cancel()
         for stream in streams:
@@ -288,7 +353,9 @@ def _sse_response(
                     }
                 )
         except EngineDeadError as exc:
-            yield sse({"error": {"message": str(exc), "type": "server_error"}})
+            yield sse(error_body(503, str(exc), None, "unavailable"))
+        except RequestFailedError as exc:
+            yield sse(error_body(500, str(exc), None, "engine_step_failed"))
         finally:
             for stream in streams:
                 stream.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -9,11 +10,15 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+logger = logging.getLogger("specbatch")
+
 _TYPES = {
     400: "invalid_request_error",
     401: "invalid_request_error",
     404: "invalid_request_error",
+    413: "invalid_request_error",
     429: "rate_limit_error",
+    500: "server_error",
     503: "service_unavailable",
 }
 
@@ -50,12 +55,6 @@ def error_response(
     return JSONResponse(error_body(status, message, param, code), status_code=status)
 
 
-def param_of(message: str) -> str | None:
-    """The field a SamplingParams/engine ValueError names (its first word), if any."""
-    first = message.split(" ", 1)[0].split("[", 1)[0]
-    return first if first.isidentifier() else None
-
-
 def install_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError) -> JSONResponse:
@@ -88,3 +87,9 @@ def install_handlers(app: FastAPI) -> None:
         if exc.status_code == 400 and "parsing the body" in detail:
             detail = "the request body is not valid JSON (or not UTF-8)"
         return error_response(exc.status_code, detail)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
+        # A bug, never the client's input: logged with its traceback, answered in JSON.
+        logger.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+        return error_response(500, f"internal server error ({type(exc).__name__})")

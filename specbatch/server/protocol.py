@@ -9,13 +9,28 @@ accepted.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+)
 
+from specbatch.errors import InvalidRequestError
 from specbatch.sampling_params import OutputKind, SamplingParams
 
 MAX_N = 16  # choices per request over HTTP (SamplingParams allows more for library use)
+MAX_STOP = 64  # stop strings per request, each at most MAX_STOP_CHARS characters
+MAX_STOP_CHARS = 1024
+
+# A JSON number: no numeric strings, no booleans (SamplingParams checks range and finiteness).
+Number = StrictInt | StrictFloat
+StopString = Annotated[StrictStr, Field(max_length=MAX_STOP_CHARS)]
 
 
 class _Request(BaseModel):
@@ -23,21 +38,21 @@ class _Request(BaseModel):
 
     model: StrictStr | None = None
     max_tokens: StrictInt | None = None
-    temperature: float | None = None
-    top_p: float | None = None
+    temperature: Number | None = None
+    top_p: Number | None = None
     n: StrictInt = Field(1, ge=1, le=MAX_N)
     stream: StrictBool = False
     stream_options: dict[str, Any] | None = None
-    stop: StrictStr | list[StrictStr] | None = None
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP)] | None = None
     seed: StrictInt | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: Number | None = None
+    frequency_penalty: Number | None = None
+    logit_bias: dict[str, Number] | None = None
     user: StrictStr | None = None
     # vLLM extensions
     top_k: StrictInt | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
+    min_p: Number | None = None
+    repetition_penalty: Number | None = None
     min_tokens: StrictInt = 0
     ignore_eos: StrictBool = False
     stop_token_ids: list[StrictInt] | None = None
@@ -51,22 +66,28 @@ class _Request(BaseModel):
     def sampling_params(
         self, max_tokens: int | None, logprobs: int | None, default_max_tokens: int | None
     ) -> SamplingParams:
-        """Raises ``ValueError`` naming the field for out-of-range values."""
+        """Raises ``InvalidRequestError`` naming the field for out-of-range values."""
         bias = None
         if self.logit_bias is not None:
-            try:
-                bias = {int(token): value for token, value in self.logit_bias.items()}
-            except ValueError:
-                raise ValueError("logit_bias keys must be token ids") from None
+            bias = {}
+            for token, value in self.logit_bias.items():
+                if not (token.isascii() and token.isdigit()) or len(token) > 20:
+                    raise InvalidRequestError(
+                        f"logit_bias keys must be token ids (decimal integers), got {token[:40]!r}",
+                        "logit_bias",
+                    )
+                bias[int(token)] = value
         return SamplingParams(
             n=self.n,
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=self.top_k or 0,
-            min_p=self.min_p or 0.0,
-            presence_penalty=self.presence_penalty or 0.0,
-            frequency_penalty=self.frequency_penalty or 0.0,
-            repetition_penalty=self.repetition_penalty or 1.0,
+            top_k=0 if self.top_k is None or self.top_k == -1 else self.top_k,
+            min_p=0.0 if self.min_p is None else self.min_p,
+            presence_penalty=0.0 if self.presence_penalty is None else self.presence_penalty,
+            frequency_penalty=0.0 if self.frequency_penalty is None else self.frequency_penalty,
+            repetition_penalty=(
+                1.0 if self.repetition_penalty is None else self.repetition_penalty
+            ),
             seed=self.seed,
             max_tokens=default_max_tokens if max_tokens is None else max_tokens,
             min_tokens=self.min_tokens,
@@ -89,10 +110,14 @@ class CompletionRequest(_Request):
     best_of: StrictInt | None = None
 
     def prompts(self) -> list[str | list[int]]:
+        """The prompts of the request (one string or token-id list each); raises
+        ``InvalidRequestError`` for an empty list."""
         prompt = self.prompt
         if isinstance(prompt, str):
             return [prompt]
-        if prompt and all(isinstance(t, int) for t in prompt):
+        if not prompt:
+            raise InvalidRequestError("prompt must not be an empty list", "prompt")
+        if all(isinstance(t, int) for t in prompt):
             return [list(prompt)]  # type: ignore[arg-type]
         return list(prompt)  # type: ignore[arg-type]
 
@@ -130,3 +155,19 @@ class ChatCompletionRequest(_Request):
             {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
             for m in self.messages
         ]
+
+    def template_options(self) -> tuple[bool, dict[str, Any]]:
+        """``(add_generation_prompt, other template variables)``: ``chat_template_kwargs`` may
+        set the flag (vLLM's spelling) but not the messages."""
+        options = dict(self.chat_template_kwargs or {})
+        if "messages" in options:
+            raise InvalidRequestError(
+                "chat_template_kwargs cannot set messages", "chat_template_kwargs"
+            )
+        add_generation_prompt = options.pop("add_generation_prompt", self.add_generation_prompt)
+        if not isinstance(add_generation_prompt, bool):
+            raise InvalidRequestError(
+                "chat_template_kwargs.add_generation_prompt must be true or false",
+                "chat_template_kwargs",
+            )
+        return add_generation_prompt, options

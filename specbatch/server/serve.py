@@ -3,40 +3,88 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import importlib.util
+import logging
+import socket
+from typing import Any
+
+import uvicorn
 
 from specbatch.config import EngineConfig
 from specbatch.engine.async_engine import AsyncEngine
 from specbatch.engine.llm_engine import LLMEngine
+from specbatch.errors import ChatTemplateError
 from specbatch.models.default_model import DEFAULT_MODEL
+from specbatch.server.app import ServerSettings, build_app
+
+logger = logging.getLogger("specbatch")
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn that drains the engine as soon as it starts shutting down (SIGTERM, SIGINT).
+
+    uvicorn stops accepting connections, then waits for running handlers. Meanwhile the engine
+    lets in-flight requests finish for ``drain_seconds`` and ends the rest, so every handler
+    answers (a finished response, a 503 error object, or an error event and ``[DONE]`` on a
+    stream) before uvicorn's own grace period (``drain_seconds`` + 5 s) would cancel it.
+    """
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, drain_seconds: float) -> None:
+        super().__init__(config)
+        self.engine = engine
+        self.drain_seconds = drain_seconds
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        drain = asyncio.ensure_future(self.engine.drain(self.drain_seconds))
+        try:
+            await super().shutdown(sockets)
+        finally:
+            await drain
+
+
+def server_for(
+    engine: AsyncEngine, settings: ServerSettings, **uvicorn_options: Any
+) -> DrainingServer:
+    """A ready-to-run server for ``engine`` (``uvicorn_options``: host, port, log level...)."""
+    loop = "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"
+    config = uvicorn.Config(
+        build_app(engine, settings),
+        loop=loop,
+        timeout_graceful_shutdown=int(settings.shutdown_timeout) + 5,
+        **uvicorn_options,
+    )
+    return DrainingServer(config, engine, settings.shutdown_timeout)
 
 
 def serve(args: argparse.Namespace, config: EngineConfig) -> int:
     """Start the engine of ``config`` and serve it until interrupted."""
-    import uvicorn
-
-    from specbatch.server.app import ServerSettings, build_app
-
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     engine = LLMEngine(config)
+    try:
+        engine.tokenizer.compiled_chat_template()
+    except ChatTemplateError as exc:
+        logger.warning("%s: chat requests will get HTTP 500 (completions work)", exc)
     name = args.served_model_name or (
         DEFAULT_MODEL if args.model is None else engine.model_path.name
     )
-    app = build_app(
-        AsyncEngine(engine=engine),
-        ServerSettings(
-            served_model_name=name,
-            api_key=args.api_key,
-            max_queued=args.max_queued,
-            shutdown_timeout=args.shutdown_timeout,
-        ),
+    settings = ServerSettings(
+        served_model_name=name,
+        api_key=args.api_key,
+        max_queued=args.max_queued,
+        shutdown_timeout=args.shutdown_timeout,
+        max_body_bytes=args.max_body_bytes,
+        open_metrics=args.open_metrics,
+        allow_priority=args.allow_priority,
     )
-    loop = "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"
-    uvicorn.run(
-        app,
+    server = server_for(
+        AsyncEngine(engine=engine),
+        settings,
         host=args.host,
         port=args.port,
-        loop=loop,
         log_level=args.log_level,
-        timeout_graceful_shutdown=int(args.shutdown_timeout) + 5,
     )
+    server.run()
     return 0

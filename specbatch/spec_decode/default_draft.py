@@ -11,6 +11,8 @@ import hashlib
 from pathlib import Path
 
 from specbatch.errors import ConfigError, ModelLoadError
+from specbatch.models.config import ModelConfig
+from specbatch.tokenizer import Tokenizer
 
 DRAFT_DIR = Path(__file__).resolve().parent.parent / "assets" / "smollm2-135m-draft"
 # Whether `specbatch generate` drafts with it by default (inside the hybrid proposer: prompt
@@ -18,6 +20,36 @@ DRAFT_DIR = Path(__file__).resolve().parent.parent / "assets" / "smollm2-135m-dr
 # hybrid beats n-gram alone at batch 1 on the CPU; the draft alone is slower on some categories.
 PREFERRED_BY_DEFAULT = True
 DRAFT_SHA256 = "a76042d7f311b87bcd6f0060d624f235183848e7317708e6e24265f4e1632f10"
+# What the draft was distilled for: SmolLM2-135M-Instruct's shape, and the sha256 of its
+# vocabulary (every token's text, in id order; see vocabulary_digest). A target is recognised by
+# these, whatever its file is called or holds it (the GGUF, a dequantised HF directory).
+TARGET_SHAPE = {
+    "architecture": "LlamaForCausalLM",
+    "vocab_size": 49152,
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "head_dim": 64,
+}
+TARGET_VOCABULARY_SHA256 = "3466f905d023e99999d2405642d4e1c28ef8c0de1f949700722331d4e9765fb4"
+
+
+def vocabulary_digest(tokenizer: Tokenizer) -> str:
+    """sha256 of every token's text in id order (about 50 ms for 49k tokens)."""
+    digest = hashlib.sha256()
+    for token_id in range(tokenizer.vocab_size):
+        digest.update(tokenizer.decode([token_id]).encode("utf-8", "surrogatepass") + b"\0")
+    return digest.hexdigest()
+
+
+def drafts_for(config: ModelConfig, tokenizer: Tokenizer) -> bool:
+    """Whether the shipped draft was made for this target, recognised by content: its shape
+    and its vocabulary (lossless either way; this says whether the draft is any good)."""
+    if any(getattr(config, field) != value for field, value in TARGET_SHAPE.items()):
+        return False
+    return vocabulary_digest(tokenizer) == TARGET_VOCABULARY_SHA256
 
 
 def shipped_draft_available() -> bool:

@@ -14,7 +14,7 @@ from specbatch.models import load_model, resolve_model_path
 from specbatch.models.llama import LlamaForCausalLM
 from specbatch.spec_decode.budget import SpeculationBudget
 from specbatch.spec_decode.config import DRAFT_METHODS, SpeculativeConfig
-from specbatch.spec_decode.default_draft import default_draft_path
+from specbatch.spec_decode.default_draft import default_draft_path, drafts_for
 from specbatch.spec_decode.draft_model import DraftModelProposer
 from specbatch.spec_decode.hybrid import HybridProposer
 from specbatch.spec_decode.ngram import NgramProposer
@@ -34,19 +34,19 @@ def load_draft_model(
     target_tokenizer: Tokenizer,
     dtype: torch.dtype,
     device: torch.device,
-    target_is_default: bool = False,
     attention_backend: str | None = None,
 ) -> LlamaForCausalLM | None:
     """The draft model of a ``draft_model`` or ``hybrid`` config (None for other methods);
-    without a ``model`` the shipped draft, which exists for the default target only. It uses
-    the target's attention backend."""
+    without a ``model`` the shipped draft, which exists for the default target only (recognised
+    by its shape and vocabulary, not its path). It uses the target's attention backend."""
     if spec.method not in DRAFT_METHODS:
         return None
     if spec.model is None:
-        if not target_is_default:
+        if not drafts_for(target.config, target_tokenizer):
             raise ConfigError(
-                f"speculative_config method {spec.method!r} needs 'model' (a draft path); a "
-                "draft ships only for the default model SmolLM2-135M-Instruct"
+                f"speculative_config method {spec.method!r} needs 'model' (a draft path): a "
+                "draft ships only for SmolLM2-135M-Instruct, and this target's shape or "
+                "vocabulary differs from it"
             )
         path = default_draft_path()
     else:

@@ -10,12 +10,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import uvicorn
 
 from specbatch.config import EngineConfig
 from specbatch.engine.async_engine import AsyncEngine
 from specbatch.engine.llm_engine import LLMEngine
-from specbatch.server.app import ServerSettings, build_app
+from specbatch.server.app import ServerSettings
+from specbatch.server.serve import server_for
 
 
 def free_port() -> int:
@@ -32,17 +32,9 @@ class RunningServer:
         self.async_engine = AsyncEngine(engine=engine)
         settings.setdefault("served_model_name", "tiny")
         self.settings = ServerSettings(**settings)
-        self.app = build_app(self.async_engine, self.settings)
         self.port = free_port()
-        self.server = uvicorn.Server(
-            uvicorn.Config(
-                self.app,
-                host="127.0.0.1",
-                port=self.port,
-                loop="uvloop",
-                log_level="warning",
-                timeout_graceful_shutdown=30,
-            )
+        self.server = server_for(
+            self.async_engine, self.settings, host="127.0.0.1", port=self.port, log_level="warning"
         )
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()

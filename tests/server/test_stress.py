@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import time
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from specbatch import SamplingParams
 from tests.server.conftest import RunningServer, tiny_engine
 
 
@@ -24,37 +26,51 @@ def wait_until(condition: Any, timeout: float = 20.0) -> bool:
     return condition()
 
 
-def test_many_streams_with_early_disconnects(server: RunningServer) -> None:
+def test_200_streams_with_random_disconnects_equal_solo_runs(
+    server: RunningServer, tiny_model_dir: Path
+) -> None:
+    """200 concurrent streams, a third of them dropped at random points: every completed one
+    equals the same request run alone, and nothing is left running or holding blocks."""
     url = f"{server.url}/v1/completions"
-    prompts = [f"prompt number {i} says" for i in range(51)]
+    rng = random.Random(7)
+    prompts = [f"prompt number {i} says {'x' * rng.randrange(12)}" for i in range(200)]
+    drop_after = {i: rng.randrange(1, 12) for i in range(200) if rng.random() < 0.33}
+    solo = tiny_engine(tiny_model_dir, max_num_seqs=1)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     expected = {}
-    with httpx.Client(timeout=120) as client:
-        for i in range(0, 51, 3):
-            body = {"prompt": prompts[i + 1], "max_tokens": 24, "temperature": 0}
-            expected[i + 1] = client.post(url, json=body).json()["choices"][0]["text"]
+    for i, prompt in enumerate(prompts):
+        if i not in drop_after:
+            solo.add_request(str(i), prompt, params)
+            while solo.has_unfinished_requests():
+                for out in solo.step():
+                    expected[i] = out.outputs[0].text
 
     async def one(client: httpx.AsyncClient, i: int) -> tuple[int, str | None]:
         body = {"prompt": prompts[i], "max_tokens": 24, "temperature": 0, "stream": True}
+        body["ignore_eos"] = True
         async with client.stream("POST", url, json=body) as response:
-            if response.status_code >= 500:
+            if response.status_code != 200:
                 return response.status_code, None
-            text = ""
+            text, chunks = "", 0
             async for line in response.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 text += json.loads(line[6:])["choices"][0]["text"]
-                if i % 3 == 0 and text:
-                    return response.status_code, None  # disconnect early
+                chunks += 1
+                if chunks == drop_after.get(i):
+                    return response.status_code, None  # disconnect mid-stream
             return response.status_code, text
 
     async def run_all() -> list[tuple[int, str | None]]:
-        async with httpx.AsyncClient(timeout=120) as client:
-            return await asyncio.gather(*(one(client, i) for i in range(51)))
+        limits = httpx.Limits(max_connections=200)
+        async with httpx.AsyncClient(timeout=300, limits=limits) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(200)))
 
     results = asyncio.run(run_all())
     assert all(status == 200 for status, _ in results)
-    for i in range(1, 51, 3):
-        assert results[i][1] == expected[i]
+    for i, (_, text) in enumerate(results):
+        if i not in drop_after:
+            assert text == expected[i], i
     engine = server.engine
     assert wait_until(lambda: engine.cache.num_free_blocks == engine.num_kv_blocks)
     assert not engine.has_unfinished_requests()

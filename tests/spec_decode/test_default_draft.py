@@ -47,16 +47,29 @@ def test_damaged_or_missing_draft_is_refused(monkeypatch: pytest.MonkeyPatch) ->
 
 
 def test_draft_for_another_target_is_a_clear_error(tiny_model_dir: Path) -> None:
-    with pytest.raises(ConfigError, match="ships only for the default model"):
+    with pytest.raises(ConfigError, match="ships only for SmolLM2-135M-Instruct"):
         LLM(
             model=str(tiny_model_dir),
             speculative_config={"method": "draft_model", "num_speculative_tokens": 3},
         )
 
 
-def test_shipped_draft_is_lossless_and_keeps_its_acceptance() -> None:
-    spec = {"method": "draft_model", "num_speculative_tokens": 4}
-    llm = LLM(speculative_config=spec, **ENGINE)
+def test_the_target_is_recognised_by_content(tiny_model_dir: Path, default_gguf: Path) -> None:
+    from specbatch.models import load_config
+    from specbatch.tokenizer import load_tokenizer
+
+    config, tokenizer = load_config(default_gguf), load_tokenizer(default_gguf)
+    assert default_draft.drafts_for(config, tokenizer)
+    assert not default_draft.drafts_for(config.replace(num_hidden_layers=29), tokenizer)
+    tiny = load_tokenizer(tiny_model_dir)
+    assert not default_draft.drafts_for(config, tiny)
+
+
+def test_shipped_draft_is_lossless_and_keeps_its_acceptance(default_gguf: Path) -> None:
+    # always k drafts: the acceptance guard measures the draft, not the confidence stop
+    spec = {"method": "draft_model", "num_speculative_tokens": 4, "draft_confidence_threshold": 0}
+    # the default model given by its path (not its name) gets the shipped draft too
+    llm = LLM(str(default_gguf), speculative_config=spec, **ENGINE)
     tokenizer = llm.get_tokenizer()
     prompts = PLAIN[:8] + [
         tokenizer.apply_chat_template([{"role": "user", "content": c}]) for c in CHAT[:8]

