@@ -3,12 +3,46 @@
 from __future__ import annotations
 
 import dataclasses
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 from specbatch.errors import ModelLoadError
 
 _ROPE_TYPES = ("default", "linear", "llama3")
+
+# Upper bounds on the sizes a config may declare. They exist only to turn a corrupt or hostile
+# header into an error before its numbers size an allocation (or a loop building layers), so they
+# sit far above every real Llama/Qwen/Mistral model: Llama-3.1-405B has hidden 16384 (bound: 8x),
+# intermediate 53248 (2.5x), 126 layers and 128 heads (8x); head_dim is 64-256 in practice (4x);
+# the largest vocabularies are ~152k (Qwen2) and 256k (Gemma) (16x); the longest contexts reach
+# 10M positions (Llama 4 Scout) (1.7x).
+SIZE_LIMITS: Mapping[str, int] = MappingProxyType(
+    {
+        "vocab_size": 2**22,
+        "hidden_size": 2**17,
+        "intermediate_size": 2**17,
+        "num_hidden_layers": 1024,
+        "num_attention_heads": 1024,
+        "num_key_value_heads": 1024,
+        "head_dim": 1024,
+        "max_position_embeddings": 2**24,
+    }
+)
+
+
+def check_size(label: str, value: object, limit: int) -> int:
+    """``value`` if it is an int in ``[1, limit]``; otherwise a :class:`ModelLoadError` naming
+    ``label`` (the field or metadata key, with its file where the caller knows it)."""
+    # bool is an int subclass; a true/false where a size belongs is a corrupt file, not 1 or 0.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ModelLoadError(f"{label} must be an integer, got {value!r}")
+    if not 1 <= value <= limit:
+        hint = " (larger than any real model: corrupt file?)" if value > limit else ""
+        raise ModelLoadError(f"{label} must be in [1, {limit}], got {value}{hint}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -61,41 +95,51 @@ class ModelConfig:
     target_vocab_size: int | None = None
 
     def __post_init__(self) -> None:
-        for name in (
-            "vocab_size",
-            "hidden_size",
-            "intermediate_size",
-            "num_hidden_layers",
-            "num_attention_heads",
-            "num_key_value_heads",
-            "head_dim",
-            "max_position_embeddings",
-        ):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ModelLoadError(
-                    f"model config field {name} must be a positive int, got {value!r}"
-                )
+        for name, limit in SIZE_LIMITS.items():
+            check_size(f"model config field {name}", getattr(self, name), limit)
         if self.num_attention_heads % self.num_key_value_heads:
             raise ModelLoadError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})"
             )
-        if self.token_map is not None:
-            target = self.target_vocab_size
-            if target is None or len(self.token_map) != self.vocab_size - 1:
-                raise ModelLoadError(
-                    "a token map needs target_vocab_size and vocab_size - 1 entries "
-                    f"(got {len(self.token_map)} entries for vocab_size {self.vocab_size})"
-                )
-            if len(set(self.token_map)) != len(self.token_map) or not all(
-                0 <= t < target for t in self.token_map
-            ):
-                raise ModelLoadError(f"token map entries must be distinct ids in [0, {target})")
         if self.head_dim % 2:
             raise ModelLoadError(
                 f"head_dim must be even for rotary embeddings, got {self.head_dim}"
             )
+        self._check_floats()
+        self._check_rope_freq_factors()
+        self._check_token_map()
+
+    def _check_floats(self) -> None:
+        if not math.isfinite(self.rope_theta) or self.rope_theta <= 0:
+            raise ModelLoadError(f"rope_theta must be a positive number, got {self.rope_theta}")
+        if not math.isfinite(self.rms_norm_eps) or self.rms_norm_eps < 0:
+            raise ModelLoadError(
+                f"rms_norm_eps must be a non-negative number, got {self.rms_norm_eps}"
+            )
+
+    def _check_rope_freq_factors(self) -> None:
+        factors = self.rope_freq_factors
+        if factors is not None and len(factors) != self.head_dim // 2:
+            raise ModelLoadError(
+                f"rope_freq_factors has {len(factors)} entries, expected head_dim / 2 = "
+                f"{self.head_dim // 2}"
+            )
+
+    def _check_token_map(self) -> None:
+        if self.token_map is None:
+            return
+        target = self.target_vocab_size
+        if target is None or len(self.token_map) != self.vocab_size - 1:
+            raise ModelLoadError(
+                "a token map needs target_vocab_size and vocab_size - 1 entries "
+                f"(got {len(self.token_map)} entries for vocab_size {self.vocab_size})"
+            )
+        check_size("model config field target_vocab_size", target, SIZE_LIMITS["vocab_size"])
+        if len(set(self.token_map)) != len(self.token_map) or not all(
+            isinstance(t, int) and 0 <= t < target for t in self.token_map
+        ):
+            raise ModelLoadError(f"token map entries must be distinct ids in [0, {target})")
 
     @property
     def output_vocab_size(self) -> int:
@@ -118,12 +162,12 @@ class ModelConfig:
         try:
             architectures = raw.get("architectures") or []
             architecture = architectures[0] if architectures else _guess_architecture(raw)
-            heads = int(raw["num_attention_heads"])
-            hidden = int(raw["hidden_size"])
+            heads = _size_field(raw, "num_attention_heads")
+            hidden = _size_field(raw, "hidden_size")
             rope_params = dict(raw.get("rope_parameters") or {})
             rope_scaling_raw = raw.get("rope_scaling") or rope_params
             rope_theta = float(raw.get("rope_theta") or rope_params.get("rope_theta") or 10000.0)
-            max_pos = int(raw.get("max_position_embeddings", 2048))
+            max_pos = _size_field(raw, "max_position_embeddings", 2048)
             sliding = raw.get("sliding_window") if raw.get("use_sliding_window", True) else None
             if sliding is not None and 0 < int(sliding) < max_pos:
                 # Full attention equals sliding-window attention only up to the window length.
@@ -132,13 +176,13 @@ class ModelConfig:
             eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
             return cls(
                 architecture=architecture,
-                vocab_size=int(raw["vocab_size"]),
+                vocab_size=_size_field(raw, "vocab_size"),
                 hidden_size=hidden,
-                intermediate_size=int(raw["intermediate_size"]),
-                num_hidden_layers=int(raw["num_hidden_layers"]),
+                intermediate_size=_size_field(raw, "intermediate_size"),
+                num_hidden_layers=_size_field(raw, "num_hidden_layers"),
                 num_attention_heads=heads,
-                num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
-                head_dim=int(raw.get("head_dim") or hidden // heads),
+                num_key_value_heads=_size_field(raw, "num_key_value_heads", heads),
+                head_dim=_size_field(raw, "head_dim", hidden // heads),
                 max_position_embeddings=max_pos,
                 rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
                 rope_theta=rope_theta,
@@ -152,8 +196,21 @@ class ModelConfig:
                 else None,
                 target_vocab_size=raw.get("specbatch_target_vocab_size"),
             )
+        except ModelLoadError:
+            raise  # already names the field (it is a ValueError too, so keep it off the next line)
         except (KeyError, TypeError, ValueError) as exc:
             raise ModelLoadError(f"invalid model config: {type(exc).__name__}: {exc}") from None
+
+
+def _size_field(raw: dict[str, Any], key: str, default: int | None = None) -> int:
+    """A size from ``config.json``, exactly as written: no float or string is coerced, since a
+    value of the wrong type there means a damaged or hand-edited file."""
+    value = raw.get(key)
+    if value is None:  # transformers writes null for "derive it", as for an absent key
+        value = default
+    if value is None:
+        raise ModelLoadError(f"model config field {key} is missing")
+    return check_size(f"model config field {key}", value, SIZE_LIMITS[key])
 
 
 def _guess_architecture(raw: dict[str, Any]) -> str:

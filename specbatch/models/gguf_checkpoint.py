@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterator
-from typing import Any
 
 import numpy as np
 import torch
 
 from specbatch.errors import ModelLoadError
-from specbatch.models.config import ModelConfig, RopeScaling
+from specbatch.models.config import SIZE_LIMITS, ModelConfig, RopeScaling, check_size
 from specbatch.models.gguf_file import GGUFFile
+from specbatch.models.inventory import DeclaredTensor, check_inventory
 from specbatch.models.registry import GGUF_ARCHITECTURES
 
 _LAYER_NAMES = {
@@ -34,67 +35,111 @@ _GLOBAL_NAMES = {
     "output.weight": "lm_head.weight",
 }
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(.+)")
+_HF_LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
+_GGUF_LAYER_NAMES = {hf: gguf for gguf, hf in _LAYER_NAMES.items()}
+_GGUF_GLOBAL_NAMES = {hf: gguf for gguf, hf in _GLOBAL_NAMES.items()}
 ROPE_FREQS = "rope_freqs.weight"
 
 
 def read_gguf_config(gguf_file: GGUFFile) -> ModelConfig:
-    """The model config held in a GGUF file's metadata."""
-    path = gguf_file.path
+    """The model config held in a GGUF file's metadata; a missing, mistyped or out-of-range
+    value is a :class:`ModelLoadError` naming the file and the key."""
     arch = gguf_file.get("general.architecture")
-    if arch not in GGUF_ARCHITECTURES:
+    if not isinstance(arch, str) or arch not in GGUF_ARCHITECTURES:
         raise ModelLoadError(
-            f"{path}: unsupported GGUF architecture {arch!r}; supported: "
+            f"{gguf_file.path}: unsupported GGUF architecture {arch!r}; supported: "
             f"{', '.join(sorted(GGUF_ARCHITECTURES))}"
         )
-
-    def meta(key: str, default: Any = None) -> Any:
-        value = gguf_file.get(f"{arch}.{key}", default)
-        if value is None:
-            raise ModelLoadError(f"{path}: GGUF metadata lacks {arch}.{key}")
-        return value
-
-    heads = int(meta("attention.head_count"))
-    hidden = int(meta("embedding_length"))
-    tensor_names = {t.name for t in gguf_file.tensors}
-    vocab = gguf_file.get(f"{arch}.vocab_size")
-    if vocab is None:
-        tokens = gguf_file.get("tokenizer.ggml.tokens")
-        vocab = len(tokens) if tokens is not None else None
-    if vocab is None:
-        raise ModelLoadError(f"{path}: GGUF metadata gives no vocabulary size")
-    scaling_type = gguf_file.get(f"{arch}.rope.scaling.type", "none")
-    rope_scaling = RopeScaling()
-    if scaling_type == "linear":
-        rope_scaling = RopeScaling("linear", float(meta("rope.scaling.factor")))
-    eos = gguf_file.get("tokenizer.ggml.eos_token_id")
     try:
-        return ModelConfig(
-            architecture=GGUF_ARCHITECTURES[arch],
-            vocab_size=int(vocab),
-            hidden_size=hidden,
-            intermediate_size=int(meta("feed_forward_length")),
-            num_hidden_layers=int(meta("block_count")),
-            num_attention_heads=heads,
-            num_key_value_heads=int(gguf_file.get(f"{arch}.attention.head_count_kv", heads)),
-            head_dim=int(gguf_file.get(f"{arch}.attention.key_length", hidden // heads)),
-            max_position_embeddings=int(meta("context_length", 2048)),
-            rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon", 1e-6)),
-            rope_theta=float(gguf_file.get(f"{arch}.rope.freq_base", 10000.0)),
-            rope_scaling=rope_scaling,
-            rope_freq_factors=_rope_freq_factors(gguf_file),
-            tie_word_embeddings="output.weight" not in tensor_names,
-            attention_bias="blk.0.attn_q.bias" in tensor_names,
-            bos_token_id=gguf_file.get("tokenizer.ggml.bos_token_id"),
-            eos_token_ids=() if eos is None else (int(eos),),
-        )
+        return _config_from_metadata(gguf_file, arch)
     except ModelLoadError as exc:
-        raise ModelLoadError(f"{path}: {exc}") from None
+        raise ModelLoadError(f"{gguf_file.path}: {exc}") from None
 
 
-def _rope_freq_factors(gguf_file: GGUFFile) -> tuple[float, ...] | None:
+def _config_from_metadata(gguf_file: GGUFFile, arch: str) -> ModelConfig:
+    # Every size is validated before it is used: head_count divides embedding_length below.
+    heads = _size(gguf_file, f"{arch}.attention.head_count", "num_attention_heads")
+    hidden = _size(gguf_file, f"{arch}.embedding_length", "hidden_size")
+    head_dim = _size(gguf_file, f"{arch}.attention.key_length", "head_dim", hidden // heads)
+    tensor_names = {t.name for t in gguf_file.tensors}
+    eos = _token_id(gguf_file, "tokenizer.ggml.eos_token_id")
+    return ModelConfig(
+        architecture=GGUF_ARCHITECTURES[arch],
+        vocab_size=_vocab_size(gguf_file, arch),
+        hidden_size=hidden,
+        intermediate_size=_size(gguf_file, f"{arch}.feed_forward_length", "intermediate_size"),
+        num_hidden_layers=_size(gguf_file, f"{arch}.block_count", "num_hidden_layers"),
+        num_attention_heads=heads,
+        num_key_value_heads=_size(
+            gguf_file, f"{arch}.attention.head_count_kv", "num_key_value_heads", heads
+        ),
+        head_dim=head_dim,
+        max_position_embeddings=_size(
+            gguf_file, f"{arch}.context_length", "max_position_embeddings", 2048
+        ),
+        rms_norm_eps=_real(gguf_file, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6),
+        rope_theta=_real(gguf_file, f"{arch}.rope.freq_base", 10000.0),
+        rope_scaling=_rope_scaling(gguf_file, arch),
+        rope_freq_factors=_rope_freq_factors(gguf_file, head_dim),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        attention_bias="blk.0.attn_q.bias" in tensor_names,
+        bos_token_id=_token_id(gguf_file, "tokenizer.ggml.bos_token_id"),
+        eos_token_ids=() if eos is None else (eos,),
+    )
+
+
+def _size(gguf_file: GGUFFile, key: str, field: str, default: int | None = None) -> int:
+    """An integer metadata value within the bound ``SIZE_LIMITS[field]`` sets for it."""
+    value = gguf_file.get(key, default)
+    if value is None:
+        raise ModelLoadError(f"GGUF metadata lacks {key}")
+    return check_size(f"GGUF metadata {key}", value, SIZE_LIMITS[field])
+
+
+def _vocab_size(gguf_file: GGUFFile, arch: str) -> int:
+    if gguf_file.get(f"{arch}.vocab_size") is not None:
+        return _size(gguf_file, f"{arch}.vocab_size", "vocab_size")
+    tokens = gguf_file.get("tokenizer.ggml.tokens")
+    if not isinstance(tokens, list):
+        raise ModelLoadError(
+            f"GGUF metadata gives no vocabulary size ({arch}.vocab_size or tokenizer.ggml.tokens)"
+        )
+    label = "GGUF metadata tokenizer.ggml.tokens (its length)"
+    return check_size(label, len(tokens), SIZE_LIMITS["vocab_size"])
+
+
+def _real(gguf_file: GGUFFile, key: str, default: float | None = None) -> float:
+    value = gguf_file.get(key, default)
+    if value is None:
+        raise ModelLoadError(f"GGUF metadata lacks {key}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ModelLoadError(f"GGUF metadata {key} must be a finite number, got {value!r}")
+    return float(value)
+
+
+def _token_id(gguf_file: GGUFFile, key: str) -> int | None:
+    value = gguf_file.get(key)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+        raise ModelLoadError(f"GGUF metadata {key} must be a token id (an int >= 0), got {value!r}")
+    return value
+
+
+def _rope_scaling(gguf_file: GGUFFile, arch: str) -> RopeScaling:
+    if gguf_file.get(f"{arch}.rope.scaling.type", "none") == "linear":
+        return RopeScaling("linear", _real(gguf_file, f"{arch}.rope.scaling.factor"))
+    return RopeScaling()
+
+
+def _rope_freq_factors(gguf_file: GGUFFile, head_dim: int) -> tuple[float, ...] | None:
     for tensor in gguf_file.tensors:
         if tensor.name == ROPE_FREQS:
-            return tuple(float(x) for x in gguf_file.dequantize(tensor).reshape(-1))
+            # Checked before it is read: it becomes a Python tuple, one object per entry.
+            if tensor.shape != (head_dim // 2,):
+                raise ModelLoadError(
+                    f"tensor {ROPE_FREQS!r} has shape {tensor.shape}, expected "
+                    f"{(head_dim // 2,)} (head_dim / 2)"
+                )
+            return tuple(float(x) for x in gguf_file.dequantize(tensor))
     return None
 
 
@@ -106,6 +151,32 @@ def hf_name(gguf_name: str) -> str | None:
     if match and match.group(2) in _LAYER_NAMES:
         return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}"
     return None
+
+
+def gguf_tensor_name(hf: str) -> str:
+    """The GGUF spelling of a HF parameter name (the inverse of :func:`hf_name`)."""
+    if hf in _GGUF_GLOBAL_NAMES:
+        return _GGUF_GLOBAL_NAMES[hf]
+    match = _HF_LAYER_RE.fullmatch(hf)
+    if match and match.group(2) in _GGUF_LAYER_NAMES:
+        return f"blk.{match.group(1)}.{_GGUF_LAYER_NAMES[match.group(2)]}"
+    return hf
+
+
+def check_gguf_tensors(gguf_file: GGUFFile, config: ModelConfig) -> None:
+    """Check the tensor infos against ``config`` (see :mod:`specbatch.models.inventory`)."""
+    path = str(gguf_file.path)
+    declared: dict[str, DeclaredTensor] = {}
+    for info in gguf_file.tensors:
+        if info.name == ROPE_FREQS:  # not a parameter; its length is checked by ModelConfig
+            continue
+        name = hf_name(info.name)
+        if name is None:
+            raise ModelLoadError(f"{path}: unexpected GGUF tensor {info.name!r}")
+        declared[name] = DeclaredTensor(info.name, info.shape, path)
+    layers_key = f"{gguf_file.get('general.architecture')}.block_count"
+    check_inventory(config, declared, path, layers_key, gguf_tensor_name)
+    gguf_file.check_disjoint()
 
 
 def unpermute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:

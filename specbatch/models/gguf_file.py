@@ -9,6 +9,8 @@ then the tensor data.
 
 from __future__ import annotations
 
+import itertools
+import math
 import mmap
 import struct
 from dataclasses import dataclass
@@ -35,6 +37,18 @@ _SCALARS = {
 }
 _STRING, _ARRAY = 8, 9
 _NUMPY_OF = {code: np.dtype(fmt) for code, fmt in _SCALARS.items()}
+# The fewest bytes one value of each kind takes: a count that could not fit in the bytes left is
+# refused before a loop tries to read that many (a string is a u64 length, an array a u32 kind
+# and a u64 count).
+_MIN_SIZE = {
+    **{code: struct.calcsize(fmt) for code, fmt in _SCALARS.items()},
+    _STRING: 8,
+    _ARRAY: 12,
+}
+_MIN_KV_SIZE = 8 + 4 + 1  # key length, value kind, one byte of value
+_MIN_TENSOR_INFO_SIZE = 8 + 4 + 4 + 8  # name length, dimension count, type, offset
+_MAX_DIMS = 4  # GGML_MAX_DIMS
+_INT64_LIMIT = 2**63  # ggml holds dimensions and element counts in int64
 
 
 @dataclass(frozen=True)
@@ -73,6 +87,11 @@ class _Cursor:
         self.pos += length
         return bytes(raw).decode("utf-8", errors="replace")
 
+    def expect(self, count: int, item_size: int, what: str) -> None:
+        """Refuse ``count`` items of at least ``item_size`` bytes that cannot fit in the file."""
+        if count * item_size > len(self.data) - self.pos:
+            raise ValueError(f"{count} {what} run past the end of the file")
+
     def value(self, kind: int) -> Any:
         if kind in _SCALARS:
             return self.scalar(_SCALARS[kind])
@@ -80,16 +99,42 @@ class _Cursor:
             return self.string()
         if kind == _ARRAY:
             item_kind, count = self.scalar("<I"), self.scalar("<Q")
+            if item_kind not in _MIN_SIZE:
+                raise ValueError(f"unknown metadata array item type {item_kind}")
+            self.expect(count, _MIN_SIZE[item_kind], "array items")
             if item_kind in _NUMPY_OF:  # numeric arrays in one read
                 dtype = _NUMPY_OF[item_kind]
-                end = self.pos + count * dtype.itemsize
-                if end > len(self.data):
-                    raise ValueError("array runs past the end of the file")
                 array = np.frombuffer(self.data, dtype=dtype, count=count, offset=self.pos)
-                self.pos = end
+                self.pos += count * dtype.itemsize
                 return array.tolist()
             return [self.value(item_kind) for _ in range(count)]
         raise ValueError(f"unknown metadata value type {kind}")
+
+
+def _read_tensor_info(cursor: _Cursor) -> tuple[str, list[int], int, int]:
+    name = cursor.string()
+    num_dims = cursor.scalar("<I")
+    if num_dims > _MAX_DIMS:
+        raise ValueError(f"tensor {name!r} has {num_dims} dimensions (at most {_MAX_DIMS})")
+    dims = [cursor.scalar("<Q") for _ in range(num_dims)]
+    return name, dims, cursor.scalar("<I"), cursor.scalar("<Q")
+
+
+def _alignment(metadata: dict[str, Any]) -> int:
+    alignment = metadata.get("general.alignment", 32)
+    if isinstance(alignment, bool) or not isinstance(alignment, int) or alignment < 1:
+        raise ValueError(f"general.alignment must be a positive integer, got {alignment!r}")
+    if alignment & (alignment - 1):
+        raise ValueError(f"general.alignment must be a power of two, got {alignment}")
+    return alignment
+
+
+def _check_unique_names(tensors: list[GGUFTensorInfo]) -> None:
+    seen: set[str] = set()
+    for tensor in tensors:
+        if tensor.name in seen:
+            raise ValueError(f"tensor {tensor.name!r} is declared twice")
+        seen.add(tensor.name)
 
 
 class GGUFFile:
@@ -106,7 +151,8 @@ class GGUFFile:
             raise ModelLoadError(f"{path}: cannot read file: {exc}") from None
         try:
             self.metadata, self.tensors = self._parse()
-        except (ValueError, struct.error, UnicodeDecodeError) as exc:
+        # RecursionError: arrays nested thousands deep (legal in the format, never in a model).
+        except (ValueError, struct.error, UnicodeDecodeError, RecursionError) as exc:
             raise ModelLoadError(
                 f"{path}: not a valid GGUF file (truncated or corrupt?): {exc}"
             ) from None
@@ -120,18 +166,17 @@ class GGUFFile:
         if version not in (2, 3):
             raise ValueError(f"unsupported GGUF version {version}")
         tensor_count, kv_count = cursor.scalar("<Q"), cursor.scalar("<Q")
+        cursor.expect(kv_count, _MIN_KV_SIZE, "metadata entries")
         metadata: dict[str, Any] = {}
         for _ in range(kv_count):
             key = cursor.string()
             metadata[key] = cursor.value(cursor.scalar("<I"))
-        raw_infos = []
-        for _ in range(tensor_count):
-            name = cursor.string()
-            dims = [cursor.scalar("<Q") for _ in range(cursor.scalar("<I"))]
-            raw_infos.append((name, dims, cursor.scalar("<I"), cursor.scalar("<Q")))
-        alignment = int(metadata.get("general.alignment", 32))
+        cursor.expect(tensor_count, _MIN_TENSOR_INFO_SIZE, "tensor infos")
+        raw_infos = [_read_tensor_info(cursor) for _ in range(tensor_count)]
+        alignment = _alignment(metadata)
         data_start = ceil_div(cursor.pos, alignment) * alignment
         tensors = [self._tensor_info(data_start, *raw) for raw in raw_infos]
+        _check_unique_names(tensors)
         return metadata, tensors
 
     def _tensor_info(
@@ -143,12 +188,21 @@ class GGUFFile:
             block, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(kind)]
         except (ValueError, KeyError):
             raise ValueError(f"tensor {name!r} has unknown type {kind}") from None
-        count = int(np.prod(dims)) if dims else 1
-        if count % block:
-            raise ValueError(f"tensor {name!r}: {count} elements is not a whole number of blocks")
-        info = GGUFTensorInfo(
-            name, tuple(reversed(dims)), kind, data_start + offset, count // block * type_size
-        )
+        shape = tuple(reversed(dims))  # numpy order, as the error messages show it
+        if not all(1 <= d < _INT64_LIMIT for d in dims):
+            raise ValueError(
+                f"tensor {name!r} has shape {shape}: every dimension must be in [1, 2**63)"
+            )
+        count = math.prod(dims)  # exact: numpy's int64 product would wrap around silently
+        if count >= _INT64_LIMIT:
+            raise ValueError(f"tensor {name!r} has shape {shape}: its element count overflows")
+        row = dims[0] if dims else 1
+        if row % block:  # ggml quantises each row on its own
+            raise ValueError(
+                f"tensor {name!r} has shape {shape}: rows of {row} elements are not a whole "
+                f"number of {block}-element blocks"
+            )
+        info = GGUFTensorInfo(name, shape, kind, data_start + offset, count // block * type_size)
         if info.offset + info.nbytes > len(self._map):
             raise ValueError(f"tensor {name!r} runs past the end of the file")
         return info
@@ -162,6 +216,19 @@ class GGUFFile:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def check_disjoint(self) -> None:
+        """Refuse tensors that share bytes. Each tensor already fits in the file; disjoint, they
+        also fit all together, which bounds the memory a model built from them can take however
+        large the shapes the header claims. (The loader calls this after the shapes are checked
+        against the config, so that a changed dimension is reported as such.)"""
+        ordered = sorted(self.tensors, key=lambda t: t.offset)
+        for before, after in itertools.pairwise(ordered):
+            if before.offset + before.nbytes > after.offset:
+                raise ModelLoadError(
+                    f"{self.path}: tensors {before.name!r} and {after.name!r} overlap in the file "
+                    f"(the header's offsets or shapes are corrupt)"
+                )
 
     def get(self, key: str, default: Any = None) -> Any:
         return self.metadata.get(key, default)

@@ -102,7 +102,13 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # Given its weight, the embedding skips its random init: on the meta device that init
+        # would import torch._dynamo (and with it Triton, where installed) for nothing.
+        self.embed_tokens = nn.Embedding(
+            config.vocab_size,
+            config.hidden_size,
+            _weight=torch.empty(config.vocab_size, config.hidden_size),
+        )
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, backend) for _ in range(config.num_hidden_layers)
         )
@@ -117,7 +123,7 @@ _FUSED_SHARDS = {
     "mlp.gate_proj": ("mlp.gate_up_proj", 0),
     "mlp.up_proj": ("mlp.gate_up_proj", 1),
 }
-_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -227,7 +233,7 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters())
         loaded: dict[str, set[int]] = {}
         for name, tensor, origin in weights:
-            if name.endswith(_IGNORED_SUFFIXES):
+            if name.endswith(IGNORED_SUFFIXES):
                 continue
             if name == "lm_head.weight" and self.lm_head is None:
                 continue  # tied checkpoints sometimes store the copy anyway

@@ -12,9 +12,18 @@ from specbatch.errors import ConfigError, ModelLoadError
 from specbatch.kernels.attention import attention_backend_class
 from specbatch.models.config import ModelConfig
 from specbatch.models.default_model import default_model_path, is_default_model_name
-from specbatch.models.gguf_checkpoint import iter_gguf_tensors, read_gguf_config
+from specbatch.models.gguf_checkpoint import (
+    check_gguf_tensors,
+    iter_gguf_tensors,
+    read_gguf_config,
+)
 from specbatch.models.gguf_file import GGUFFile
-from specbatch.models.hf_checkpoint import iter_safetensors, read_hf_config, safetensors_files
+from specbatch.models.hf_checkpoint import (
+    check_safetensors_tensors,
+    iter_safetensors,
+    read_hf_config,
+    safetensors_files,
+)
 from specbatch.models.llama import LlamaForCausalLM
 from specbatch.models.registry import model_class
 
@@ -75,7 +84,8 @@ def load_model(
     """Load a model from a HF directory (safetensors) or a GGUF file, dequantised to ``dtype``.
 
     ``model`` is a directory, a ``.gguf`` path, or ``None`` for the default model. Errors name the
-    file and tensor at fault (:class:`~specbatch.errors.ModelLoadError`).
+    file and tensor at fault (:class:`~specbatch.errors.ModelLoadError`); the header and the
+    tensor directory are checked against each other before any weight memory is allocated.
     """
     path = resolve_model_path(model)
     torch_dtype = parse_dtype(dtype)
@@ -83,6 +93,7 @@ def load_model(
     if path.suffix == ".gguf":
         with GGUFFile(path) as gguf_file:
             config = read_gguf_config(gguf_file)
+            check_gguf_tensors(gguf_file, config)
             return _build(
                 config,
                 iter_gguf_tensors(gguf_file, config),
@@ -92,9 +103,11 @@ def load_model(
                 attention_backend,
             )
     config = read_hf_config(path)
+    files = safetensors_files(path)
+    check_safetensors_tensors(files, config, path)
     return _build(
         config,
-        iter_safetensors(safetensors_files(path)),
+        iter_safetensors(files),
         path,
         torch_dtype,
         torch_device,

@@ -27,7 +27,9 @@ def rotary_inv_freq(config: ModelConfig) -> torch.Tensor:
         )
     if config.rope_freq_factors is not None:
         # GGUF files of Llama-3.x carry the scaling as precomputed per-frequency divisors.
-        inv_freq = inv_freq / torch.tensor(config.rope_freq_factors, dtype=torch.float32)
+        # On the CPU like inv_freq: the loader builds the model under a meta-device context.
+        factors = torch.tensor(config.rope_freq_factors, dtype=torch.float32, device="cpu")
+        inv_freq = inv_freq / factors
     return inv_freq
 
 
