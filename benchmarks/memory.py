@@ -17,9 +17,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import load_specbench, print_conditions, write_json  # noqa: E402
-from specbatch import LLMEngine, SamplingParams  # noqa: E402
-from specbatch.config import EngineConfig  # noqa: E402
+from benchmarks.common import load_specbench, print_conditions, write_json
+from specbatch import LLMEngine, SamplingParams
+from specbatch.config import EngineConfig
 
 MIB = 1 << 20
 
@@ -71,9 +71,7 @@ def main() -> None:
     before_load = status_kib("VmRSS") * 1024
     speculative = None if args.speculative == "off" else {"method": args.speculative}
     engine = LLMEngine(
-        EngineConfig(
-            model=args.model, max_num_seqs=args.num_seqs, speculative_config=speculative
-        )
+        EngineConfig(model=args.model, max_num_seqs=args.num_seqs, speculative_config=speculative)
     )
     tokenizer = engine.tokenizer
     if args.dataset:
