@@ -41,9 +41,12 @@ def resident_bytes(ranges: list[tuple[int, int]]) -> int:
             if "-" in head and all(c in "0123456789abcdef-" for c in head):
                 start, end = (int(x, 16) for x in head.split("-"))
                 current = (start, end)
-            elif head == "Rss:" and current is not None:
-                if any(s < current[1] and current[0] < e for s, e in ranges):
-                    total += int(line.split()[1]) * 1024
+            elif (
+                head == "Rss:"
+                and current is not None
+                and any(s < current[1] and current[0] < e for s, e in ranges)
+            ):
+                total += int(line.split()[1]) * 1024
     return total
 
 
