@@ -16,10 +16,6 @@ if TYPE_CHECKING:
     from specbatch.config import EngineConfig
 
 
-# 1-token lookups in free text are mostly wrong; there the draft model does better.
-HYBRID_LOOKUP_MIN = 2
-
-
 def _add_speculative_args(parser: argparse.ArgumentParser, default: str = "auto") -> None:
     parser.add_argument(
         "--speculative",
@@ -27,8 +23,9 @@ def _add_speculative_args(parser: argparse.ArgumentParser, default: str = "auto"
         default=default,
         help=f"speculative decoding proposer (default: {default}; 'hybrid' is n-gram prompt "
         "lookup where the text repeats and the draft model elsewhere; 'auto' is hybrid with "
-        "--draft-model or with the shipped draft of the default model, else n-gram; 'draft' and "
-        "'hybrid' without --draft-model use the shipped draft of the default model)",
+        "--draft-model or for a model the shipped draft fits (SmolLM2-135M-Instruct, by path "
+        "or name), else n-gram; 'draft' and 'hybrid' without --draft-model use the shipped "
+        "draft)",
     )
     parser.add_argument(
         "--draft-model", default=None, help="draft model path for --speculative draft/hybrid"
@@ -52,14 +49,14 @@ def _add_speculative_args(parser: argparse.ArgumentParser, default: str = "auto"
         type=int,
         default=None,
         help="shortest repeated suffix that prompt lookup uses (default: 1 for ngram, "
-        f"{HYBRID_LOOKUP_MIN} for hybrid)",
+        "2 for hybrid)",
     )
     parser.add_argument(
         "-k",
         "--num-speculative-tokens",
         type=int,
         default=None,
-        help="draft tokens verified per step at most (default: the method's, 4)",
+        help="draft tokens verified per step at most (default 4)",
     )
 
 
@@ -88,11 +85,8 @@ def speculative_config(args: argparse.Namespace) -> dict[str, object] | None:
         config["num_speculative_tokens"] = args.num_speculative_tokens
     if args.adaptive_k:
         config["adaptive_k"] = True
-    if method in ("ngram", "hybrid"):
-        low = args.ngram_min
-        if low is None:
-            low = 1 if method == "ngram" else HYBRID_LOOKUP_MIN
-        config.update(prompt_lookup_min=low, prompt_lookup_max=max(4, low))
+    if args.ngram_min is not None:  # else the method's default (1-4 for ngram, 2-4 for hybrid)
+        config.update(prompt_lookup_min=args.ngram_min, prompt_lookup_max=max(4, args.ngram_min))
     if method in ("draft", "hybrid"):
         config["model"] = args.draft_model
         if args.draft_confidence is not None:
@@ -105,11 +99,13 @@ def resolved_method(args: argparse.Namespace) -> str:
     """``--speculative`` with 'auto' resolved: hybrid (prompt lookup, else the draft model)
     when a draft model is given, or when the shipped draft for the default target is good
     enough to be preferred; n-gram otherwise."""
-    from specbatch.spec_decode.default_draft import shipped_draft_preferred
+    from specbatch.spec_decode.default_draft import fits_shipped_draft, shipped_draft_preferred
 
     if args.speculative != "auto":
         return str(args.speculative)
-    if args.draft_model is not None or (args.model is None and shipped_draft_preferred()):
+    if args.draft_model is not None or (
+        shipped_draft_preferred() and fits_shipped_draft(args.model)
+    ):
         return "hybrid"
     return "ngram"
 

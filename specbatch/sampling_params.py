@@ -36,7 +36,8 @@ class SamplingParams:
     Every field is checked here; a bad value raises ``InvalidRequestError`` (a ``ValueError``)
     naming the field (its ``param``) and its range. Numbers must be finite; ``temperature`` and
     ``repetition_penalty`` are at most ``MAX_SCALE`` (beyond it every distribution is flat or
-    one-hot anyway). Checks that need the model (token ids within its vocabulary, the context
+    one-hot anyway), ``repetition_penalty`` at least 0.01 (dividing logits by less overflows
+    float32). Checks that need the model (token ids within its vocabulary, the context
     length) happen when the engine admits the request.
     """
 
@@ -83,9 +84,7 @@ class SamplingParams:
         _check_number("min_p", self.min_p, 0.0, 1.0)
         _check_number("presence_penalty", self.presence_penalty, -2.0, 2.0)
         _check_number("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
-        _check_number(
-            "repetition_penalty", self.repetition_penalty, 0.0, self.MAX_SCALE, low_open=True
-        )
+        _check_number("repetition_penalty", self.repetition_penalty, 0.01, self.MAX_SCALE)
         if self.seed is not None:
             _check_int("seed", self.seed, -(2**63), _INT64_MAX)
         if self.max_tokens is not None:
@@ -175,9 +174,17 @@ def _check_int(
         raise InvalidRequestError(f"{label} must be an integer, got {value!r}{suffix}", name)
     if high is None and value > _INT64_MAX:
         raise InvalidRequestError(
-            f"{label} must be an integer below 2^63, got one of {len(str(value))} digits", name
+            f"{label} must be an integer below 2^63, got one of {_digits(value)} digits", name
         )
     if value < low or (high is not None and value > high):
-        shown = value if abs(value) < 10**30 else f"one of {len(str(abs(value)))} digits"
+        shown = value if abs(value) < 10**30 else f"one of {_digits(value)} digits"
         bounds = f"in [{low}, {high}]" if high is not None else f">= {low}"
         raise InvalidRequestError(f"{label} must be {bounds}, got {shown}{suffix}", name)
+
+
+def _digits(value: int) -> int:
+    """Decimal digits of an integer; past what ``str()`` converts (4300 digits), estimated."""
+    magnitude = abs(value)
+    if magnitude.bit_length() < 14_000:
+        return len(str(magnitude))
+    return int(magnitude.bit_length() * math.log10(2)) + 1

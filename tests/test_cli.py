@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from specbatch.cli import build_parser, main, speculative_config
+from specbatch.cli import build_parser, main, resolved_method, speculative_config
 from specbatch.errors import ConfigError
 from specbatch.spec_decode import default_draft
 from specbatch.spec_decode.config import SpeculativeConfig
@@ -161,3 +161,14 @@ def test_speculative_flags(monkeypatch: pytest.MonkeyPatch) -> None:
             speculative_config(parser.parse_args(["generate", "x", *flags]))
     serve = parser.parse_args(["serve", "--port", "9000", "--api-key", "k"])
     assert (serve.port, serve.api_key, serve.speculative) == (9000, "k", "off")
+
+
+def test_auto_recognises_the_default_model_by_its_path(
+    default_gguf: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(default_draft, "shipped_draft_preferred", lambda: True)
+    parser = build_parser()
+    by_path = parser.parse_args(["generate", "x", "--model", str(default_gguf)])
+    assert resolved_method(by_path) == "hybrid"
+    other = parser.parse_args(["generate", "x", "--model", str(tiny_model_dir)])
+    assert resolved_method(other) == "ngram"

@@ -9,15 +9,21 @@ from pathlib import Path
 import specbatch
 
 ROOT = Path(specbatch.__file__).parent
+# name -> module, for the names the package's __init__ re-exports
+_FACADE = {
+    alias.asname or alias.name: node.module
+    for node in ast.walk(ast.parse((ROOT / "__init__.py").read_text()))
+    if isinstance(node, ast.ImportFrom) and node.module
+    for alias in node.names
+}
 
 
 def _room(module: str) -> str | None:
-    """The room a module lives in: its subpackage, or itself for a top-level module."""
+    """The room a module lives in: its subpackage, or itself for a top-level module (either
+    way the name after ``specbatch.``)."""
     parts = module.split(".")
     if parts[0] != "specbatch" or len(parts) == 1:
         return None  # outside the package, or the package's own facade
-    if (ROOT / parts[1]).is_dir():
-        return parts[1]
     return parts[1]
 
 
@@ -38,8 +44,12 @@ def _imports(tree: ast.AST) -> Iterator[str]:
             continue
         if isinstance(node, ast.Import):
             yield from (alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-            yield node.module
+        elif isinstance(node, ast.ImportFrom):
+            assert not node.level, "relative imports would hide rooms from this check"
+            if node.module == "specbatch":  # through the facade: where each name comes from
+                yield from (_FACADE.get(alias.name, "specbatch") for alias in node.names)
+            elif node.module:
+                yield node.module
         yield from _imports(node)
 
 

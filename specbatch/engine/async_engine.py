@@ -204,23 +204,49 @@ class AsyncEngine:
         if prompt_token_ids is None and isinstance(prompt, str):
             prompt_token_ids = await asyncio.to_thread(self.engine.intake.tokenize, prompt)
         stream = _Stream(asyncio.get_running_loop())
+        done: Future[None] = Future()
+        ids = list(prompt_token_ids) if prompt_token_ids is not None else None
         with self._lock:
+            # Checked again under the lock that stopping takes: a request that was tokenizing
+            # while a drain began is refused (answered), never queued behind the stop.
+            self._check_alive()
             if request_id in self._streams:
                 raise InvalidRequestError(
                     f"request_id {request_id!r} is already in use", "request_id"
                 )
             self._streams[request_id] = stream
-        done: Future[None] = Future()
-        ids = list(prompt_token_ids) if prompt_token_ids is not None else None
-        self._send(_Add(request_id, prompt, ids, params, priority, done))
+            self._commands.put(_Add(request_id, prompt, ids, params, priority, done))
+        self._wake.set()
         try:
             await asyncio.wrap_future(done)  # raises the engine's error for bad input
         except BaseException:
             self._forget_stream(request_id)
-            if not done.done() or done.exception() is None:
+            refused = done.done() and not done.cancelled() and done.exception() is not None
+            if not refused:
                 self._send(_Abort(request_id))  # cancelled while being added
             raise
         return RequestStream(self, request_id, stream)
+
+    async def encode_chat(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        options: dict[str, Any] | None = None,
+    ) -> list[int]:
+        """The token ids of a conversation, rendered and tokenized in a worker thread (a huge
+        conversation is refused from its length first). Raises ``InvalidRequestError`` for
+        messages the template or the context cannot take, ``ChatTemplateError`` for a broken
+        template."""
+
+        def encode() -> list[int]:
+            text_length = sum(len(str(m.get("content") or "")) for m in messages)
+            self.engine.intake.check_length(text_length, "messages")
+            _, ids = self.engine.tokenizer.encode_chat(
+                messages, add_generation_prompt, **(options or {})
+            )
+            return ids
+
+        return await asyncio.to_thread(encode)
 
     async def generate(
         self,
@@ -264,11 +290,13 @@ class AsyncEngine:
 
     async def drain(self, timeout: float) -> None:
         """Take no new request; let in-flight ones finish for up to ``timeout`` seconds; end
-        the rest, whose streams raise :class:`EngineDrainingError`. Idempotent."""
-        self._draining = True
+        the rest, whose streams raise :class:`EngineDrainingError`. Requests still being
+        tokenized are refused with it when they try to enter. Idempotent."""
+        with self._lock:
+            self._draining = True
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        while self.num_in_flight() and loop.time() < deadline and not self.errored:
+        while self._busy() and loop.time() < deadline and not self.errored:
             await asyncio.sleep(0.05)
         with self._lock:
             pending = list(self._streams)
@@ -278,13 +306,18 @@ class AsyncEngine:
     async def shutdown(self, timeout: float = 5.0) -> None:
         """Drain for up to ``timeout`` seconds, then stop the worker thread."""
         await self.drain(timeout)
-        self._stopped = True
-        self._commands.put(None)
+        with self._lock:  # after this no _Add can be queued (see _add)
+            self._stopped = True
+            self._commands.put(None)
         self._wake.set()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, timeout)
 
     # ------------------------------------------------------------------ worker
+
+    def _busy(self) -> bool:
+        with self._lock:
+            return bool(self._streams) or self._adding > 0
 
     def _forget_stream(self, request_id: str) -> None:
         with self._lock:
@@ -304,19 +337,13 @@ class AsyncEngine:
 
     def _loop(self) -> None:
         try:
-            while True:
-                if not self._apply_commands():
-                    return
+            while self._apply_commands():
                 if self.engine.has_unfinished_requests():
-                    # A step that raises fails its own requests inside step(); what escapes
-                    # here is a bug of the loop itself, logged, and the loop goes on.
-                    try:
-                        self._dispatch(self.engine.step())
-                    except Exception:
-                        logger.exception("the engine loop failed to step; going on")
+                    self._step()
                 else:
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
+            self._fail_pending(EngineDeadError("the engine is shut down"))
         except BaseException as exc:  # interpreter shutdown: deliver, never hang a request
             self._error = exc
             with self._lock:
@@ -324,6 +351,18 @@ class AsyncEngine:
             for stream in streams:
                 stream.put(EngineDeadError(f"the engine stopped: {exc!r}"))
             self._fail_pending(exc)
+
+    def _step(self) -> None:
+        """One engine step, its outputs delivered. A step that raises fails its own requests
+        inside ``step()``; if something still escapes (a bug of that very handling), every
+        request is ended with the error rather than left waiting, and the loop goes on."""
+        try:
+            self._dispatch(self.engine.step())
+        except Exception as exc:
+            logger.exception("the engine step failed outside its own error handling")
+            for request_id in list(self.engine.requests):
+                with contextlib.suppress(Exception):
+                    self._abort(request_id, RequestFailedError(f"the engine step failed: {exc!r}"))
 
     def _apply_commands(self) -> bool:
         while True:
@@ -334,12 +373,18 @@ class AsyncEngine:
             if command is None:
                 self._abort_everything()
                 return False
-            if isinstance(command, _Abort):
-                self._abort(command.request_id, command.error)
-            else:
-                self._apply_add(command)
+            try:
+                if isinstance(command, _Abort):
+                    self._abort(command.request_id, command.error)
+                else:
+                    self._apply_add(command)
+            except Exception:  # one command's failure is logged, never the loop's end
+                logger.exception("an engine command failed")
 
     def _apply_add(self, command: _Add) -> None:
+        if not command.done.set_running_or_notify_cancel():
+            self._forget_stream(command.request_id)  # its caller gave up while it was queued
+            return
         try:
             self.engine.add_request(
                 command.request_id,
@@ -393,10 +438,13 @@ class AsyncEngine:
                 logger.exception("a finished-request callback failed")
 
     def _fail_pending(self, exc: BaseException) -> None:
+        """Refuse every add still queued (after a stop, or a fatal error)."""
         while True:
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if isinstance(command, _Add) and not command.done.done():
-                command.done.set_exception(EngineDeadError(f"the engine failed: {exc!r}"))
+            if isinstance(command, _Add) and command.done.set_running_or_notify_cancel():
+                self._forget_stream(command.request_id)
+                error = exc if isinstance(exc, EngineDeadError) else EngineDeadError(repr(exc))
+                command.done.set_exception(error)

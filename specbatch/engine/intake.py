@@ -14,7 +14,6 @@ from collections.abc import Sequence
 from specbatch.errors import InvalidRequestError
 from specbatch.sampling_params import SamplingParams
 from specbatch.tokenizer import Tokenizer
-from specbatch.tokenizer.text import check_text
 
 # Logprob entries (positions x (top-n + the chosen token) x completions) one request may hold.
 MAX_LOGPROB_ENTRIES = 1 << 20
@@ -36,9 +35,8 @@ class RequestIntake:
         tokenizer spends time on it."""
         if not isinstance(text, str):
             raise InvalidRequestError(f"{param} must be a string", param)
-        check_text(text, param)
         self.check_length(len(text), param)
-        return self.tokenizer.encode(text)
+        return self.tokenizer.encode(text)  # refuses text that is not valid Unicode
 
     def check_length(self, num_chars: int, param: str = "prompt") -> None:
         """Refuse text of ``num_chars`` characters that cannot fit the context however it is

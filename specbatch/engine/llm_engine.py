@@ -301,11 +301,10 @@ class LLMEngine:
     # ----------------------------------------------------------------- outputs
 
     def _outputs(self, touched: dict[str, RequestState]) -> list[RequestOutput]:
-        outputs = []
+        # Built before any request is retired: if building one raises, every request of the
+        # step is still known to _fail, which answers them all.
+        outputs = [output for state in touched.values() if (output := state.output())]
         for request_id, state in touched.items():
-            output = state.output()
-            if output is not None:
-                outputs.append(output)
             if state.finished:
                 self.requests.pop(request_id, None)
                 self.stats.num_requests_finished += 1
@@ -325,10 +324,14 @@ class LLMEngine:
             state = self.requests.pop(request_id, None)
             if state is None:
                 continue
-            state.fail(message)
-            self._release(state)
             self.stats.num_requests_failed += 1
-            output = state.output()
+            state.fail(message)
+            try:
+                self._release(state)
+                output = state.output()
+            except Exception:  # a bug in the release itself: logged, the request answered anyway
+                logger.exception("releasing failed request %s failed", request_id)
+                output = state.error_output()
             if output is not None:
                 outputs.append(output)
         self._update_gauges()

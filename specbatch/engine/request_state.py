@@ -135,6 +135,22 @@ class RequestState:
             if not completion.seq.is_finished:
                 completion.seq.finish(FinishReason.ERROR)
 
+    def error_output(self) -> RequestOutput:
+        """A final output with no text or tokens, carrying ``error``: what a request gets
+        when even its normal output cannot be built."""
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            outputs=[
+                CompletionOutput(c.seq.index, "", [], None, FinishReason.ERROR.value)
+                for c in self.completions
+            ],
+            finished=True,
+            metrics=RequestMetrics(arrival_time=self.completions[0].seq.arrival_time),
+            error=self.error,
+        )
+
     def output(self) -> RequestOutput | None:
         """The request's output now, or None when its ``output_kind`` has nothing to report."""
         finished = self.finished

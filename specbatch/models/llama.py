@@ -102,13 +102,12 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
-        # Given its weight, the embedding skips its random init: on the meta device that init
-        # would import torch._dynamo (and with it Triton, where installed) for nothing.
-        self.embed_tokens = nn.Embedding(
-            config.vocab_size,
-            config.hidden_size,
-            _weight=torch.empty(config.vocab_size, config.hidden_size),
-        )
+        shape = (config.vocab_size, config.hidden_size)
+        weight = torch.empty(shape)
+        # On the meta device (the loader's first pass) the random init would import
+        # torch._dynamo (and Triton, where installed) for nothing: skip it there only, so a model
+        # built for training (a distilled student) draws its init from the RNG as before.
+        self.embed_tokens = nn.Embedding(*shape, _weight=weight if weight.is_meta else None)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, backend) for _ in range(config.num_hidden_layers)
         )

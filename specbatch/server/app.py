@@ -25,7 +25,7 @@ from specbatch.engine.async_engine import (
     RequestFailedError,
     RequestStream,
 )
-from specbatch.errors import ChatTemplateError, InvalidRequestError
+from specbatch.errors import ChatTemplateError, ConfigError, InvalidRequestError
 from specbatch.outputs import RequestOutput
 from specbatch.sampling_params import SamplingParams
 from specbatch.server.errors import APIError, error_body, install_handlers
@@ -40,8 +40,6 @@ from specbatch.server.formatting import (
 from specbatch.server.guard import OPEN_PATHS, RequestGuard
 from specbatch.server.metrics import ServerMetrics
 from specbatch.server.protocol import ChatCompletionRequest, CompletionRequest
-
-MAX_PRIORITY = 2**31  # |priority| bound where clients may set it
 
 
 @dataclass(frozen=True)
@@ -63,6 +61,16 @@ class ServerSettings:
     max_body_bytes: int = 16 << 20
     open_metrics: bool = False
     allow_priority: bool = False
+
+    def __post_init__(self) -> None:
+        if self.api_key is not None and not self.api_key.strip():
+            raise ConfigError("api_key must not be empty (omit it to serve without a key)")
+        if self.max_queued < 1:
+            raise ConfigError(f"max_queued must be at least 1, got {self.max_queued}")
+        if self.max_body_bytes < 1024:
+            raise ConfigError(f"max_body_bytes must be at least 1024, got {self.max_body_bytes}")
+        if not 0 <= self.shutdown_timeout < float("inf"):
+            raise ConfigError(f"shutdown_timeout must be >= 0 seconds, got {self.shutdown_timeout}")
 
 
 def build_app(engine: AsyncEngine, settings: ServerSettings) -> RequestGuard:
@@ -163,17 +171,11 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> RequestGuard:
             top = 0
         with _request_errors(renames):
             add_generation_prompt, options = body.template_options()
-            conversation = body.conversation()
-            engine.engine.intake.check_length(
-                sum(len(m["content"]) for m in conversation), "messages"
-            )
             max_tokens = body.max_completion_tokens
             if max_tokens is None:
                 max_tokens = body.max_tokens
             params = body.sampling_params(max_tokens, top, None)
-            _, ids = await asyncio.to_thread(
-                tokenizer.encode_chat, conversation, add_generation_prompt, **options
-            )
+            ids = await engine.encode_chat(body.conversation(), add_generation_prompt, options)
         streams = await _add_all(
             engine, settings, metrics, "chatcmpl", [ids], params, body.priority, renames
         )
@@ -222,8 +224,6 @@ def _check_common(
         raise APIError(
             400, "priority is not enabled on this server (serve --allow-priority)", "priority"
         )
-    if abs(body.priority) >= MAX_PRIORITY:
-        raise APIError(400, f"priority must be in ({-MAX_PRIORITY}, {MAX_PRIORITY})", "priority")
 
 
 @contextmanager

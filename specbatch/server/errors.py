@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any
 
@@ -49,10 +50,18 @@ def error_body(
     }
 
 
+class SafeJSONResponse(JSONResponse):
+    """JSON with every non-ASCII character escaped: an error message may echo client text,
+    and a lone surrogate in it cannot be encoded as UTF-8 (it can as a ``\\ud800`` escape)."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
+
+
 def error_response(
     status: int, message: str, param: str | None = None, code: str | None = None
 ) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param, code), status_code=status)
+    return SafeJSONResponse(error_body(status, message, param, code), status_code=status)
 
 
 def install_handlers(app: FastAPI) -> None:

@@ -10,7 +10,8 @@ from specbatch.tokenizer import Tokenizer
 
 
 def sse(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+    # Error events may echo client text: escaped like error bodies (see errors.SafeJSONResponse).
+    return f"data: {json.dumps(payload, ensure_ascii='error' in payload)}\n\n"
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:

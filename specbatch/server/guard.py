@@ -81,10 +81,11 @@ class RequestGuard:
     def _authorized(self, headers: dict[str, bytes]) -> bool:
         if self.api_key is None:
             return True
-        scheme, _, token = headers.get("authorization", b"").decode("latin-1").partition(" ")
-        # compare_digest: the time taken does not reveal how much of the key matched
-        return scheme.lower() == "bearer" and hmac.compare_digest(
-            token.strip().encode("utf-8", "surrogateescape"), self.api_key.encode()
+        scheme, _, token = headers.get("authorization", b"").partition(b" ")
+        # Raw bytes against the key's UTF-8 (a non-ASCII key works as clients send it);
+        # compare_digest: the time taken does not reveal how much of the key matched.
+        return scheme.lower() == b"bearer" and hmac.compare_digest(
+            token.strip(), self.api_key.encode("utf-8")
         )
 
     async def _too_large(self, send: Send) -> None:

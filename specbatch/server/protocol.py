@@ -27,6 +27,7 @@ from specbatch.sampling_params import OutputKind, SamplingParams
 MAX_N = 16  # choices per request over HTTP (SamplingParams allows more for library use)
 MAX_STOP = 64  # stop strings per request, each at most MAX_STOP_CHARS characters
 MAX_STOP_CHARS = 1024
+MAX_LOGIT_BIAS = 1024  # entries (OpenAI's own limit is 300); each is applied to every row
 
 # A JSON number: no numeric strings, no booleans (SamplingParams checks range and finiteness).
 Number = StrictInt | StrictFloat
@@ -47,7 +48,7 @@ class _Request(BaseModel):
     seed: StrictInt | None = None
     presence_penalty: Number | None = None
     frequency_penalty: Number | None = None
-    logit_bias: dict[str, Number] | None = None
+    logit_bias: Annotated[dict[str, Number], Field(max_length=MAX_LOGIT_BIAS)] | None = None
     user: StrictStr | None = None
     # vLLM extensions
     top_k: StrictInt | None = None

@@ -10,9 +10,9 @@ from specbatch.errors import ConfigError
 
 METHODS = ("draft_model", "ngram", "hybrid", "external")
 DRAFT_METHODS = ("draft_model", "hybrid")
-# k when the config does not say: what the benchmarks in docs/architecture.md were measured with
-# (with the confidence stop a draft model's k is only a ceiling).
-DEFAULT_NUM_SPECULATIVE_TOKENS = {"draft_model": 4, "ngram": 4, "hybrid": 4, "external": 4}
+# k when the config does not say, for every method: what the benchmarks in docs/architecture.md
+# were measured with (with the confidence stop a draft model's k is only a ceiling).
+DEFAULT_NUM_SPECULATIVE_TOKENS = 4
 # Measured on the shipped draft (docs/distillation.md): 0.3-0.7 all beat 0 (always k) clearly.
 DEFAULT_DRAFT_CONFIDENCE = 0.5
 
@@ -35,9 +35,8 @@ class SpeculativeConfig:
     drafting after the draft that brings the draft's own probability that all its drafts so
     far are right (the product of its probabilities of the tokens it drafted) below the
     threshold (that draft is still verified: its forward is paid, a verify row is cheap); 0.5 by
-    default, 0 always drafts k tokens. Without ``num_speculative_tokens`` k is the method's
-    default (``DEFAULT_NUM_SPECULATIVE_TOKENS``). ``adaptive_k`` makes k a ceiling for every
-    method: each step the engine gives each sequence the number of drafts that maximises the
+    default, 0 always drafts k tokens. Without ``num_speculative_tokens`` k is 4.
+    ``adaptive_k`` makes k a ceiling for every method: each step the engine gives each sequence the number of drafts that maximises the
     expected tokens per second of the step, from measured step times and the sequence's own
     acceptance so far (``spec_decode/budget.py``); with many sequences or poor acceptance that
     is often none.
@@ -62,8 +61,7 @@ class SpeculativeConfig:
             )
         # frozen: defaults are set through object
         if self.num_speculative_tokens is None:
-            default = DEFAULT_NUM_SPECULATIVE_TOKENS[self.method]
-            object.__setattr__(self, "num_speculative_tokens", default)
+            object.__setattr__(self, "num_speculative_tokens", DEFAULT_NUM_SPECULATIVE_TOKENS)
         if self.draft_confidence_threshold is None:
             default_threshold = DEFAULT_DRAFT_CONFIDENCE if self.method in DRAFT_METHODS else 0.0
             object.__setattr__(self, "draft_confidence_threshold", default_threshold)

@@ -111,7 +111,11 @@ class Tokenizer(ABC):
         return ids
 
     def encode_chat(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+        self,
+        messages: list[dict[str, Any]],
+        /,
+        add_generation_prompt: bool = True,
+        **kwargs: Any,
     ) -> tuple[str, list[int]]:
         """The prompt text of a conversation rendered by the chat template, and its token ids
         (the template already holds any BOS text the model wants, so none is added)."""
@@ -158,7 +162,11 @@ class Tokenizer(ABC):
         return self._special.chat_template
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+        self,
+        messages: list[dict[str, Any]],
+        /,
+        add_generation_prompt: bool = True,
+        **kwargs: Any,
     ) -> str:
         """The prompt text for ``messages`` as the model's jinja chat template renders it.
 
@@ -166,6 +174,8 @@ class Tokenizer(ABC):
         ``documents``, template options) are passed through and override them. Raises
         `InvalidRequestError` (a ``ValueError``) if the model has no chat template or the
         template rejects the messages, `ChatTemplateError` if the template itself is broken.
+        ``messages`` is positional-only, so a template variable may be called anything (even
+        ``self`` or ``messages``: the messages themselves cannot be overridden).
         """
         self._check_messages_text(messages)
         template = self.compiled_chat_template()

@@ -103,7 +103,11 @@ class ChatTemplate:
         return context
 
     def render(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **variables: Any
+        self,
+        messages: list[dict[str, Any]],
+        /,
+        add_generation_prompt: bool = True,
+        **variables: Any,
     ) -> str:
         """The template's text for ``messages``; ``variables`` become template variables.
 

@@ -39,10 +39,47 @@ def run(engine: LLMEngine) -> dict[str, RequestOutput]:
     return finals
 
 
+def inject_fault(engine: LLMEngine, monkeypatch: pytest.MonkeyPatch, where: str) -> None:
+    """Make the third call of one stage of the step raise (after doing its work, for
+    ``update_after``: the cache and queues are then already changed)."""
+    owner, name = {
+        "forward": (engine.runner, "execute"),
+        "propose": (engine.speculator, "propose"),
+        "verify": (engine.speculator, "verify"),
+        "append": (engine, "_append"),
+        "update": (engine.scheduler, "update_from_output"),
+        "update_after": (engine.scheduler, "update_from_output"),
+    }[where]
+    original = getattr(owner, name)
+    calls = 0
+
+    def failing(*args: Any, **kwargs: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == 3:  # a decode step of a and b (max_num_seqs=2: c still waits)
+            if where == "update_after":
+                original(*args, **kwargs)
+            raise RuntimeError("injected fault")
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, failing)
+
+
 @pytest.mark.engine_errors
-@pytest.mark.parametrize("speculative", [None, {"method": "ngram"}])
+@pytest.mark.parametrize(
+    ("where", "speculative"),
+    [
+        ("forward", None),
+        ("forward", {"method": "ngram"}),
+        ("propose", {"method": "ngram"}),
+        ("verify", {"method": "ngram"}),
+        ("append", None),
+        ("update", None),
+        ("update_after", {"method": "ngram"}),
+    ],
+)
 def test_a_failing_step_fails_only_its_requests(
-    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, speculative: Any
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, where: str, speculative: Any
 ) -> None:
     prompts = {"a": [5, 6, 7, 5, 6, 7], "b": [9, 10, 11], "c": [12, 13, 14, 15]}
     clean = make_engine(tiny_model_dir, speculative_config=speculative)
@@ -53,17 +90,7 @@ def test_a_failing_step_fails_only_its_requests(
     engine = make_engine(tiny_model_dir, speculative_config=speculative)
     for request_id, prompt in prompts.items():
         engine.add_request(request_id, prompt, GREEDY)
-    execute = engine.runner.execute
-    calls = 0
-
-    def failing_execute(*args: Any, **kwargs: Any) -> Any:
-        nonlocal calls
-        calls += 1
-        if calls == 3:  # a decode step of a and b (max_num_seqs=2: c still waits)
-            raise RuntimeError("injected fault")
-        return execute(*args, **kwargs)
-
-    monkeypatch.setattr(engine.runner, "execute", failing_execute)
+    inject_fault(engine, monkeypatch, where)
     finals = run(engine)
     for request_id in ("a", "b"):
         failed = finals[request_id]
@@ -76,6 +103,7 @@ def test_a_failing_step_fails_only_its_requests(
     assert engine.stats.num_requests_failed == 2
     assert engine.cache.num_free_blocks == engine.num_kv_blocks
     engine.cache.pool.check_consistency()
+    monkeypatch.undo()
     engine.add_request("again", prompts["a"], GREEDY)
     assert run(engine)["again"].outputs[0].token_ids == expected["a"].outputs[0].token_ids
 

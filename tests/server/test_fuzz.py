@@ -42,6 +42,8 @@ NASTY_NUMBERS = [
 ]
 NASTY_TEXT = ["", "a\ud800", "\udfff\ud800", "\x00", "🙂" * 40, "\u202e\u0301", "<|im_start|>", " "]
 
+# any code point, lone surrogates included (st.text() leaves them out by default)
+any_text = st.text(st.characters(exclude_categories=()), max_size=12)
 scalars = st.one_of(
     st.none(),
     st.booleans(),
@@ -49,7 +51,7 @@ scalars = st.one_of(
     st.integers(min_value=-(2**70), max_value=2**70),
     st.floats(allow_nan=True, allow_infinity=True),
     st.sampled_from(NASTY_TEXT),
-    st.text(max_size=12),
+    any_text,
 )
 values = st.recursive(
     scalars,
@@ -114,6 +116,15 @@ def field_values(name: str) -> st.SearchStrategy[Any]:
         "stop_token_ids": st.lists(st.sampled_from(NASTY_NUMBERS + [5, 299, 300]), max_size=3),
         "n": st.integers(min_value=-1, max_value=20),
         "stream": st.booleans(),
+        "model": st.one_of(st.just("tiny"), any_text),
+        "chat_template_kwargs": st.dictionaries(
+            st.one_of(
+                st.sampled_from(["self", "messages", "add_generation_prompt", "tools", "x"]),
+                any_text,
+            ),
+            values,
+            max_size=3,
+        ),
     }
     if name in plausible:
         return st.one_of(plausible[name], values)
@@ -129,7 +140,7 @@ def bodies(fields: list[str], required: dict[str, Any]) -> st.SearchStrategy[dic
         for name in draw(st.lists(st.sampled_from(fields), max_size=6, unique=True)):
             body[name] = draw(field_values(name))
         if draw(st.booleans()):
-            body[draw(st.text(min_size=1, max_size=8))] = draw(values)
+            body[draw(any_text)] = draw(values)
         return body
 
     return build()
