@@ -36,10 +36,10 @@ class SpeculativeConfig:
     far are right (the product of its probabilities of the tokens it drafted) below the
     threshold (that draft is still verified: its forward is paid, a verify row is cheap); 0.5 by
     default, 0 always drafts k tokens. Without ``num_speculative_tokens`` k is 4.
-    ``adaptive_k`` makes k a ceiling for every method: each step the engine gives each sequence the number of drafts that maximises the
-    expected tokens per second of the step, from measured step times and the sequence's own
-    acceptance so far (``spec_decode/budget.py``); with many sequences or poor acceptance that
-    is often none.
+    ``adaptive_k`` makes k a ceiling for every method: each step the engine gives each
+    sequence the number of drafts that maximises the expected tokens per second of the step,
+    from measured step times and the sequence's own acceptance so far
+    (``spec_decode/budget.py``); with many sequences or poor acceptance that is often none.
     None of these change what is generated: greedy and seeded outputs are token for token the
     same, unseeded sampling keeps the target's distribution (its draws differ).
     """
