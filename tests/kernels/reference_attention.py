@@ -77,7 +77,8 @@ def random_step(
     dtype: torch.dtype = torch.float32,
     tree: bool = False,
 ) -> RandomStep:
-    """One ragged step; ``kinds`` entries: prefill, chunk, decode, verify."""
+    """One ragged step; ``kinds`` entries: prefill, chunk, decode, verify, and long-decode and
+    long-verify (contexts of 250-900 positions: several of the CPU kernel's chunks)."""
     query_lens, seq_lens = [], []
     for kind in kinds:
         if kind == "prefill":
@@ -86,6 +87,10 @@ def random_step(
             q_len, cached = int(rng.integers(17, 40)), int(rng.integers(1, 50))
         elif kind == "decode":
             q_len, cached = 1, int(rng.integers(0, 70))
+        elif kind == "long-decode":
+            q_len, cached = 1, int(rng.integers(250, 900))
+        elif kind == "long-verify":
+            q_len, cached = int(rng.integers(2, 7)), int(rng.integers(250, 900))
         else:
             q_len, cached = int(rng.integers(2, 7)), int(rng.integers(1, 70))
         query_lens.append(q_len)

@@ -10,6 +10,12 @@ from specbatch.errors import ConfigError
 from specbatch.kernels.attention.base import AttentionBackend
 
 
+def _cpu_backend() -> type[AttentionBackend]:
+    from specbatch.kernels.attention.cpu_paged import CpuPagedBackend
+
+    return CpuPagedBackend
+
+
 def _torch_backend() -> type[AttentionBackend]:
     from specbatch.kernels.attention.torch_ref import TorchAttentionBackend
 
@@ -56,6 +62,7 @@ def _xformers_backend() -> type[AttentionBackend]:
 # Imports are deferred so that optional packages (triton, flash-attn, xformers) are only touched
 # when their backend is asked for.
 _BACKENDS: dict[str, Callable[[], type[AttentionBackend]]] = {
+    "cpu": _cpu_backend,
     "torch": _torch_backend,
     "dense_causal": _dense_causal_backend,
     "triton": _triton_backend,
@@ -75,10 +82,18 @@ def available_backends() -> list[str]:
     return sorted(_BACKENDS)
 
 
+def _default_name(device: torch.device) -> str:
+    """Triton on CUDA (torch where it is missing), the in-place C kernel on the CPU (which
+    keeps the torch reference path itself where no C compiler works)."""
+    if device.type == "cuda":
+        return "triton" if _importable("triton") else "torch"
+    return "cpu"
+
+
 def attention_backend_class(name: str | None, device: torch.device) -> type[AttentionBackend]:
     """Return the backend called ``name``, or the default for ``device`` when ``name`` is None."""
     if name is None:
-        name = "triton" if device.type == "cuda" and _importable("triton") else "torch"
+        name = _default_name(device)
     if name not in _BACKENDS:
         raise ConfigError(
             f"unknown attention backend {name!r}; available: {', '.join(available_backends())}"

@@ -60,6 +60,13 @@ class TorchAttentionBackend(AttentionBackend):
     def build_metadata(
         self, inputs: AttentionInputs, device: torch.device
     ) -> TorchAttentionMetadata:
+        return self.reference_metadata(inputs, device)
+
+    def reference_metadata(
+        self, inputs: AttentionInputs, device: torch.device, short_group: bool = True
+    ) -> TorchAttentionMetadata:
+        """The writes and the attention groups; without ``short_group``, the sequences with
+        short queries get no group (another path attends them)."""
         slots = np.asarray(inputs.slot_mapping, dtype=np.int64)
         written = slots != PAD_SLOT
         all_written = bool(written.all())
@@ -67,7 +74,7 @@ class TorchAttentionBackend(AttentionBackend):
         groups: list[_Group] = []
         query_lens = np.asarray(inputs.query_lens, dtype=np.int64)
         short = np.flatnonzero(query_lens <= SHORT_QUERY)
-        if len(short):
+        if len(short) and short_group:
             groups.append(self._build_group(inputs, short, device))
         for b in np.flatnonzero(query_lens > SHORT_QUERY):
             groups.append(self._build_group(inputs, np.array([b]), device))
@@ -152,19 +159,44 @@ class TorchAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         if kv_cache is None:
             raise RuntimeError("no KV cache bound to the model: call bind_kv_caches first")
-        num_tokens = q.shape[0]
-        heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
-        group = heads // kv_heads
-        key_cache = kv_cache[0].view(-1, kv_heads, dim)
-        value_cache = kv_cache[1].view(-1, kv_heads, dim)
+        self.write_kv(k, v, kv_cache, metadata)
+        out = self.attend_groups(q, kv_cache, metadata.groups)
+        if out is None:
+            out = q.new_zeros(q.shape[0], self.num_heads, self.head_dim)
+        return out
+
+    def write_kv(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: LayerKVCache,
+        metadata: TorchAttentionMetadata,
+    ) -> None:
+        """The step's new K/V into their slots (padding rows skipped)."""
+        key_cache = kv_cache[0].view(-1, self.num_kv_heads, self.head_dim)
+        value_cache = kv_cache[1].view(-1, self.num_kv_heads, self.head_dim)
         if metadata.write_rows is not None:
             k = k.index_select(0, metadata.write_rows)
             v = v.index_select(0, metadata.write_rows)
         key_cache.index_copy_(0, metadata.write_slots, k.to(key_cache.dtype))
         value_cache.index_copy_(0, metadata.write_slots, v.to(value_cache.dtype))
 
-        out: torch.Tensor | None = None
-        for g in metadata.groups:
+    def attend_groups(
+        self,
+        q: torch.Tensor,
+        kv_cache: LayerKVCache,
+        groups: list[_Group],
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor | None:
+        """Attention for the query rows of ``groups``, written into ``out`` (allocated when
+        a group does not cover every row and none is given); the output, or None without
+        groups."""
+        num_tokens = q.shape[0]
+        heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
+        group = heads // kv_heads
+        key_cache = kv_cache[0].view(-1, kv_heads, dim)
+        value_cache = kv_cache[1].view(-1, kv_heads, dim)
+        for g in groups:
             qg = q if g.q_rows is None else q.index_select(0, g.q_rows)
             qg = qg.reshape(g.num_seqs, g.query_len, kv_heads, group, dim).permute(0, 2, 3, 1, 4)
             qg = qg.reshape(g.num_seqs, kv_heads, group * g.query_len, dim)
@@ -187,8 +219,6 @@ class TorchAttentionBackend(AttentionBackend):
             assert g.padded_valid is not None
             assert g.out_rows is not None
             out.index_copy_(0, g.out_rows, og.index_select(0, g.padded_valid))
-        if out is None:
-            out = q.new_zeros(num_tokens, heads, dim)
         return out
 
 

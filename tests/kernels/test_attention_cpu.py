@@ -1,0 +1,188 @@
+"""The CPU paged-attention backends against the slow per-query reference: the reference torch
+backend (gather + SDPA) and the in-place C kernel for short queries (``cpu``), which must also
+give a sequence's rows bit for bit the same in any batch."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from specbatch.kernels.attention import PAD_SLOT, AttentionInputs, cpu_paged
+from specbatch.kernels.attention.cpu_paged import CpuPagedBackend, CpuPagedMetadata
+from specbatch.kernels.attention.torch_ref import TorchAttentionBackend
+from tests.kernels.reference_attention import RandomStep, random_step, reference_attention
+
+
+def run_backend(
+    backend: TorchAttentionBackend, step: RandomStep, inputs: AttentionInputs
+) -> torch.Tensor:
+    """The backend on a step, with q/k/v in its [T, heads, dim] layout; [T, heads * dim] out."""
+    t, dim = step.q.shape[0], backend.head_dim
+    metadata = backend.build_metadata(inputs, torch.device("cpu"))
+    out = backend.forward(
+        step.q.view(t, -1, dim),
+        step.k.view(t, -1, dim),
+        step.v.view(t, -1, dim),
+        (step.key_cache, step.value_cache),
+        metadata,
+    )
+    return out.reshape(t, -1)
+
+
+BACKENDS = [TorchAttentionBackend, CpuPagedBackend]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _kernel_built() -> None:
+    """The C kernel must build here: a silent fallback would test the reference twice."""
+    assert cpu_paged.load_library() is not None
+
+
+MIXES = {
+    "prefill": ["prefill"],
+    "decodes": ["decode"] * 5,
+    "verify": ["verify"] * 4,
+    "mixed": ["prefill", "decode", "chunk", "verify", "decode", "verify", "chunk"],
+    "one-token": ["decode"],
+    "long": ["long-decode", "long-verify", "decode", "long-decode", "chunk"],
+}
+
+
+@pytest.mark.parametrize("backend_class", BACKENDS)
+@pytest.mark.parametrize("mix", sorted(MIXES))
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "dim"), [(4, 4, 16), (6, 2, 16), (8, 1, 16), (9, 3, 64)]
+)
+@pytest.mark.parametrize("block_size", [16, 5])
+def test_matches_reference(
+    backend_class: type[TorchAttentionBackend],
+    mix: str,
+    heads: int,
+    kv_heads: int,
+    dim: int,
+    block_size: int,
+) -> None:
+    rng = np.random.default_rng(hash((mix, heads, block_size)) % 2**32)
+    step = random_step(rng, MIXES[mix], heads, kv_heads, dim, block_size)
+    backend = backend_class(heads, kv_heads, dim, dim**-0.5)
+    ref_k, ref_v = step.key_cache.clone(), step.value_cache.clone()
+    expected = reference_attention(step.q, step.k, step.v, ref_k, ref_v, step.inputs, dim**-0.5)
+    got = run_backend(backend, step, step.inputs)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(step.key_cache, ref_k, rtol=0, atol=0)
+    torch.testing.assert_close(step.value_cache, ref_v, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("backend_class", BACKENDS)
+def test_tree_mask_matches_reference(backend_class: type[TorchAttentionBackend]) -> None:
+    rng = np.random.default_rng(7)
+    kinds = ["verify", "chunk", "long-verify", "verify", "decode"]
+    step = random_step(rng, kinds, 4, 2, 16, 8, tree=True)
+    backend = backend_class(4, 2, 16, 0.25)
+    expected = reference_attention(
+        step.q, step.k, step.v, step.key_cache.clone(), step.value_cache.clone(), step.inputs, 0.25
+    )
+    got = run_backend(backend, step, step.inputs)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend_class", BACKENDS)
+def test_pad_slot_is_never_written(backend_class: type[TorchAttentionBackend]) -> None:
+    rng = np.random.default_rng(1)
+    step = random_step(rng, ["decode", "verify", "decode"], 4, 2, 16, 8)
+    slots = step.inputs.slot_mapping.copy()
+    padded = [0, len(slots) - 1]
+    slots[padded] = PAD_SLOT
+    inputs = AttentionInputs(
+        step.inputs.query_lens, step.inputs.seq_lens, step.inputs.block_tables, slots, 8
+    )
+    before_k, before_v = step.key_cache.clone(), step.value_cache.clone()
+    backend = backend_class(4, 2, 16, 0.25)
+    expected = reference_attention(
+        step.q, step.k, step.v, before_k.clone(), before_v.clone(), inputs, 0.25
+    )
+    got = run_backend(backend, step, inputs)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    flat_k = step.key_cache.view(-1, 2, 16)
+    for t in padded:
+        original = step.inputs.slot_mapping[t]
+        torch.testing.assert_close(flat_k[original], before_k.view(-1, 2, 16)[original])
+
+
+@pytest.mark.parametrize("backend_class", BACKENDS)
+def test_bfloat16_close_to_float32_reference(backend_class: type[TorchAttentionBackend]) -> None:
+    rng = np.random.default_rng(3)
+    step = random_step(rng, MIXES["mixed"], 6, 2, 16, 16, dtype=torch.bfloat16)
+    backend = backend_class(6, 2, 16, 0.25)
+    expected = reference_attention(
+        step.q.float(),
+        step.k.float(),
+        step.v.float(),
+        step.key_cache.float(),
+        step.value_cache.float(),
+        step.inputs,
+        0.25,
+    )
+    got = run_backend(backend, step, step.inputs)
+    torch.testing.assert_close(got.float(), expected, rtol=2e-2, atol=2e-2)
+
+
+def test_the_kernel_takes_the_short_queries() -> None:
+    rng = np.random.default_rng(5)
+    step = random_step(rng, MIXES["mixed"], 6, 2, 16, 16)
+    metadata = CpuPagedBackend(6, 2, 16, 0.25).build_metadata(step.inputs, torch.device("cpu"))
+    assert isinstance(metadata, CpuPagedMetadata)
+    assert metadata.short is not None
+    short = int((step.inputs.query_lens <= 16).sum())
+    assert len(metadata.short.q_len) == short
+    assert len(metadata.groups) == len(step.inputs.query_lens) - short  # prefills alone
+
+
+def test_a_sequence_gives_the_same_bits_alone_and_in_any_batch() -> None:
+    rng = np.random.default_rng(11)
+    kinds = ["decode", "verify", "long-decode", "long-verify", "decode"]
+    step = random_step(rng, kinds, 9, 3, 64, 16)
+    backend = CpuPagedBackend(9, 3, 64, 0.125)
+    together = run_backend(backend, step, step.inputs)
+    starts = step.inputs.query_start_loc
+    for b in range(len(step.inputs.query_lens)):
+        rows = slice(int(starts[b]), int(starts[b + 1]))
+        alone = AttentionInputs(
+            step.inputs.query_lens[b : b + 1],
+            step.inputs.seq_lens[b : b + 1],
+            step.inputs.block_tables[b : b + 1],
+            step.inputs.slot_mapping[rows],
+            16,
+        )
+        t = rows.stop - rows.start
+        metadata = backend.build_metadata(alone, torch.device("cpu"))
+        out = backend.forward(
+            step.q[rows].view(t, -1, 64),
+            step.k[rows].view(t, -1, 64),
+            step.v[rows].view(t, -1, 64),
+            (step.key_cache, step.value_cache),
+            metadata,
+        )
+        assert torch.equal(out.reshape(t, -1), together[rows]), b
+
+
+def test_without_a_compiler_the_reference_path_serves(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: object, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(cpu_paged, "_library", None)
+    monkeypatch.setattr(cpu_paged, "_load_failed", False)
+    monkeypatch.setenv("SPECBATCH_CACHE", str(tmp_path))  # nothing built there yet
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    rng = np.random.default_rng(9)
+    step = random_step(rng, MIXES["mixed"], 6, 2, 16, 16)
+    backend = CpuPagedBackend(6, 2, 16, 0.25)
+    expected = reference_attention(
+        step.q, step.k, step.v, step.key_cache.clone(), step.value_cache.clone(), step.inputs, 0.25
+    )
+    got = run_backend(backend, step, step.inputs)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert cpu_paged.load_library() is None
+    assert "could not be built" in caplog.text
+    metadata = backend.build_metadata(step.inputs, torch.device("cpu"))
+    assert getattr(metadata, "short", None) is None
