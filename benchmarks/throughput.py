@@ -31,6 +31,7 @@ from benchmarks.common import (
     rss_bytes,
     write_json,
 )
+from benchmarks.memory import kv_ranges, resident_bytes
 from specbatch import LLMEngine, SamplingParams
 from specbatch.cache.kv_tensors import kv_bytes_per_block
 from specbatch.config import EngineConfig
@@ -130,7 +131,7 @@ def main() -> None:
         )
     )
     weights = engine.model.weight_bytes()
-    kv_bytes = engine.num_kv_blocks * kv_bytes_per_block(
+    kv_reserved = engine.num_kv_blocks * kv_bytes_per_block(
         engine.model.config, engine.config.block_size, engine.dtype
     )
     print_conditions(
@@ -143,7 +144,8 @@ def main() -> None:
         prompts=args.dataset or "synthetic",
         repeats=args.repeats,
         kv_blocks=f"{engine.num_kv_blocks} x {engine.config.block_size}",
-        memory=f"weights {weights / 2**20:.0f} MiB, KV cache {kv_bytes / 2**20:.0f} MiB, "
+        memory=f"weights {weights / 2**20:.0f} MiB, KV cache {kv_reserved / 2**20:.0f} MiB "
+        "reserved (committed as used), "
         f"libraries at start {baseline_rss / 2**20:.0f} MiB",
     )
     # Phases: specbatch, then HF, then specbatch again. Bracketing HF between two specbatch
@@ -164,6 +166,8 @@ def main() -> None:
     first = max(1, (args.repeats + 1) // 2)
     specbatch_pass(first)
     rss_before_hf = {b: last[b]["peak_rss"] for b in sizes}
+    # KV pages stay resident once touched, so what is resident now is the peak so far
+    kv_bytes = resident_bytes(kv_ranges(engine))
     hf_rates: dict[int, list[float]] = {b: [] for b in sizes}
     if args.compare_hf:
         hf = hf_model(engine.model_path, torch.float32)

@@ -56,3 +56,19 @@ def test_greedy_identity_k_1_3_5_batch_16_and_1(
         if method == "self_draft":
             # SmolLM2 drafting for itself agrees with itself: ~100% acceptance
             assert stats.num_accepted_tokens / stats.num_draft_tokens > 0.97
+
+
+def test_greedy_identity_at_batch_64(
+    prompts_and_reference: tuple[list[str], list[list[int]]],
+) -> None:
+    """64 sequences at once through the CPU attention kernel: speculation off and on give the
+    batch-16 reference token for token (nothing about the batch changes a row's arithmetic)."""
+    prompts, reference = prompts_and_reference
+    many = (prompts * (64 // len(prompts) + 1))[:64]
+    expected = (reference * (64 // len(reference) + 1))[:64]
+    for spec in (None, {"method": "ngram", "num_speculative_tokens": 4}):
+        llm = LLM(speculative_config=spec, **{**ENGINE, "num_kv_blocks": 2400}, max_num_seqs=64)
+        assert llm.llm_engine.model.backend.name == "cpu"
+        outputs = [o.outputs[0].token_ids for o in llm.generate(many, PARAMS, use_tqdm=False)]
+        assert outputs == expected, spec
+        del llm

@@ -1,9 +1,9 @@
 """The CPU attention backend: short queries read the paged cache in place, in C.
 
 Decodes, verify queries and tree nodes (at most ``SHORT_QUERY`` query tokens per sequence) go to
-``cpu_paged_attention.c``: one work item per (sequence, KV head) walks the sequence's blocks
-through its block table, every K/V row read once for all the query heads of its group and all
-the sequence's query tokens, online softmax in float32, no gather and no padding to the longest
+``cpu_paged_attention.c``: one work unit per (sequence, 256-position chunk) walks the blocks
+through the block table, every position's K/V rows read once for all the sequence's query heads
+and tokens (GQA folded), online softmax in float32, no gather and no padding to the longest
 sequence. What a batch-64 decode step spent copying contexts out of the cache and attending
 over padded rows it now spends reading the cache once (see ``benchmarks/cpu_attention.py``).
 Prefill chunks keep the reference path (``torch_ref.py``): their gather is paid once for many
@@ -42,9 +42,7 @@ logger = logging.getLogger("specbatch")
 
 SOURCE = Path(__file__).with_name("cpu_paged_attention.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
-MAX_ROWS = 128  # query heads of a group x query tokens of a sequence, per work item
-MAX_HEAD_DIM = 256
-MAX_BLOCK_SIZE = 256
+MAX_HEAD_DIM = 256  # the merge keeps one row on the stack
 # Positions per work unit: units are spread over the threads, so one long sequence still uses
 # every core; the boundaries are absolute positions (a row's arithmetic never depends on the
 # batch). 256 keeps a unit's K/V in L2 and its merge cheap.
@@ -152,12 +150,7 @@ class CpuPagedBackend(TorchAttentionBackend):
     ) -> TorchAttentionMetadata:
         query_lens = np.asarray(inputs.query_lens, dtype=np.int64)
         short = np.flatnonzero(query_lens <= SHORT_QUERY)
-        fits = (
-            self.head_dim <= MAX_HEAD_DIM
-            and inputs.block_size <= MAX_BLOCK_SIZE
-            and SHORT_QUERY * (self.num_heads // self.num_kv_heads) <= MAX_ROWS
-            and device.type == "cpu"
-        )
+        fits = self.head_dim <= MAX_HEAD_DIM and device.type == "cpu"
         if not len(short) or not fits or load_library() is None:
             return self.reference_metadata(inputs, device)
         reference = self.reference_metadata(inputs, device, short_group=False)

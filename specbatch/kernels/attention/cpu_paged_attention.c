@@ -2,14 +2,14 @@
  * Paged attention for short queries (decodes, verify queries, tree nodes) on the CPU, reading
  * K/V in place through the block table: no gather, no padding to the longest sequence.
  *
- * One work unit is (sequence, KV head, chunk of positions): the G query heads that share the
- * KV head and the sequence's Q query tokens (G * Q query rows) walk the chunk's blocks in
- * position order; each K/V row is read from the cache once for all of them. Softmax is online,
- * per block of positions, in float32; the chunks of a (sequence, KV head) are then merged in
- * position order. The order of every floating-point sum depends only on the sequence's own
- * positions (fixed 16-lane dot products, blocks and chunks in order, chunk boundaries at
- * absolute positions), never on the batch it is in or the number of threads, so a row's result
- * is bit-for-bit the same alone or in any batch.
+ * One work unit is (sequence, chunk of positions): every query row of the sequence (its Q
+ * query tokens times H heads) walks the chunk's blocks in position order; each position's K
+ * and V rows (all KV heads, contiguous in the cache) are read once for all of them, GQA folded
+ * (a row uses its KV head's slice). Softmax is online, per block of positions, in float32; the
+ * chunks of a sequence are then merged in position order. The order of every floating-point
+ * sum depends only on the sequence's own positions (fixed-lane dot products, blocks and chunks
+ * in order, chunk boundaries at absolute positions), never on the batch it is in or the number
+ * of threads, so a row's result is bit-for-bit the same alone or in any batch.
  *
  * Built at first use by specbatch/kernels/attention/cpu_paged.py (cc -O3 -march=native
  * -fopenmp) and called through ctypes; no Python or torch headers.
@@ -18,25 +18,6 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-
-#define LANES 16
-
-static inline float bf16_to_float(uint16_t value) {
-    uint32_t bits = (uint32_t)value << 16;
-    float out;
-    memcpy(&out, &bits, sizeof out);
-    return out;
-}
-
-/* One cache row (head_dim values) as float32: in place for a float32 cache, else converted
- * into scratch. */
-static inline const float *load_row(const void *cache, int bf16, int64_t offset, int64_t dim,
-                                    float *scratch) {
-    if (!bf16) return (const float *)cache + offset;
-    const uint16_t *row = (const uint16_t *)cache + offset;
-    for (int64_t d = 0; d < dim; d++) scratch[d] = bf16_to_float(row[d]);
-    return scratch;
-}
 
 /*
  * exp(x) for x <= 0 in plain arithmetic (so that loops over it vectorize, unlike libm's expf):
@@ -61,24 +42,12 @@ static inline float exp_nonpositive(float x) {
     return x < -87.0f ? 0.0f : p * scale;
 }
 
-/* Dot product in a fixed order: LANES partial sums, then a fixed pairwise reduction. */
-static inline float dot(const float *a, const float *b, int64_t dim) {
-    float part[LANES] = {0};
-    int64_t d = 0;
-    for (; d + LANES <= dim; d += LANES)
-        for (int lane = 0; lane < LANES; lane++) part[lane] += a[d + lane] * b[d + lane];
-    for (int lane = 0; d < dim; d++, lane++) part[lane] += a[d] * b[d];
-    for (int width = LANES / 2; width > 0; width /= 2)
-        for (int lane = 0; lane < width; lane++) part[lane] += part[lane + width];
-    return part[0];
+static inline float bf16_to_float(uint16_t value) {
+    const uint32_t bits = (uint32_t)value << 16;
+    float out;
+    memcpy(&out, &bits, sizeof out);
+    return out;
 }
-
-/* Partial attention of one work unit: a chunk of positions, not yet normalised. */
-typedef struct {
-    float *best;  /* [rows] running maximum of the scores (-inf: nothing visible) */
-    float *total; /* [rows] sum of exp(score - best) */
-    float *acc;   /* [rows, head_dim] sum of exp(score - best) * value */
-} Partial;
 
 typedef struct {
     const float *q;
@@ -88,79 +57,234 @@ typedef struct {
     const int64_t *q_start, *q_len, *seq_len, *block_tables;
     int64_t bt_stride;
     const uint8_t *tree;
-    int64_t tree_stride, group, num_kv_heads, head_dim, block_size, row_stride;
+    int64_t tree_stride, num_heads, group, head_dim, block_size, row_width;
     float scale;
 } Step;
 
-/* Attend rows of (sequence s, KV head kvh) over positions [from, to) into part. */
-static void attend_chunk(const Step *st, int64_t s, int64_t kvh, int64_t from, int64_t to,
-                         Partial part) {
-    const int64_t group = st->group, head_dim = st->head_dim, block_size = st->block_size;
-    const int64_t qn = st->q_len[s], rows = qn * group, len = st->seq_len[s];
-    const int64_t first_new = len - qn, row_stride = st->row_stride;
-    /* sized per unit (the caller bounds rows, head_dim and block_size) */
-    float queries[rows][head_dim], scores[rows][block_size];
-    float kscratch[head_dim], vscratch[head_dim];
-    int64_t last_visible[rows];
+/* Partial attention of one work unit (a chunk of positions), not yet normalised. */
+typedef struct {
+    float *best;  /* [rows] running maximum of the scores (-inf: nothing visible) */
+    float *total; /* [rows] sum of exp(score - best) */
+    float *acc;   /* [rows, head_dim] sum of exp(score - best) * value */
+} Partial;
+
+/* Row r of a sequence is query token r / num_heads, head r % num_heads. */
+static inline int visible(const Step *st, int64_t s, int64_t r, int64_t position) {
+    const int64_t qn = st->q_len[s], len = st->seq_len[s], first_new = len - qn;
+    const int64_t i = r / st->num_heads;
+    if (position < first_new) return 1;
+    if (st->tree == NULL) return position <= first_new + i; /* causal among the new tokens */
+    return st->tree[(st->q_start[s] + i) * st->tree_stride + (position - first_new)];
+}
+
+/* Online softmax over one block: scores[r][0..count) become weights, best/total/acc rescale. */
+static void softmax_block(Partial part, int64_t rows, int64_t count, int64_t width,
+                          int64_t head_dim, float *scores) {
     for (int64_t r = 0; r < rows; r++) {
-        const int64_t i = r / group, h = kvh * group + r % group;
+        float *restrict row = scores + r * width;
+        float top = part.best[r];
+        for (int64_t j = 0; j < count; j++) top = row[j] > top ? row[j] : top;
+        if (top == -INFINITY) continue; /* nothing visible yet */
+        const float shrink =
+            part.best[r] == -INFINITY ? 0.0f : exp_nonpositive(part.best[r] - top);
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t j = 0; j < count; j++) {
+            const float weight = row[j] == -INFINITY ? 0.0f : exp_nonpositive(row[j] - top);
+            row[j] = weight;
+            sum += weight;
+        }
+        float *restrict acc = part.acc + r * head_dim;
+        for (int64_t d = 0; d < head_dim; d++) acc[d] *= shrink;
+        part.total[r] = part.total[r] * shrink + sum;
+        part.best[r] = top;
+    }
+}
+
+/* ---------------- the generic path: any head_dim and block_size ---------------- */
+
+/* Dot product in a fixed order: 16 partial sums, then a fixed pairwise reduction. */
+static inline float dot(const float *a, const float *b, int64_t dim) {
+    float part[16] = {0};
+    int64_t d = 0;
+    for (; d + 16 <= dim; d += 16)
+        for (int lane = 0; lane < 16; lane++) part[lane] += a[d + lane] * b[d + lane];
+    for (int lane = 0; d < dim; d++, lane++) part[lane] += a[d] * b[d];
+    for (int width = 8; width > 0; width /= 2)
+        for (int lane = 0; lane < width; lane++) part[lane] += part[lane + width];
+    return part[0];
+}
+
+/* One position's K or V row (every KV head) as float32: in place, or converted into scratch. */
+static inline const float *load_row(const void *cache, int bf16, int64_t offset, int64_t width,
+                                    float *scratch) {
+    if (!bf16) return (const float *)cache + offset;
+    const uint16_t *row = (const uint16_t *)cache + offset;
+    for (int64_t d = 0; d < width; d++) scratch[d] = bf16_to_float(row[d]);
+    return scratch;
+}
+
+static void attend_chunk(const Step *st, int64_t s, int64_t from, int64_t to, Partial part,
+                         float *queries, float *scores, float *scratch) {
+    const int64_t heads = st->num_heads, dim = st->head_dim, width = st->block_size;
+    const int64_t rows = st->q_len[s] * heads, row_width = st->row_width;
+    const int64_t *table = st->block_tables + s * st->bt_stride;
+    for (int64_t start = from; start < to; start += width) {
+        const int64_t count = to - start < width ? to - start : width;
+        const int64_t base = table[start / width] * width * row_width;
+        for (int64_t j = 0; j < count; j++) {
+            const float *k = load_row(st->key_cache, st->bf16, base + j * row_width, row_width,
+                                      scratch);
+            for (int64_t r = 0; r < rows; r++) {
+                const int64_t kvh = (r % heads) / st->group;
+                scores[r * width + j] = visible(st, s, r, start + j)
+                                            ? dot(queries + r * dim, k + kvh * dim, dim)
+                                            : -INFINITY;
+            }
+        }
+        softmax_block(part, rows, count, width, dim, scores);
+        for (int64_t j = 0; j < count; j++) {
+            const float *v = load_row(st->value_cache, st->bf16, base + j * row_width, row_width,
+                                      scratch);
+            for (int64_t r = 0; r < rows; r++) {
+                const float weight = scores[r * width + j];
+                if (weight == 0.0f) continue;
+                const float *restrict value = v + ((r % heads) / st->group) * dim;
+                float *restrict acc = part.acc + r * dim;
+                for (int64_t d = 0; d < dim; d++) acc[d] += weight * value[d];
+            }
+        }
+    }
+}
+
+/* -------- the vector path: head_dim and block_size multiples of 16 (64 and 16 for Llama) -------- */
+
+typedef float v16f __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef uint16_t v16h __attribute__((vector_size(32)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+
+static inline v16f load16(const void *cache, int bf16, int64_t offset) {
+    v16f out;
+    if (bf16) {
+        v16h half;
+        memcpy(&half, (const uint16_t *)cache + offset, sizeof half);
+        const v16u wide = __builtin_convertvector(half, v16u) << 16;
+        memcpy(&out, &wide, sizeof out);
+    } else {
+        memcpy(&out, (const float *)cache + offset, sizeof out);
+    }
+    return out;
+}
+
+static inline v16f fold(v16f a, v16f b, v16i low, v16i high) {
+    return __builtin_shuffle(a, b, low) + __builtin_shuffle(a, b, high);
+}
+
+/* Lane j of the result is the sum of the 16 lanes of p[j], in a fixed order: four levels of
+ * pairwise folds (16 vectors -> 8 -> 4 -> 2 -> 1) instead of 16 separate horizontal sums.
+ * Feeding the vectors in bit-reversed order leaves the sums in natural lane order. */
+static inline v16f reduce16(const v16f p[16]) {
+    static const int bitrev[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
+    const v16i lo8 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+    const v16i hi8 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
+    const v16i lo4 = {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27};
+    const v16i hi4 = {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31};
+    const v16i lo2 = {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29};
+    const v16i hi2 = {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31};
+    const v16i lo1 = {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30};
+    const v16i hi1 = {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31};
+    v16f level1[8], level2[4], level3[2];
+    for (int i = 0; i < 8; i++) level1[i] = fold(p[bitrev[2 * i]], p[bitrev[2 * i + 1]], lo8, hi8);
+    for (int i = 0; i < 4; i++) level2[i] = fold(level1[2 * i], level1[2 * i + 1], lo4, hi4);
+    for (int i = 0; i < 2; i++) level3[i] = fold(level2[2 * i], level2[2 * i + 1], lo2, hi2);
+    return fold(level3[0], level3[1], lo1, hi1);
+}
+
+/* attend_chunk with vectors: per row, the scores of 16 positions as vector FMAs and one
+ * reduce16; values accumulated as vectors. keys: scratch for 16 positions' K rows. */
+static void attend_chunk16(const Step *st, int64_t s, int64_t from, int64_t to, Partial part,
+                           const v16f *queries, float *scores, v16f *keys) {
+    const int64_t heads = st->num_heads, dim = st->head_dim, width = st->block_size;
+    const int64_t per_head = dim / 16, per_row = st->row_width / 16;
+    const int64_t rows = st->q_len[s] * heads, row_width = st->row_width;
+    const int64_t *table = st->block_tables + s * st->bt_stride;
+    const v16f zero = {0};
+    for (int64_t start = from; start < to; start += width) {
+        const int64_t count = to - start < width ? to - start : width;
+        const int64_t base = table[start / width] * width * row_width;
+        for (int64_t g = 0; g < count; g += 16) {
+            const int64_t n = count - g < 16 ? count - g : 16;
+            for (int64_t j = 0; j < n; j++)
+                for (int64_t c = 0; c < per_row; c++)
+                    keys[j * per_row + c] =
+                        load16(st->key_cache, st->bf16, base + (g + j) * row_width + 16 * c);
+            for (int64_t r = 0; r < rows; r++) {
+                const v16f *query = queries + r * per_head;
+                const int64_t kv_offset = ((r % heads) / st->group) * per_head;
+                v16f partials[16];
+                for (int64_t j = 0; j < 16; j++) {
+                    v16f sum = zero;
+                    if (j < n)
+                        for (int64_t c = 0; c < per_head; c++)
+                            sum += query[c] * keys[j * per_row + kv_offset + c];
+                    partials[j] = sum;
+                }
+                const v16f reduced = reduce16(partials);
+                for (int64_t j = 0; j < n; j++)
+                    scores[r * width + g + j] =
+                        visible(st, s, r, start + g + j) ? reduced[j] : -INFINITY;
+            }
+        }
+        softmax_block(part, rows, count, width, dim, scores);
+        for (int64_t j = 0; j < count; j++) {
+            v16f values[per_row];
+            for (int64_t c = 0; c < per_row; c++)
+                values[c] = load16(st->value_cache, st->bf16, base + j * row_width + 16 * c);
+            for (int64_t r = 0; r < rows; r++) {
+                const float weight = scores[r * width + j];
+                if (weight == 0.0f) continue;
+                const v16f *value = values + ((r % heads) / st->group) * per_head;
+                float *acc = part.acc + r * dim;
+                for (int64_t c = 0; c < per_head; c++) {
+                    v16f sum;
+                    memcpy(&sum, acc + 16 * c, sizeof sum);
+                    sum += weight * value[c];
+                    memcpy(acc + 16 * c, &sum, sizeof sum);
+                }
+            }
+        }
+    }
+}
+
+/* One work unit: rows' queries (scaled) loaded, the chunk attended into part. */
+static int attend_unit(const Step *st, int64_t s, int64_t from, int64_t to, Partial part) {
+    const int64_t heads = st->num_heads, dim = st->head_dim, width = st->block_size;
+    const int64_t rows = st->q_len[s] * heads;
+    const int vector = dim % 16 == 0 && width % 16 == 0;
+    /* queries, scores, and K scratch: heap, sized for this unit (a 70B model's verify rows
+     * would not fit a thread's stack) */
+    const size_t query_bytes = (size_t)(rows * dim) * sizeof(float);
+    const size_t score_bytes = (size_t)(rows * width) * sizeof(float);
+    const size_t key_bytes = (size_t)(16 * st->row_width) * sizeof(float);
+    char *memory = aligned_alloc(64, (query_bytes + score_bytes + key_bytes + 63) / 64 * 64);
+    if (memory == NULL) return -1;
+    float *queries = (float *)memory, *scores = (float *)(memory + query_bytes);
+    float *scratch = (float *)(memory + query_bytes + score_bytes);
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t i = r / heads, h = r % heads;
         const float *src = st->q + (st->q_start[s] + i) * st->q_stride_t + h * st->q_stride_h;
-        for (int64_t d = 0; d < head_dim; d++) queries[r][d] = src[d] * st->scale;
-        memset(part.acc + r * head_dim, 0, (size_t)head_dim * sizeof(float));
+        for (int64_t d = 0; d < dim; d++) queries[r * dim + d] = src[d] * st->scale;
+        memset(part.acc + r * dim, 0, (size_t)dim * sizeof(float));
         part.best[r] = -INFINITY;
         part.total[r] = 0.0f;
-        /* causal among the new tokens; with a tree mask, the mask alone decides them */
-        last_visible[r] = st->tree != NULL ? len - 1 : first_new + i;
     }
-    const int64_t *table = st->block_tables + s * st->bt_stride;
-    for (int64_t start = from; start < to; start += block_size) {
-        const int64_t count = to - start < block_size ? to - start : block_size;
-        const int64_t base = table[start / block_size] * block_size * row_stride + kvh * head_dim;
-        /* scores of every row against the block's positions (-inf where hidden) */
-        for (int64_t j = 0; j < count; j++) {
-            const int64_t position = start + j;
-            const float *krow =
-                load_row(st->key_cache, st->bf16, base + j * row_stride, head_dim, kscratch);
-            for (int64_t r = 0; r < rows; r++) {
-                int visible = position <= last_visible[r];
-                if (visible && st->tree != NULL && position >= first_new) {
-                    const int64_t row = st->q_start[s] + r / group;
-                    visible = st->tree[row * st->tree_stride + (position - first_new)];
-                }
-                scores[r][j] = visible ? dot(queries[r], krow, head_dim) : -INFINITY;
-            }
-        }
-        /* online softmax: rescale what was accumulated to the block's new maximum */
-        for (int64_t r = 0; r < rows; r++) {
-            float top = part.best[r];
-            for (int64_t j = 0; j < count; j++) top = scores[r][j] > top ? scores[r][j] : top;
-            if (top == -INFINITY) continue; /* nothing visible yet */
-            const float shrink =
-                part.best[r] == -INFINITY ? 0.0f : exp_nonpositive(part.best[r] - top);
-            float *restrict row = scores[r];
-            float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-            for (int64_t j = 0; j < count; j++) {
-                const float weight = row[j] == -INFINITY ? 0.0f : exp_nonpositive(row[j] - top);
-                row[j] = weight;
-                sum += weight;
-            }
-            float *restrict acc = part.acc + r * head_dim;
-            for (int64_t d = 0; d < head_dim; d++) acc[d] *= shrink;
-            part.total[r] = part.total[r] * shrink + sum;
-            part.best[r] = top;
-        }
-        for (int64_t j = 0; j < count; j++) {
-            const float *restrict vrow =
-                load_row(st->value_cache, st->bf16, base + j * row_stride, head_dim, vscratch);
-            for (int64_t r = 0; r < rows; r++) {
-                const float weight = scores[r][j];
-                if (weight == 0.0f) continue;
-                float *restrict acc = part.acc + r * head_dim;
-                for (int64_t d = 0; d < head_dim; d++) acc[d] += weight * vrow[d];
-            }
-        }
-    }
+    if (vector)
+        attend_chunk16(st, s, from, to, part, (const v16f *)queries, scores, (v16f *)scratch);
+    else
+        attend_chunk(st, s, from, to, part, queries, scores, scratch);
+    free(memory);
+    return 0;
 }
 
 /*
@@ -174,11 +298,9 @@ static void attend_chunk(const Step *st, int64_t s, int64_t kvh, int64_t from, i
  * tree (optional, may be NULL): [T, tree_stride] uint8; with it, query i of a sequence sees
  *   new token j (0-based among its q_len) iff tree[(q_start + i) * tree_stride + j]; cached
  *   positions are always visible. Without it the new tokens are causal.
- * chunk:   positions per work unit (a multiple of block_size). Units are (sequence, KV head,
- *   chunk of positions), spread over the threads; each (sequence, KV head) then merges its
- *   chunks in position order. Chunk boundaries are absolute positions, so neither the batch
- *   nor the thread count changes a row's arithmetic.
- * Returns 0, or -1 when the scratch memory cannot be allocated (out is then untouched).
+ * chunk:   positions per work unit, a multiple of block_size. Units (sequence, chunk) are
+ *   spread over the threads; each sequence then merges its chunks in position order.
+ * Returns 0, or -1 when scratch memory cannot be allocated (out is then incomplete).
  */
 int paged_attention_short(
     const float *q, int64_t q_stride_t, int64_t q_stride_h,
@@ -191,24 +313,23 @@ int paged_attention_short(
     int64_t block_size, int64_t chunk, float scale, int num_threads) {
     const Step st = {q, q_stride_t, q_stride_h, key_cache, value_cache, bf16,
                      q_start, q_len, seq_len, block_tables, bt_stride, tree, tree_stride,
-                     num_heads / num_kv_heads, num_kv_heads, head_dim, block_size,
+                     num_heads, num_heads / num_kv_heads, head_dim, block_size,
                      num_kv_heads * head_dim, scale};
-    const int64_t group = st.group, items = num_seqs * num_kv_heads;
-    /* where each item's units and partials start */
-    int64_t *unit_start = malloc((size_t)(items + 1) * sizeof *unit_start);
-    int64_t *part_start = malloc((size_t)(items + 1) * sizeof *part_start);
+    /* where each sequence's units and partial rows start */
+    int64_t *unit_start = malloc((size_t)(num_seqs + 1) * sizeof *unit_start);
+    int64_t *part_start = malloc((size_t)(num_seqs + 1) * sizeof *part_start);
     if (unit_start == NULL || part_start == NULL) {
         free(unit_start);
         free(part_start);
         return -1;
     }
     unit_start[0] = part_start[0] = 0;
-    for (int64_t item = 0; item < items; item++) {
-        const int64_t s = item / num_kv_heads, chunks = (seq_len[s] + chunk - 1) / chunk;
-        unit_start[item + 1] = unit_start[item] + chunks;
-        part_start[item + 1] = part_start[item] + chunks * q_len[s] * group;
+    for (int64_t s = 0; s < num_seqs; s++) {
+        const int64_t chunks = (seq_len[s] + chunk - 1) / chunk;
+        unit_start[s + 1] = unit_start[s] + chunks;
+        part_start[s + 1] = part_start[s] + chunks * q_len[s] * num_heads;
     }
-    const int64_t units = unit_start[items], part_rows = part_start[items];
+    const int64_t units = unit_start[num_seqs], part_rows = part_start[num_seqs];
     float *scratch = malloc((size_t)part_rows * (size_t)(head_dim + 2) * sizeof(float));
     if (scratch == NULL) {
         free(unit_start);
@@ -216,49 +337,51 @@ int paged_attention_short(
         return -1;
     }
     float *best = scratch, *total = scratch + part_rows, *acc = scratch + 2 * part_rows;
+    int failed = 0;
 
 #pragma omp parallel num_threads(num_threads)
     {
 #pragma omp for schedule(dynamic, 1)
         for (int64_t unit = 0; unit < units; unit++) {
-            int64_t item = 0; /* the item owning this unit: binary search */
-            for (int64_t lo = 0, hi = items - 1; lo <= hi;) {
+            int64_t s = 0; /* the sequence owning this unit: binary search */
+            for (int64_t lo = 0, hi = num_seqs - 1; lo <= hi;) {
                 const int64_t mid = (lo + hi) / 2;
                 if (unit_start[mid] <= unit) {
-                    item = mid;
+                    s = mid;
                     lo = mid + 1;
                 } else {
                     hi = mid - 1;
                 }
             }
-            const int64_t s = item / num_kv_heads, kvh = item % num_kv_heads;
-            const int64_t c = unit - unit_start[item], rows = q_len[s] * group;
-            const int64_t first = part_start[item] + c * rows;
+            const int64_t c = unit - unit_start[s], rows = q_len[s] * num_heads;
+            const int64_t first = part_start[s] + c * rows;
             const int64_t to = (c + 1) * chunk < seq_len[s] ? (c + 1) * chunk : seq_len[s];
             const Partial part = {best + first, total + first, acc + first * head_dim};
-            attend_chunk(&st, s, kvh, c * chunk, to, part);
+            if (attend_unit(&st, s, c * chunk, to, part) != 0) {
+#pragma omp atomic write
+                failed = 1;
+            }
         }
 #pragma omp for schedule(static)
-        for (int64_t item = 0; item < items; item++) {
-            const int64_t s = item / num_kv_heads, kvh = item % num_kv_heads;
-            const int64_t rows = q_len[s] * group, chunks = unit_start[item + 1] - unit_start[item];
+        for (int64_t s = 0; s < num_seqs; s++) {
+            const int64_t rows = q_len[s] * num_heads, chunks = unit_start[s + 1] - unit_start[s];
             for (int64_t r = 0; r < rows; r++) {
                 float top = -INFINITY;
                 for (int64_t c = 0; c < chunks; c++) {
-                    const float m = best[part_start[item] + c * rows + r];
+                    const float m = best[part_start[s] + c * rows + r];
                     top = m > top ? m : top;
                 }
                 float sum = 0.0f, merged[head_dim];
                 memset(merged, 0, (size_t)head_dim * sizeof(float));
                 for (int64_t c = 0; c < chunks; c++) { /* in position order: fixed arithmetic */
-                    const int64_t at = part_start[item] + c * rows + r;
+                    const int64_t at = part_start[s] + c * rows + r;
                     if (best[at] == -INFINITY) continue;
                     const float weight = exp_nonpositive(best[at] - top);
                     sum += total[at] * weight;
                     for (int64_t d = 0; d < head_dim; d++)
                         merged[d] += acc[at * head_dim + d] * weight;
                 }
-                const int64_t i = r / group, h = kvh * group + r % group;
+                const int64_t i = r / num_heads, h = r % num_heads;
                 float *dst = out + (q_start[s] + i) * out_stride_t + h * out_stride_h;
                 const float norm = sum > 0.0f ? 1.0f / sum : 0.0f;
                 for (int64_t d = 0; d < head_dim; d++) dst[d] = merged[d] * norm;
@@ -268,5 +391,5 @@ int paged_attention_short(
     free(scratch);
     free(unit_start);
     free(part_start);
-    return 0;
+    return failed ? -1 : 0;
 }
