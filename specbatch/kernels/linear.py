@@ -66,4 +66,13 @@ def packed_linear(
 ) -> torch.Tensor:
     if x.shape[0] == 0:
         return x.new_empty(0, out_features)
+    if x.shape[0] == 1:
+        # oneDNN multiplies a single row (its matrix-vector path) in another order than two or
+        # more rows (measured on SmolLM2's down projection, K = 1536, in float32 and bfloat16),
+        # so a row's bits would depend on how many rows share the step: in bfloat16 that
+        # changed greedy text with the batch. Two rows cost the same as one.
+        out = torch.ops.mkldnn._linear_pointwise(
+            x.expand(2, -1).contiguous(), packed, bias, "none", [], ""
+        )
+        return out[:1]
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")

@@ -41,3 +41,22 @@ def test_packed_equals_the_plain_product(dtype: torch.dtype, rows: int, bias: bo
 
 def test_half_precision_is_not_packed() -> None:
     assert not cpu_packing_supported(torch.float16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_row_has_the_same_bits_whatever_the_row_count(dtype: torch.dtype) -> None:
+    """oneDNN's single-row path sums in another order (seen at K = 1536, SmolLM2's down
+    projection): one row is computed as two, so a row's result never depends on its batch."""
+    if not cpu_packing_supported(dtype):
+        pytest.skip(f"oneDNN cannot pack {dtype} here")
+    generator = torch.Generator().manual_seed(0)
+    layer = Linear(1536, 576)
+    with torch.no_grad():
+        assert layer.weight is not None
+        layer.weight.copy_(torch.randn(576, 1536, generator=generator) * 0.05)
+    layer = layer.to(dtype)
+    layer.pack()
+    x = torch.randn(40, 1536, generator=generator).to(dtype)
+    full = layer(x)
+    for rows in (1, 2, 3, 7, 16, 39):
+        assert torch.equal(layer(x[:rows]), full[:rows]), rows

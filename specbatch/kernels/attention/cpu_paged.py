@@ -180,21 +180,22 @@ class CpuPagedBackend(TorchAttentionBackend):
         kv_cache: LayerKVCache | None,
         metadata: TorchAttentionMetadata,
     ) -> torch.Tensor:
+        if kv_cache is None:
+            raise RuntimeError("no KV cache bound to the model: call bind_kv_caches first")
         short = getattr(metadata, "short", None)
-        if short is None or kv_cache is None:
-            return super().forward(q, k, v, kv_cache, metadata)
-        if kv_cache[0].dtype not in (torch.float32, torch.bfloat16):  # e.g. float16: reference
-            assert isinstance(metadata, CpuPagedMetadata)
+        if short is not None and kv_cache[0].dtype not in (torch.float32, torch.bfloat16):
+            assert isinstance(metadata, CpuPagedMetadata)  # e.g. a float16 cache: reference
             assert metadata.inputs is not None
-            return super().forward(
-                q, k, v, kv_cache, self.reference_metadata(metadata.inputs, q.device)
-            )
+            metadata, short = self.reference_metadata(metadata.inputs, q.device), None
         self.write_kv(k, v, kv_cache, metadata)
+        # Every query attends in float32, whichever path serves it: a prefill's bits must not
+        # depend on whether its step also held short queries (it would, in bfloat16).
         queries = q if q.dtype == torch.float32 and q.stride(-1) == 1 else q.float()
         out = torch.empty(q.shape[0], self.num_heads, self.head_dim, dtype=torch.float32)
-        self._attend_short(queries, kv_cache, short, out)
-        self.attend_groups(queries, kv_cache, metadata.groups, out)
-        return out.to(q.dtype)
+        if short is not None:
+            self._attend_short(queries, kv_cache, short, out)
+        attended = self.attend_groups(queries, kv_cache, metadata.groups, out)
+        return (out if attended is None else attended).to(q.dtype)
 
     def _attend_short(
         self, q: torch.Tensor, kv_cache: LayerKVCache, short: ShortQueries, out: torch.Tensor
