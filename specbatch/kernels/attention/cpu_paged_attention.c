@@ -77,11 +77,17 @@ static inline int visible(const Step *st, int64_t s, int64_t r, int64_t position
     return st->tree[(st->q_start[s] + i) * st->tree_stride + (position - first_new)];
 }
 
+/* The last position row r may see (a tree may still hide some before it). */
+static inline int64_t last_position(const Step *st, int64_t s, int64_t r) {
+    const int64_t len = st->seq_len[s];
+    return st->tree != NULL ? len - 1 : len - st->q_len[s] + r / st->num_heads;
+}
+
 /* Online softmax over one block: scores[r][0..count) become weights, best/total/acc rescale. */
-static void softmax_block(Partial part, int64_t rows, int64_t count, int64_t width,
+static void softmax_block(Partial part, int64_t r0, int64_t r1, int64_t count, int64_t width,
                           int64_t head_dim, float *scores) {
-    for (int64_t r = 0; r < rows; r++) {
-        float *restrict row = scores + r * width;
+    for (int64_t r = r0; r < r1; r++) {
+        float *restrict row = scores + (r - r0) * width;
         float top = part.best[r];
         for (int64_t j = 0; j < count; j++) top = row[j] > top ? row[j] : top;
         if (top == -INFINITY) continue; /* nothing visible yet */
@@ -124,10 +130,11 @@ static inline const float *load_row(const void *cache, int bf16, int64_t offset,
     return scratch;
 }
 
-static void attend_chunk(const Step *st, int64_t s, int64_t from, int64_t to, Partial part,
-                         float *queries, float *scores, float *scratch) {
+static void attend_chunk(const Step *st, int64_t s, int64_t from, int64_t to, int64_t r0,
+                         int64_t r1, Partial part, const float *queries, float *scores,
+                         float *scratch) {
     const int64_t heads = st->num_heads, dim = st->head_dim, width = st->block_size;
-    const int64_t rows = st->q_len[s] * heads, row_width = st->row_width;
+    const int64_t row_width = st->row_width;
     const int64_t *table = st->block_tables + s * st->bt_stride;
     for (int64_t start = from; start < to; start += width) {
         const int64_t count = to - start < width ? to - start : width;
@@ -135,19 +142,20 @@ static void attend_chunk(const Step *st, int64_t s, int64_t from, int64_t to, Pa
         for (int64_t j = 0; j < count; j++) {
             const float *k = load_row(st->key_cache, st->bf16, base + j * row_width, row_width,
                                       scratch);
-            for (int64_t r = 0; r < rows; r++) {
+            for (int64_t r = r0; r < r1; r++) {
                 const int64_t kvh = (r % heads) / st->group;
-                scores[r * width + j] = visible(st, s, r, start + j)
+                scores[(r - r0) * width + j] = start + j <= last_position(st, s, r) &&
+                                                visible(st, s, r, start + j)
                                             ? dot(queries + r * dim, k + kvh * dim, dim)
                                             : -INFINITY;
             }
         }
-        softmax_block(part, rows, count, width, dim, scores);
+        softmax_block(part, r0, r1, count, width, dim, scores);
         for (int64_t j = 0; j < count; j++) {
             const float *v = load_row(st->value_cache, st->bf16, base + j * row_width, row_width,
                                       scratch);
-            for (int64_t r = 0; r < rows; r++) {
-                const float weight = scores[r * width + j];
+            for (int64_t r = r0; r < r1; r++) {
+                const float weight = scores[(r - r0) * width + j];
                 if (weight == 0.0f) continue;
                 const float *restrict value = v + ((r % heads) / st->group) * dim;
                 float *restrict acc = part.acc + r * dim;
@@ -203,11 +211,12 @@ static inline v16f reduce16(const v16f p[16]) {
 
 /* attend_chunk with vectors: per row, the scores of 16 positions as vector FMAs and one
  * reduce16; values accumulated as vectors. keys: scratch for 16 positions' K rows. */
-static void attend_chunk16(const Step *st, int64_t s, int64_t from, int64_t to, Partial part,
-                           const v16f *queries, float *scores, v16f *keys) {
+static void attend_chunk16(const Step *st, int64_t s, int64_t from, int64_t to, int64_t r0,
+                           int64_t r1, Partial part, const v16f *queries, float *scores,
+                           v16f *keys) {
     const int64_t heads = st->num_heads, dim = st->head_dim, width = st->block_size;
     const int64_t per_head = dim / 16, per_row = st->row_width / 16;
-    const int64_t rows = st->q_len[s] * heads, row_width = st->row_width;
+    const int64_t row_width = st->row_width;
     const int64_t *table = st->block_tables + s * st->bt_stride;
     const v16f zero = {0};
     for (int64_t start = from; start < to; start += width) {
@@ -219,7 +228,12 @@ static void attend_chunk16(const Step *st, int64_t s, int64_t from, int64_t to, 
                 for (int64_t c = 0; c < per_row; c++)
                     keys[j * per_row + c] =
                         load16(st->key_cache, st->bf16, base + (g + j) * row_width + 16 * c);
-            for (int64_t r = 0; r < rows; r++) {
+            for (int64_t r = r0; r < r1; r++) {
+                float *row_scores = scores + (r - r0) * width + g;
+                if (start + g > last_position(st, s, r)) { /* all hidden (causal): skip */
+                    for (int64_t j = 0; j < n; j++) row_scores[j] = -INFINITY;
+                    continue;
+                }
                 const v16f *query = queries + r * per_head;
                 const int64_t kv_offset = ((r % heads) / st->group) * per_head;
                 v16f partials[16];
@@ -232,17 +246,16 @@ static void attend_chunk16(const Step *st, int64_t s, int64_t from, int64_t to, 
                 }
                 const v16f reduced = reduce16(partials);
                 for (int64_t j = 0; j < n; j++)
-                    scores[r * width + g + j] =
-                        visible(st, s, r, start + g + j) ? reduced[j] : -INFINITY;
+                    row_scores[j] = visible(st, s, r, start + g + j) ? reduced[j] : -INFINITY;
             }
         }
-        softmax_block(part, rows, count, width, dim, scores);
+        softmax_block(part, r0, r1, count, width, dim, scores);
         for (int64_t j = 0; j < count; j++) {
             v16f values[per_row];
             for (int64_t c = 0; c < per_row; c++)
                 values[c] = load16(st->value_cache, st->bf16, base + j * row_width + 16 * c);
-            for (int64_t r = 0; r < rows; r++) {
-                const float weight = scores[r * width + j];
+            for (int64_t r = r0; r < r1; r++) {
+                const float weight = scores[(r - r0) * width + j];
                 if (weight == 0.0f) continue;
                 const v16f *value = values + ((r % heads) / st->group) * per_head;
                 float *acc = part.acc + r * dim;
@@ -257,7 +270,12 @@ static void attend_chunk16(const Step *st, int64_t s, int64_t from, int64_t to, 
     }
 }
 
-/* One work unit: rows' queries (scaled) loaded, the chunk attended into part. */
+/* Rows attended together: their accumulators (and the chunk's K/V) stay in cache. Rows are
+ * independent, so the tile size changes no row's arithmetic. */
+#define ROW_TILE 64
+
+/* One work unit: rows' queries (scaled) loaded, the chunk attended into part, a tile of rows at
+ * a time. */
 static int attend_unit(const Step *st, int64_t s, int64_t from, int64_t to, Partial part) {
     const int64_t heads = st->num_heads, dim = st->head_dim, width = st->block_size;
     const int64_t rows = st->q_len[s] * heads;
@@ -265,7 +283,7 @@ static int attend_unit(const Step *st, int64_t s, int64_t from, int64_t to, Part
     /* queries, scores, and K scratch: heap, sized for this unit (a 70B model's verify rows
      * would not fit a thread's stack) */
     const size_t query_bytes = (size_t)(rows * dim) * sizeof(float);
-    const size_t score_bytes = (size_t)(rows * width) * sizeof(float);
+    const size_t score_bytes = (size_t)(ROW_TILE * width) * sizeof(float);
     const size_t key_bytes = (size_t)(16 * st->row_width) * sizeof(float);
     char *memory = aligned_alloc(64, (query_bytes + score_bytes + key_bytes + 63) / 64 * 64);
     if (memory == NULL) return -1;
@@ -279,10 +297,14 @@ static int attend_unit(const Step *st, int64_t s, int64_t from, int64_t to, Part
         part.best[r] = -INFINITY;
         part.total[r] = 0.0f;
     }
-    if (vector)
-        attend_chunk16(st, s, from, to, part, (const v16f *)queries, scores, (v16f *)scratch);
-    else
-        attend_chunk(st, s, from, to, part, queries, scores, scratch);
+    for (int64_t r0 = 0; r0 < rows; r0 += ROW_TILE) {
+        const int64_t r1 = r0 + ROW_TILE < rows ? r0 + ROW_TILE : rows;
+        if (vector)
+            attend_chunk16(st, s, from, to, r0, r1, part, (const v16f *)queries, scores,
+                           (v16f *)scratch);
+        else
+            attend_chunk(st, s, from, to, r0, r1, part, queries, scores, scratch);
+    }
     free(memory);
     return 0;
 }
