@@ -1,6 +1,6 @@
 """The CPU paged-attention backends against the slow per-query reference: the reference torch
-backend (gather + SDPA) and the in-place C kernel for short queries (``cpu``), which must also
-give a sequence's rows bit for bit the same in any batch."""
+backend (gather + SDPA) and the in-place C kernel (``cpu``), which must also give a sequence's
+rows bit for bit the same in any batch and however its prompt is cut into chunks."""
 
 from __future__ import annotations
 
@@ -128,15 +128,15 @@ def test_bfloat16_close_to_float32_reference(backend_class: type[TorchAttentionB
     torch.testing.assert_close(got.float(), expected, rtol=2e-2, atol=2e-2)
 
 
-def test_the_kernel_takes_the_short_queries() -> None:
+def test_the_kernel_takes_every_query() -> None:
     rng = np.random.default_rng(5)
     step = random_step(rng, MIXES["mixed"], 6, 2, 16, 16)
+    assert (step.inputs.query_lens > 16).any()  # prefill chunks too
     metadata = CpuPagedBackend(6, 2, 16, 0.25).build_metadata(step.inputs, torch.device("cpu"))
     assert isinstance(metadata, CpuPagedMetadata)
-    assert metadata.short is not None
-    short = int((step.inputs.query_lens <= 16).sum())
-    assert len(metadata.short.q_len) == short
-    assert len(metadata.groups) == len(step.inputs.query_lens) - short  # prefills alone
+    assert metadata.queries is not None
+    assert len(metadata.queries.q_len) == len(step.inputs.query_lens)
+    assert metadata.groups == []  # the reference path attends nothing
 
 
 def test_a_sequence_gives_the_same_bits_alone_and_in_any_batch() -> None:
@@ -167,6 +167,49 @@ def test_a_sequence_gives_the_same_bits_alone_and_in_any_batch() -> None:
         assert torch.equal(out.reshape(t, -1), together[rows]), b
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("length", [300, 700])
+def test_a_token_gets_the_same_bits_in_any_chunk(dtype: torch.dtype, length: int) -> None:
+    """A prompt token attended inside a whole prefill, inside a short last chunk (as after a
+    prefix-cache hit) and as a decode gives the same bits: one code path for every length."""
+    heads, kv_heads, dim, block = 9, 3, 64, 16
+    gen = torch.Generator().manual_seed(length)
+    blocks = -(-length // block)
+    table = np.random.default_rng(length).permutation(blocks + 3)[None, :blocks].astype(np.int64)
+    key_cache = torch.randn(blocks + 3, block, kv_heads, dim, generator=gen).to(dtype)
+    value_cache = torch.randn(blocks + 3, block, kv_heads, dim, generator=gen).to(dtype)
+    positions = np.arange(length)
+    slots = table[0, positions // block] * block + positions % block
+    q = torch.randn(length, heads, dim, generator=gen)
+    # K/V as already in the cache, so every cut writes the same values
+    k = key_cache.view(-1, kv_heads, dim)[torch.from_numpy(slots)].clone()
+    v = value_cache.view(-1, kv_heads, dim)[torch.from_numpy(slots)].clone()
+    backend = CpuPagedBackend(heads, kv_heads, dim, dim**-0.5)
+
+    def last_rows(chunk: int) -> torch.Tensor:
+        inputs = AttentionInputs(
+            np.array([chunk]), np.array([length]), table, slots[length - chunk :], block
+        )
+        metadata = backend.build_metadata(inputs, torch.device("cpu"))
+        rows = slice(length - chunk, length)
+        out = backend.forward(q[rows], k[rows], v[rows], (key_cache, value_cache), metadata)
+        return out[-1]
+
+    whole = last_rows(length)
+    expected = reference_attention(
+        q.reshape(length, -1).float(),
+        k.reshape(length, -1),
+        v.reshape(length, -1),
+        key_cache.clone(),
+        value_cache.clone(),
+        AttentionInputs(np.array([length]), np.array([length]), table, slots, block),
+        dim**-0.5,
+    )[-1].view(heads, dim)
+    torch.testing.assert_close(whole.float(), expected.float(), rtol=1e-2, atol=1e-2)
+    for chunk in (1, 3, 17, 200):
+        assert torch.equal(last_rows(chunk), whole), chunk
+
+
 def test_without_a_compiler_the_reference_path_serves(
     monkeypatch: pytest.MonkeyPatch, tmp_path: object, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -185,4 +228,4 @@ def test_without_a_compiler_the_reference_path_serves(
     assert cpu_paged.load_library() is None
     assert "could not be built" in caplog.text
     metadata = backend.build_metadata(step.inputs, torch.device("cpu"))
-    assert getattr(metadata, "short", None) is None
+    assert getattr(metadata, "queries", None) is None

@@ -209,105 +209,207 @@ static inline v16f reduce16(const v16f p[16]) {
     return fold(level3[0], level3[1], lo1, hi1);
 }
 
-/* attend_chunk with vectors: per row, the scores of 16 positions as vector FMAs and one
- * reduce16; values accumulated as vectors. keys: scratch for 16 positions' K rows. */
+/* The last position each row of [r0, r1) may see, and where its KV head's slice starts in a
+ * position's K/V row. Rows of one query token are consecutive, so limits never decrease. */
+static void row_layout(const Step *st, int64_t s, int64_t r0, int64_t r1, int64_t *limit,
+                       int64_t *kv_offset) {
+    for (int64_t r = r0; r < r1; r++) {
+        limit[r - r0] = last_position(st, s, r);
+        kv_offset[r - r0] = ((r % st->num_heads) / st->group) * st->head_dim;
+    }
+}
+
+static inline v16f splat16(float value) {
+    return (v16f){value, value, value, value, value, value, value, value,
+                  value, value, value, value, value, value, value, value};
+}
+
+static inline v16f select16(v16i mask, v16f yes, v16f no) {
+    return (v16f)(((v16i)yes & mask) | ((v16i)no & ~mask));
+}
+
+/* exp_nonpositive on 16 lanes (the same polynomial; floor from truncation, exact). */
+static inline v16f exp16(v16f x) {
+    const v16f clamped = select16(x < splat16(-87.0f), splat16(-87.0f), x);
+    const v16f y = clamped * 1.44269504088896341f + 0.5f;
+    v16f n = __builtin_convertvector(__builtin_convertvector(y, v16i), v16f);
+    n += __builtin_convertvector(n > y, v16f); /* true is -1: truncation rounded up */
+    const v16f r = clamped - n * 0.693359375f - n * -2.12194440e-4f;
+    v16f p = splat16(1.0f / 720.0f);
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    const v16i bits = (__builtin_convertvector(n, v16i) + 127) << 23;
+    return select16(x < splat16(-87.0f), splat16(0.0f), p * (v16f)bits);
+}
+
+/* The sum of 16 lanes in a fixed order (halves folded). */
+static inline float sum16(v16f x) {
+    float half[8], quarter[4];
+    for (int i = 0; i < 8; i++) half[i] = x[i] + x[i + 8];
+    for (int i = 0; i < 4; i++) quarter[i] = half[i] + half[i + 4];
+    return (quarter[0] + quarter[2]) + (quarter[1] + quarter[3]);
+}
+
+#define MAX_PER_HEAD 16 /* head dim 256 */
+
+/* One row over one block, vectorised: the scores of 16 positions at a time as vector FMAs and
+ * one reduce16, masked, the online softmax step on 16 lanes (positions past the block weigh 0),
+ * then the block's values accumulated into the row's accumulator, held in registers for the
+ * whole block. per_head is a constant where inlined. row: room for the block's scores rounded
+ * up to 16. */
+static inline __attribute__((always_inline)) void attend_row16(
+    const Step *st, int64_t s, int64_t r, int64_t start, int64_t count, int64_t limit,
+    int64_t per_head, const v16f *query, const v16f *keys, const v16f *values, int64_t per_row,
+    int64_t kv_vec, Partial part, float *row) {
+    const v16f zero = {0}, hidden = splat16(-INFINITY);
+    const v16i lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    const int64_t groups = (count + 15) / 16;
+    const int64_t seen = limit - start + 1; /* positions start + j, j < seen, are causal */
+    v16f top16 = splat16(part.best[r]);
+    for (int64_t g = 0; g < groups; g++) {
+        const int64_t n = count - 16 * g < 16 ? count - 16 * g : 16;
+        v16f partials[16];
+        for (int64_t j = 0; j < 16; j++) {
+            v16f sum = zero;
+            if (j < n)
+                for (int64_t c = 0; c < per_head; c++)
+                    sum += query[c] * keys[(16 * g + j) * per_row + kv_vec + c];
+            partials[j] = sum;
+        }
+        const v16i index = lane + (int32_t)(16 * g);
+        v16f scores = select16(index < (int32_t)(n + 16 * g < seen ? n + 16 * g : seen),
+                               reduce16(partials), hidden);
+        if (st->tree != NULL)
+            for (int64_t j = 0; j < n; j++)
+                if (!visible(st, s, r, start + 16 * g + j)) scores[j] = -INFINITY;
+        top16 = select16(scores > top16, scores, top16);
+        memcpy(row + 16 * g, &scores, sizeof scores);
+    }
+    float top = top16[0]; /* a maximum is exact in any order */
+    for (int i = 1; i < 16; i++) top = top16[i] > top ? top16[i] : top;
+    if (top == -INFINITY) return; /* nothing visible yet */
+    const float shrink = part.best[r] == -INFINITY ? 0.0f : exp_nonpositive(part.best[r] - top);
+    float sum = 0.0f;
+    for (int64_t g = 0; g < groups; g++) {
+        v16f scores;
+        memcpy(&scores, row + 16 * g, sizeof scores);
+        const v16f weights = select16(scores == hidden, zero, exp16(scores - top));
+        memcpy(row + 16 * g, &weights, sizeof weights);
+        sum += sum16(weights);
+    }
+    part.total[r] = part.total[r] * shrink + sum;
+    part.best[r] = top;
+    v16f acc[MAX_PER_HEAD];
+    memcpy(acc, part.acc + r * per_head * 16, (size_t)per_head * sizeof(v16f));
+    for (int64_t c = 0; c < per_head; c++) acc[c] *= shrink;
+    for (int64_t j = 0; j < count; j++) {
+        const float weight = row[j];
+        if (weight == 0.0f) continue;
+        const v16f *value = values + j * per_row + kv_vec;
+        for (int64_t c = 0; c < per_head; c++) acc[c] += weight * value[c];
+    }
+    memcpy(part.acc + r * per_head * 16, acc, (size_t)per_head * sizeof(v16f));
+}
+
+/* Rows [r0, r1) of sequence s over positions [from, to), block by block: each block's K and V
+ * rows are loaded (converted from bfloat16 where needed) once into keys/values and read by
+ * every row. A row whose causal limit is before the block skips it: a block it cannot see would
+ * leave its state unchanged (rescaling by exp(0) = 1, adding 0). */
 static void attend_chunk16(const Step *st, int64_t s, int64_t from, int64_t to, int64_t r0,
-                           int64_t r1, Partial part, const v16f *queries, float *scores,
-                           v16f *keys) {
-    const int64_t heads = st->num_heads, dim = st->head_dim, width = st->block_size;
-    const int64_t per_head = dim / 16, per_row = st->row_width / 16;
-    const int64_t row_width = st->row_width;
+                           int64_t r1, Partial part, const v16f *queries, const int64_t *limit,
+                           const int64_t *kv_offset, float *row, v16f *keys, v16f *values) {
+    const int64_t width = st->block_size, per_head = st->head_dim / 16;
+    const int64_t per_row = st->row_width / 16, row_width = st->row_width;
     const int64_t *table = st->block_tables + s * st->bt_stride;
-    const v16f zero = {0};
-    for (int64_t start = from; start < to; start += width) {
+    for (int64_t start = from; start < to && start <= limit[r1 - 1 - r0]; start += width) {
         const int64_t count = to - start < width ? to - start : width;
         const int64_t base = table[start / width] * width * row_width;
-        for (int64_t g = 0; g < count; g += 16) {
-            const int64_t n = count - g < 16 ? count - g : 16;
-            for (int64_t j = 0; j < n; j++)
-                for (int64_t c = 0; c < per_row; c++)
-                    keys[j * per_row + c] =
-                        load16(st->key_cache, st->bf16, base + (g + j) * row_width + 16 * c);
-            for (int64_t r = r0; r < r1; r++) {
-                float *row_scores = scores + (r - r0) * width + g;
-                if (start + g > last_position(st, s, r)) { /* all hidden (causal): skip */
-                    for (int64_t j = 0; j < n; j++) row_scores[j] = -INFINITY;
-                    continue;
-                }
-                const v16f *query = queries + r * per_head;
-                const int64_t kv_offset = ((r % heads) / st->group) * per_head;
-                v16f partials[16];
-                for (int64_t j = 0; j < 16; j++) {
-                    v16f sum = zero;
-                    if (j < n)
-                        for (int64_t c = 0; c < per_head; c++)
-                            sum += query[c] * keys[j * per_row + kv_offset + c];
-                    partials[j] = sum;
-                }
-                const v16f reduced = reduce16(partials);
-                for (int64_t j = 0; j < n; j++)
-                    row_scores[j] = visible(st, s, r, start + g + j) ? reduced[j] : -INFINITY;
+        for (int64_t j = 0; j < count; j++)
+            for (int64_t c = 0; c < per_row; c++) {
+                keys[j * per_row + c] = load16(st->key_cache, st->bf16, base + j * row_width + 16 * c);
+                values[j * per_row + c] =
+                    load16(st->value_cache, st->bf16, base + j * row_width + 16 * c);
             }
-        }
-        softmax_block(part, r0, r1, count, width, dim, scores);
-        for (int64_t j = 0; j < count; j++) {
-            v16f values[per_row];
-            for (int64_t c = 0; c < per_row; c++)
-                values[c] = load16(st->value_cache, st->bf16, base + j * row_width + 16 * c);
-            for (int64_t r = r0; r < r1; r++) {
-                const float weight = scores[(r - r0) * width + j];
-                if (weight == 0.0f) continue;
-                const v16f *value = values + ((r % heads) / st->group) * per_head;
-                float *acc = part.acc + r * dim;
-                for (int64_t c = 0; c < per_head; c++) {
-                    v16f sum;
-                    memcpy(&sum, acc + 16 * c, sizeof sum);
-                    sum += weight * value[c];
-                    memcpy(acc + 16 * c, &sum, sizeof sum);
-                }
-            }
+        for (int64_t r = r0; r < r1; r++) {
+            if (start > limit[r - r0]) continue;
+            const v16f *query = queries + (r - r0) * per_head;
+            const int64_t kv_vec = kv_offset[r - r0] / 16;
+            if (per_head == 4) /* head dim 64: the accumulator lives in four registers */
+                attend_row16(st, s, r, start, count, limit[r - r0], 4, query, keys, values,
+                             per_row, kv_vec, part, row);
+            else
+                attend_row16(st, s, r, start, count, limit[r - r0], per_head, query, keys,
+                             values, per_row, kv_vec, part, row);
         }
     }
 }
 
-/* Rows attended together: their accumulators (and the chunk's K/V) stay in cache. Rows are
- * independent, so the tile size changes no row's arithmetic. */
-#define ROW_TILE 64
+/* Rows of a work unit. Rows are independent, so how they are cut into units changes no row's
+ * arithmetic; a unit's rows share each block's K/V while it is in L1. */
+#define UNIT_ROWS 288
 
-/* One work unit: rows' queries (scaled) loaded, the chunk attended into part, a tile of rows at
- * a time. */
-static int attend_unit(const Step *st, int64_t s, int64_t from, int64_t to, Partial part) {
+/* One work unit: rows [r0, r1) of sequence s over positions [from, to), into part (indexed by
+ * the sequence's row). Queries are loaded scaled. */
+static int attend_unit(const Step *st, int64_t s, int64_t from, int64_t to, int64_t r0,
+                       int64_t r1, Partial part) {
     const int64_t heads = st->num_heads, dim = st->head_dim, width = st->block_size;
-    const int64_t rows = st->q_len[s] * heads;
+    const int64_t rows = r1 - r0;
     const int vector = dim % 16 == 0 && width % 16 == 0;
-    /* queries, scores, and K scratch: heap, sized for this unit (a 70B model's verify rows
-     * would not fit a thread's stack) */
+    /* queries, row layout, scores, and K/V scratch: heap, sized for this unit, each part
+     * 64-byte aligned (the vector path loads K/V scratch as aligned vectors) */
     const size_t query_bytes = (size_t)(rows * dim) * sizeof(float);
-    const size_t score_bytes = (size_t)(ROW_TILE * width) * sizeof(float);
-    const size_t key_bytes = (size_t)(16 * st->row_width) * sizeof(float);
-    char *memory = aligned_alloc(64, (query_bytes + score_bytes + key_bytes + 63) / 64 * 64);
+    const size_t layout_bytes = ((size_t)(2 * rows) * sizeof(int64_t) + 63) / 64 * 64;
+    const size_t score_bytes = (size_t)(vector ? 64 : 16) * (size_t)width * sizeof(float);
+    const size_t kv_bytes = (size_t)(2 * (vector ? width : 16) * st->row_width) * sizeof(float);
+    const size_t total = query_bytes + layout_bytes + score_bytes + kv_bytes;
+    char *memory = aligned_alloc(64, (total + 63) / 64 * 64);
     if (memory == NULL) return -1;
-    float *queries = (float *)memory, *scores = (float *)(memory + query_bytes);
-    float *scratch = (float *)(memory + query_bytes + score_bytes);
-    for (int64_t r = 0; r < rows; r++) {
+    float *queries = (float *)memory;
+    int64_t *limit = (int64_t *)(memory + query_bytes), *kv_offset = limit + rows;
+    float *scores = (float *)(memory + query_bytes + layout_bytes);
+    float *scratch = (float *)(memory + query_bytes + layout_bytes + score_bytes);
+    for (int64_t r = r0; r < r1; r++) {
         const int64_t i = r / heads, h = r % heads;
         const float *src = st->q + (st->q_start[s] + i) * st->q_stride_t + h * st->q_stride_h;
-        for (int64_t d = 0; d < dim; d++) queries[r * dim + d] = src[d] * st->scale;
+        for (int64_t d = 0; d < dim; d++) queries[(r - r0) * dim + d] = src[d] * st->scale;
         memset(part.acc + r * dim, 0, (size_t)dim * sizeof(float));
         part.best[r] = -INFINITY;
         part.total[r] = 0.0f;
     }
-    for (int64_t r0 = 0; r0 < rows; r0 += ROW_TILE) {
-        const int64_t r1 = r0 + ROW_TILE < rows ? r0 + ROW_TILE : rows;
-        if (vector)
-            attend_chunk16(st, s, from, to, r0, r1, part, (const v16f *)queries, scores,
-                           (v16f *)scratch);
-        else
-            attend_chunk(st, s, from, to, r0, r1, part, queries, scores, scratch);
+    if (vector) {
+        row_layout(st, s, r0, r1, limit, kv_offset);
+        attend_chunk16(st, s, from, to, r0, r1, part, (const v16f *)queries, limit, kv_offset,
+                       scores, (v16f *)scratch, (v16f *)scratch + width * st->row_width / 16);
+    } else {
+        for (int64_t t0 = r0; t0 < r1; t0 += 16) { /* the generic path, 16 rows at a time */
+            const int64_t t1 = t0 + 16 < r1 ? t0 + 16 : r1;
+            attend_chunk(st, s, from, to, t0, t1, part, queries - r0 * dim, scores, scratch);
+        }
     }
     free(memory);
     return 0;
 }
+
+/* The sequence whose range [starts[s], starts[s + 1]) holds index (binary search). */
+static inline int64_t owner(const int64_t *starts, int64_t num_seqs, int64_t index) {
+    int64_t s = 0;
+    for (int64_t lo = 0, hi = num_seqs - 1; lo <= hi;) {
+        const int64_t mid = (lo + hi) / 2;
+        if (starts[mid] <= index) {
+            s = mid;
+            lo = mid + 1;
+        } else {
+            hi = mid - 1;
+        }
+    }
+    return s;
+}
+
+#define MAX_HEAD_DIM 256 /* cpu_paged.py sends longer heads to the reference path */
 
 /*
  * q:       [T, H, D] float32, strides (q_stride_t, q_stride_h), rows of the listed sequences
@@ -324,7 +426,7 @@ static int attend_unit(const Step *st, int64_t s, int64_t from, int64_t to, Part
  *   spread over the threads; each sequence then merges its chunks in position order.
  * Returns 0, or -1 when scratch memory cannot be allocated (out is then incomplete).
  */
-int paged_attention_short(
+int paged_attention(
     const float *q, int64_t q_stride_t, int64_t q_stride_h,
     float *out, int64_t out_stride_t, int64_t out_stride_h,
     const void *key_cache, const void *value_cache, int bf16,
@@ -337,25 +439,21 @@ int paged_attention_short(
                      q_start, q_len, seq_len, block_tables, bt_stride, tree, tree_stride,
                      num_heads, num_heads / num_kv_heads, head_dim, block_size,
                      num_kv_heads * head_dim, scale};
-    /* where each sequence's units and partial rows start */
-    int64_t *unit_start = malloc((size_t)(num_seqs + 1) * sizeof *unit_start);
-    int64_t *part_start = malloc((size_t)(num_seqs + 1) * sizeof *part_start);
-    if (unit_start == NULL || part_start == NULL) {
-        free(unit_start);
-        free(part_start);
-        return -1;
-    }
-    unit_start[0] = part_start[0] = 0;
+    /* where each sequence's units, partial rows and output rows start */
+    int64_t *unit_start = malloc((size_t)(3 * (num_seqs + 1)) * sizeof *unit_start);
+    if (unit_start == NULL) return -1;
+    int64_t *part_start = unit_start + num_seqs + 1, *row_start = part_start + num_seqs + 1;
+    unit_start[0] = part_start[0] = row_start[0] = 0;
     for (int64_t s = 0; s < num_seqs; s++) {
-        const int64_t chunks = (seq_len[s] + chunk - 1) / chunk;
-        unit_start[s + 1] = unit_start[s] + chunks;
-        part_start[s + 1] = part_start[s] + chunks * q_len[s] * num_heads;
+        const int64_t chunks = (seq_len[s] + chunk - 1) / chunk, rows = q_len[s] * num_heads;
+        unit_start[s + 1] = unit_start[s] + chunks * ((rows + UNIT_ROWS - 1) / UNIT_ROWS);
+        part_start[s + 1] = part_start[s] + chunks * rows;
+        row_start[s + 1] = row_start[s] + rows;
     }
     const int64_t units = unit_start[num_seqs], part_rows = part_start[num_seqs];
     float *scratch = malloc((size_t)part_rows * (size_t)(head_dim + 2) * sizeof(float));
     if (scratch == NULL) {
         free(unit_start);
-        free(part_start);
         return -1;
     }
     float *best = scratch, *total = scratch + part_rows, *acc = scratch + 2 * part_rows;
@@ -365,53 +463,45 @@ int paged_attention_short(
     {
 #pragma omp for schedule(dynamic, 1)
         for (int64_t unit = 0; unit < units; unit++) {
-            int64_t s = 0; /* the sequence owning this unit: binary search */
-            for (int64_t lo = 0, hi = num_seqs - 1; lo <= hi;) {
-                const int64_t mid = (lo + hi) / 2;
-                if (unit_start[mid] <= unit) {
-                    s = mid;
-                    lo = mid + 1;
-                } else {
-                    hi = mid - 1;
-                }
-            }
-            const int64_t c = unit - unit_start[s], rows = q_len[s] * num_heads;
+            const int64_t s = owner(unit_start, num_seqs, unit);
+            const int64_t rows = q_len[s] * num_heads, tiles = (rows + UNIT_ROWS - 1) / UNIT_ROWS;
+            const int64_t c = (unit - unit_start[s]) / tiles, tile = (unit - unit_start[s]) % tiles;
+            const int64_t r0 = tile * UNIT_ROWS, r1 = r0 + UNIT_ROWS < rows ? r0 + UNIT_ROWS : rows;
             const int64_t first = part_start[s] + c * rows;
             const int64_t to = (c + 1) * chunk < seq_len[s] ? (c + 1) * chunk : seq_len[s];
             const Partial part = {best + first, total + first, acc + first * head_dim};
-            if (attend_unit(&st, s, c * chunk, to, part) != 0) {
+            if (attend_unit(&st, s, c * chunk, to, r0, r1, part) != 0) {
 #pragma omp atomic write
                 failed = 1;
             }
         }
+        /* each row merges its chunks in position order: fixed arithmetic */
 #pragma omp for schedule(static)
-        for (int64_t s = 0; s < num_seqs; s++) {
-            const int64_t rows = q_len[s] * num_heads, chunks = unit_start[s + 1] - unit_start[s];
-            for (int64_t r = 0; r < rows; r++) {
-                float top = -INFINITY;
-                for (int64_t c = 0; c < chunks; c++) {
-                    const float m = best[part_start[s] + c * rows + r];
-                    top = m > top ? m : top;
-                }
-                float sum = 0.0f, merged[head_dim];
-                memset(merged, 0, (size_t)head_dim * sizeof(float));
-                for (int64_t c = 0; c < chunks; c++) { /* in position order: fixed arithmetic */
-                    const int64_t at = part_start[s] + c * rows + r;
-                    if (best[at] == -INFINITY) continue;
-                    const float weight = exp_nonpositive(best[at] - top);
-                    sum += total[at] * weight;
-                    for (int64_t d = 0; d < head_dim; d++)
-                        merged[d] += acc[at * head_dim + d] * weight;
-                }
-                const int64_t i = r / num_heads, h = r % num_heads;
-                float *dst = out + (q_start[s] + i) * out_stride_t + h * out_stride_h;
-                const float norm = sum > 0.0f ? 1.0f / sum : 0.0f;
-                for (int64_t d = 0; d < head_dim; d++) dst[d] = merged[d] * norm;
+        for (int64_t flat = 0; flat < row_start[num_seqs]; flat++) {
+            const int64_t s = owner(row_start, num_seqs, flat);
+            const int64_t rows = q_len[s] * num_heads, r = flat - row_start[s];
+            const int64_t chunks = (seq_len[s] + chunk - 1) / chunk;
+            float top = -INFINITY;
+            for (int64_t c = 0; c < chunks; c++) {
+                const float m = best[part_start[s] + c * rows + r];
+                top = m > top ? m : top;
             }
+            float sum = 0.0f, merged[MAX_HEAD_DIM];
+            memset(merged, 0, (size_t)head_dim * sizeof(float));
+            for (int64_t c = 0; c < chunks; c++) {
+                const int64_t at = part_start[s] + c * rows + r;
+                if (best[at] == -INFINITY) continue;
+                const float weight = exp_nonpositive(best[at] - top);
+                sum += total[at] * weight;
+                for (int64_t d = 0; d < head_dim; d++) merged[d] += acc[at * head_dim + d] * weight;
+            }
+            const int64_t i = r / num_heads, h = r % num_heads;
+            float *dst = out + (q_start[s] + i) * out_stride_t + h * out_stride_h;
+            const float norm = sum > 0.0f ? 1.0f / sum : 0.0f;
+            for (int64_t d = 0; d < head_dim; d++) dst[d] = merged[d] * norm;
         }
     }
     free(scratch);
     free(unit_start);
-    free(part_start);
     return failed ? -1 : 0;
 }

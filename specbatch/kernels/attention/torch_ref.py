@@ -63,26 +63,26 @@ class TorchAttentionBackend(AttentionBackend):
         return self.reference_metadata(inputs, device)
 
     def reference_metadata(
-        self, inputs: AttentionInputs, device: torch.device, short_group: bool = True
+        self, inputs: AttentionInputs, device: torch.device, groups: bool = True
     ) -> TorchAttentionMetadata:
-        """The writes and the attention groups; without ``short_group``, the sequences with
-        short queries get no group (another path attends them)."""
+        """The writes and the attention groups; without ``groups``, only the writes (another
+        path attends every query)."""
         slots = np.asarray(inputs.slot_mapping, dtype=np.int64)
         written = slots != PAD_SLOT
         all_written = bool(written.all())
         write_rows = None if all_written else _tensor(np.flatnonzero(written), device)
-        groups: list[_Group] = []
+        attention_groups: list[_Group] = []
         query_lens = np.asarray(inputs.query_lens, dtype=np.int64)
         short = np.flatnonzero(query_lens <= SHORT_QUERY)
-        if len(short) and short_group:
-            groups.append(self._build_group(inputs, short, device))
-        for b in np.flatnonzero(query_lens > SHORT_QUERY):
-            groups.append(self._build_group(inputs, np.array([b]), device))
+        if len(short) and groups:
+            attention_groups.append(self._build_group(inputs, short, device))
+        for b in np.flatnonzero(query_lens > SHORT_QUERY) if groups else ():
+            attention_groups.append(self._build_group(inputs, np.array([b]), device))
         return TorchAttentionMetadata(
             num_tokens=inputs.num_tokens,
             write_rows=write_rows,
             write_slots=_tensor(slots if all_written else slots[written], device),
-            groups=groups,
+            groups=attention_groups,
         )
 
     def _build_group(
