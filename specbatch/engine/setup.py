@@ -48,7 +48,7 @@ def load_models(config: EngineConfig) -> Models:
     device = config.resolved_device()
     dtype = config.resolved_dtype(device)
     path = resolve_model_path(config.model)
-    model = load_model(path, dtype, device, config.attention_backend)
+    model = load_model(path, dtype, device, config.attention_backend, config.quantization)
     if config.cpu_weight_packing and model.pack_for_cpu():
         release_freed_memory()  # the plain weights just dropped
     tokenizer = load_tokenizer(config.tokenizer or path)

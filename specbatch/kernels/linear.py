@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specbatch.kernels.gguf_linear import QuantizedWeight, quantized_linear
+
 _PACK_BATCH_HINT = 8  # oneDNN picks its weight layout for this row count; any count works
 
 
@@ -34,7 +36,8 @@ def cpu_packing_supported(dtype: torch.dtype) -> bool:
 
 
 class Linear(nn.Module):
-    """``y = x W^T (+ b)`` with a plain weight (loadable, trainable) or a packed one."""
+    """``y = x W^T (+ b)`` with a plain weight (loadable, trainable), a packed one, or GGUF
+    blocks multiplied as they are (``kernels.gguf_linear``)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
@@ -43,16 +46,31 @@ class Linear(nn.Module):
         self.weight: nn.Parameter | None = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.packed: torch.Tensor | None = None
+        self.quantized: QuantizedWeight | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quantized is not None:
+            out = quantized_linear(x, self.quantized)
+            return out if self.bias is None else out + self.bias
         if self.packed is not None:
             return packed_linear(x, self.packed, self.bias, self.out_features)
         assert self.weight is not None
         return F.linear(x, self.weight, self.bias)
 
+    def use_quantized(self, weight: QuantizedWeight) -> None:
+        """Multiply with ``weight``'s blocks from now on; the plain weight is dropped."""
+        if (weight.out_features, weight.in_features) != (self.out_features, self.in_features):
+            raise ValueError(
+                f"quantized weight is {weight.out_features}x{weight.in_features}, the layer "
+                f"{self.out_features}x{self.in_features}"
+            )
+        self.quantized = weight
+        self.weight = None
+
     def pack(self) -> None:
         """Replace the plain weight by its oneDNN layout (call only if supported)."""
-        assert self.weight is not None
+        if self.weight is None:  # packed already, or quantized
+            return
         self.packed = pack_weight(self.weight.detach())
         self.weight = None
 

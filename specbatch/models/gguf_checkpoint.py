@@ -205,3 +205,25 @@ def iter_gguf_tensors(
         if not array.flags.writeable:  # F32 tensors are views of the read-only file map
             array = array.copy()
         yield name, torch.from_numpy(np.ascontiguousarray(array)), path
+
+
+QUANTIZED_KINDS = {"Q4_1": "q4_1", "Q8_0": "q8_0"}  # GGUF types the CPU kernel multiplies
+
+
+def iter_gguf_quantized(
+    gguf_file: GGUFFile, config: ModelConfig
+) -> Iterator[tuple[str, str, np.ndarray]]:
+    """Yield ``(hf_name, kind, raw rows)`` for the matrices stored in a type the quantized CPU
+    kernel reads (``QUANTIZED_KINDS``): uint8 [out_features, blocks bytes], rows in HF order
+    (llama.cpp's Q/K permutation undone on whole rows of blocks)."""
+    permuted = config.architecture != "Qwen2ForCausalLM"
+    for info in gguf_file.tensors:
+        kind = QUANTIZED_KINDS.get(info.type_name)
+        name = hf_name(info.name)
+        if kind is None or name is None or len(info.shape) != 2:
+            continue
+        raw = gguf_file.raw_rows(info)
+        if permuted and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
+            raw = unpermute_rows(raw, heads)
+        yield name, kind, raw

@@ -233,6 +233,13 @@ class GGUFFile:
     def get(self, key: str, default: Any = None) -> Any:
         return self.metadata.get(key, default)
 
+    def raw_rows(self, info: GGUFTensorInfo) -> np.ndarray:
+        """The tensor's bytes as stored, one row of blocks per output row: uint8 [rows, bytes]
+        (a read-only view of the file map; copy it before the file is closed)."""
+        rows = math.prod(info.shape[:-1]) if len(info.shape) > 1 else 1
+        raw = np.frombuffer(self._map, dtype=np.uint8, count=info.nbytes, offset=info.offset)
+        return raw.reshape(rows, info.nbytes // rows)
+
     def dequantize(self, info: GGUFTensorInfo) -> np.ndarray:
         """The tensor as a float32 array in numpy order, whatever its storage type."""
         import gguf

@@ -10,12 +10,14 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import cast
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from specbatch.errors import ModelLoadError
 from specbatch.kernels.attention import AttentionBackend, LayerKVCache
+from specbatch.kernels.gguf_linear import QuantizedWeight, quantized_linear
 from specbatch.kernels.linear import Linear, cpu_packing_supported, pack_weight, packed_linear
 from specbatch.models.config import ModelConfig
 from specbatch.models.rotary import RotaryEmbedding, apply_rotary
@@ -99,6 +101,17 @@ class LlamaDecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+class QuantizedEmbedding(nn.Module):
+    """A token embedding kept as GGUF blocks: a lookup dequantises only the rows it takes."""
+
+    def __init__(self, weight: QuantizedWeight) -> None:
+        super().__init__()
+        self.quantized = weight
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.quantized.rows(input_ids)
+
+
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
@@ -138,15 +151,16 @@ class LlamaForCausalLM(nn.Module):
         if not config.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self._packed_tied_head: torch.Tensor | None = None
+        self._quantized_tied_head: QuantizedWeight | None = None
         self._token_maps: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.model.embed_tokens.weight.dtype
+        return self.model.norm.weight.dtype
 
     @property
     def device(self) -> torch.device:
-        return self.model.embed_tokens.weight.device
+        return self.model.norm.weight.device
 
     def bind_kv_caches(self, kv_caches: list[LayerKVCache]) -> None:
         """Give each layer its ``(key_cache, value_cache)`` pair of the paged cache."""
@@ -176,6 +190,8 @@ class LlamaForCausalLM(nn.Module):
         """Vocabulary logits for the given hidden-state rows only."""
         if self.lm_head is not None:
             return self.lm_head(hidden)
+        if self._quantized_tied_head is not None:
+            return quantized_linear(hidden, self._quantized_tied_head)
         if self._packed_tied_head is not None:
             return packed_linear(hidden, self._packed_tied_head, None, self.config.vocab_size)
         return F.linear(hidden, self.model.embed_tokens.weight)
@@ -185,7 +201,15 @@ class LlamaForCausalLM(nn.Module):
         total = sum(p.numel() * p.element_size() for p in self.parameters())
         packed = [m.packed for m in self.modules() if isinstance(m, Linear)]
         packed.append(self._packed_tied_head)
-        return total + sum(t.numel() * t.element_size() for t in packed if t is not None)
+        quantized: list[QuantizedWeight | None] = [self._quantized_tied_head]  # shared: once
+        for module in self.modules():
+            if isinstance(module, Linear | QuantizedEmbedding):
+                quantized.append(module.quantized)
+        return (
+            total
+            + sum(t.numel() * t.element_size() for t in packed if t is not None)
+            + sum(q.nbytes for q in {id(q): q for q in quantized if q is not None}.values())
+        )
 
     def logits_in_output_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """Logits over the target vocabulary: a reduced-vocabulary draft's rows scattered to their
@@ -219,9 +243,42 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear) and module.packed is None:
                 module.pack()
-        if self.lm_head is None:
+        if self.lm_head is None and self._quantized_tied_head is None:
             self._packed_tied_head = pack_weight(self.model.embed_tokens.weight.detach())
         return True
+
+    def use_quantized_weights(self, weights: Iterable[tuple[str, str, np.ndarray]]) -> int:
+        """Keep the matrices given as GGUF blocks (``(hf_name, kind, raw rows)``, see
+        ``gguf_checkpoint.iter_gguf_quantized``) quantized and multiply with them as they are;
+        the plain weights they replace are dropped. A fused projection is quantized only when
+        all its shards come in one kind; others stay plain. Returns the matrices replaced."""
+        shards: dict[str, dict[int, tuple[str, np.ndarray]]] = {}
+        for name, kind, raw in weights:
+            target, shard = self._target_of(name)
+            shards.setdefault(target, {})[0 if shard is None else shard] = (kind, raw)
+        modules = dict(self.named_modules())
+        replaced = 0
+        for target, parts in shards.items():
+            kinds = {kind for kind, _ in parts.values()}
+            if len(parts) < self._num_shards(target) or len(kinds) != 1:
+                continue
+            raw = np.concatenate([parts[i][1] for i in sorted(parts)])
+            module_name = target.removesuffix(".weight")
+            if target == "model.embed_tokens.weight":
+                weight = QuantizedWeight.from_blocks(raw, kinds.pop(), self.config.hidden_size)
+                self.model.embed_tokens = QuantizedEmbedding(weight)  # type: ignore[assignment]
+                if self.lm_head is None:
+                    self._quantized_tied_head = weight
+                    self._packed_tied_head = None
+            elif isinstance(modules.get(module_name), Linear):
+                linear = cast(Linear, modules[module_name])
+                linear.use_quantized(
+                    QuantizedWeight.from_blocks(raw, kinds.pop(), linear.in_features)
+                )
+            else:
+                continue
+            replaced += 1
+        return replaced
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor, str]], source: str) -> None:
         """Copy HF-named tensors into the (fused) parameters; every parameter must be covered.

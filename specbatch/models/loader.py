@@ -14,6 +14,7 @@ from specbatch.models.config import ModelConfig
 from specbatch.models.default_model import default_model_path, is_default_model_name
 from specbatch.models.gguf_checkpoint import (
     check_gguf_tensors,
+    iter_gguf_quantized,
     iter_gguf_tensors,
     read_gguf_config,
 )
@@ -80,21 +81,25 @@ def load_model(
     dtype: str | torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     attention_backend: str | None = None,
+    quantization: str | None = None,
 ) -> LlamaForCausalLM:
     """Load a model from a HF directory (safetensors) or a GGUF file, dequantised to ``dtype``.
 
     ``model`` is a directory, a ``.gguf`` path, or ``None`` for the default model. Errors name the
     file and tensor at fault (:class:`~specbatch.errors.ModelLoadError`); the header and the
     tensor directory are checked against each other before any weight memory is allocated.
+    ``quantization="gguf"`` keeps a GGUF file's Q4_1 and Q8_0 matrices as they are stored and
+    multiplies with them directly (CPU, float32 activations; see ``kernels.gguf_linear``).
     """
     path = resolve_model_path(model)
     torch_dtype = parse_dtype(dtype)
     torch_device = torch.device(device)
+    check_quantization(quantization, path, torch_dtype, torch_device)
     if path.suffix == ".gguf":
         with GGUFFile(path) as gguf_file:
             config = read_gguf_config(gguf_file)
             check_gguf_tensors(gguf_file, config)
-            return _build(
+            net = _build(
                 config,
                 iter_gguf_tensors(gguf_file, config),
                 path,
@@ -102,6 +107,9 @@ def load_model(
                 torch_device,
                 attention_backend,
             )
+            if quantization == "gguf":
+                net.use_quantized_weights(iter_gguf_quantized(gguf_file, config))
+            return net
     config = read_hf_config(path)
     files = safetensors_files(path)
     check_safetensors_tensors(files, config, path)
@@ -113,6 +121,33 @@ def load_model(
         torch_device,
         attention_backend,
     )
+
+
+QUANTIZATIONS = ("gguf",)
+
+
+def check_quantization(
+    quantization: str | None, path: Path, dtype: torch.dtype, device: torch.device
+) -> None:
+    """Refuse a quantization the model file, dtype or device cannot serve."""
+    if quantization is None:
+        return
+    if quantization not in QUANTIZATIONS:
+        raise ConfigError(
+            f"quantization must be one of {', '.join(QUANTIZATIONS)} or None, got {quantization!r}"
+        )
+    if path.suffix != ".gguf":
+        raise ConfigError(
+            f"quantization='gguf' multiplies with a GGUF file's quantized blocks; {path} is not "
+            "a .gguf file"
+        )
+    if device.type != "cpu":
+        raise ConfigError(f"quantization='gguf' runs on the CPU only, not on {device}")
+    if dtype != torch.float32:
+        raise ConfigError(
+            "quantization='gguf' computes in float32 with the file's exact values; "
+            f"use dtype float32 (or auto), not {str(dtype).removeprefix('torch.')}"
+        )
 
 
 def _build(

@@ -1,0 +1,188 @@
+"""GGUF Q4_1 / Q8_0 linear kernel against oneDNN's packed float32 (and bfloat16) linear.
+
+SmolLM2-135M's shapes: the Q4_1 projections (576->576, 576->192, 576->1536, 1536->576) and the
+Q8_0 LM head (576->49152), for M rows of input. Random weights are quantized blocks; the float
+baselines hold the same values dequantised. Two regimes, per call, median of repeats, all
+kernels in the same run:
+
+* ``hot``: the same weight every call, so it stays in cache (a microbenchmark's best case);
+* ``stream``: each call takes the next of enough copies of the weight that their total exceeds
+  ``--stream-mb`` per kernel, so the weights come from memory, as in decoding a whole model,
+  where every layer's weights are read once per token.
+
+The ratio is float32 time over quantized time (above 1: the quantized kernel is faster).
+
+    python benchmarks/gguf_linear.py [--repeats 20] [--rows 1 2 5 16 64] [--stream-mb 128]
+                                     [--threads N] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.common import print_conditions, write_json
+from specbatch.kernels.gguf_linear import BLOCK_BYTES, QuantizedWeight, quantized_linear
+from specbatch.kernels.linear import cpu_packing_supported, pack_weight, packed_linear
+
+SHAPES = [  # (kind, in_features, out_features, what)
+    ("q4_1", 576, 576, "q/o proj"),
+    ("q4_1", 576, 192, "k/v proj"),
+    ("q4_1", 576, 1536, "gate/up proj"),
+    ("q4_1", 1536, 576, "down proj"),
+    ("q8_0", 576, 49152, "LM head"),
+]
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as info:
+            line = next((line for line in info if line.startswith("model name")), "")
+    except OSError:
+        line = ""
+    return line.partition(":")[2].strip() or "unknown"
+
+
+def random_blocks(rng: np.random.Generator, kind: str, n: int, k: int) -> np.ndarray:
+    """uint8 [n, k / 32 * block bytes]: fp16 scales of a trained model's size, random codes."""
+    blocks = k // 32
+    d = (rng.random((n, blocks, 1)) * 0.01 + 1e-3).astype(np.float16).view(np.uint8)
+    if kind == "q8_0":
+        codes = rng.integers(0, 256, (n, blocks, 32), dtype=np.uint8)
+        return np.concatenate([d, codes], axis=-1).reshape(n, -1)
+    m = (-rng.random((n, blocks, 1)) * 0.1).astype(np.float16).view(np.uint8)
+    codes = rng.integers(0, 256, (n, blocks, 16), dtype=np.uint8)
+    return np.concatenate([d, m, codes], axis=-1).reshape(n, -1)
+
+
+def median_us(calls: Callable[[], object], repeats: int) -> float:
+    for _ in range(3):
+        calls()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        calls()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e6
+
+
+@dataclass
+class Contender:
+    """A kernel, the input dtype it takes, and its weights: one copy, or enough copies to stream
+    through (the rotation carries on across calls, so no copy is met again while in cache)."""
+
+    name: str
+    dtype: torch.dtype
+    run: Callable[[torch.Tensor, Any], torch.Tensor]
+    next_weight: Callable[[], Any]
+
+    def time_us(self, x: torch.Tensor, repeats: int) -> float:
+        xd = x.to(self.dtype)
+        return median_us(lambda: self.run(xd, self.next_weight()), repeats)
+
+
+def contenders(weight: QuantizedWeight, stream_bytes: int, bf16: bool) -> list[Contender]:
+    """The quantized kernel and the packed float ones, each with copies enough to exceed
+    ``stream_bytes`` (one copy for 0)."""
+    n = weight.out_features
+
+    def copies(nbytes: int) -> int:
+        return max(1, -(-stream_bytes // nbytes))
+
+    quantized = [weight] + [
+        dataclasses.replace(weight, data=weight.data.clone())
+        for _ in range(copies(weight.nbytes) - 1)
+    ]
+    found = [
+        Contender("quant", torch.float32, quantized_linear, itertools.cycle(quantized).__next__)
+    ]
+    dense = weight.dequantize()
+    for name, dtype in [("fp32", torch.float32)] + ([("bf16", torch.bfloat16)] if bf16 else []):
+        packed = [
+            pack_weight(dense.to(dtype).clone())
+            for _ in range(copies(dense.numel() * dtype.itemsize))
+        ]
+
+        def run(x: torch.Tensor, packed_weight: torch.Tensor) -> torch.Tensor:
+            return packed_linear(x, packed_weight, None, n)
+
+        found.append(Contender(name, dtype, run, itertools.cycle(packed).__next__))
+    return found
+
+
+def measure_shape(
+    kind: str, k: int, n: int, args: argparse.Namespace, bf16: bool
+) -> list[dict[str, Any]]:
+    raw = random_blocks(np.random.default_rng(0), kind, n, k)
+    weight = QuantizedWeight.from_blocks(raw, kind, k)
+    results = []
+    for regime, stream_bytes in (("hot", 0), ("stream", args.stream_mb << 20)):
+        timed = contenders(weight, stream_bytes, bf16)
+        for m in args.rows:
+            x = torch.randn(m, k)
+            row: dict[str, Any] = {"shape": f"{k}->{n}", "kind": kind, "regime": regime, "M": m}
+            for contender in timed:
+                row[f"{contender.name}_us"] = contender.time_us(x, args.repeats)
+            row["quant_GBps"] = weight.nbytes / row["quant_us"] / 1e3
+            results.append(row)
+            print_row(row, bf16)
+    return results
+
+
+def print_row(row: dict[str, Any], bf16: bool) -> None:
+    quant, fp32 = row["quant_us"], row["fp32_us"]
+    line = (
+        f"{row['kind']:5s} {row['shape']:>10s} {row['regime']:6s} {row['M']:3d} "
+        f"{quant:10.1f} {fp32:10.1f} {fp32 / quant:6.2f}x"
+    )
+    if bf16:
+        bf = row["bf16_us"]
+        line += f" {bf:10.1f} {bf / quant:6.2f}x"
+    print(line + f" {row['quant_GBps']:7.1f}", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 5, 16, 64])
+    parser.add_argument("--stream-mb", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=None, help="default: torch's")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    bf16 = cpu_packing_supported(torch.bfloat16)
+    print_conditions(
+        "GGUF quantized linear vs packed float linear (median us per call)",
+        cpu=cpu_model(),
+        bytes_per_block=BLOCK_BYTES,
+        repeats=args.repeats,
+        stream_working_set=f"{args.stream_mb} MiB per kernel",
+        bf16_baseline=bf16,
+    )
+    header = ["kind", "shape", "regime", "M", "quant us", "fp32 us", "fp32/q"]
+    if bf16:
+        header += ["bf16 us", "bf16/q"]
+    widths = [5, 10, 6, 3, 10, 10, 7, 10, 7]
+    print(" ".join(f"{h:>{w}s}" for h, w in zip(header, widths, strict=False)) + "  q GB/s")
+    results = []
+    for kind, k, n, _ in SHAPES:
+        results += measure_shape(kind, k, n, args, bf16)
+    write_json(args.json, {"rows": results})
+
+
+if __name__ == "__main__":
+    main()

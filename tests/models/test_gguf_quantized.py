@@ -1,0 +1,150 @@
+"""``quantization="gguf"``: a GGUF model's Q4_1/Q8_0 matrices multiplied as stored.
+
+Every layer against the same layer with the file's dequantised float32 weights (the plain
+loader's), a tiny GGUF of each variant (tied, untied, biases, mixed kinds) against its plain
+load, and the lossless contract on the quantized path: speculation on gives the tokens of
+speculation off."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import gguf
+import pytest
+import torch
+
+from specbatch import LLM, SamplingParams
+from specbatch.errors import ConfigError
+from specbatch.kernels.linear import Linear
+from specbatch.models import LlamaForCausalLM, load_model
+from specbatch.models.llama import QuantizedEmbedding
+from tests.gguf_writer import write_gguf
+from tests.helpers import PagedHarness, tiny_config, write_hf_checkpoint
+
+Q4_1 = gguf.GGMLQuantizationType.Q4_1
+Q8_0 = gguf.GGMLQuantizationType.Q8_0
+
+
+@pytest.fixture(scope="module")
+def quantized_smollm2(default_gguf: Path) -> LlamaForCausalLM:
+    return load_model(default_gguf, dtype=torch.float32, quantization="gguf")
+
+
+def _linears(model: LlamaForCausalLM) -> dict[str, Linear]:
+    return {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
+
+
+def test_every_layer_matches_its_dequantised_float32_layer(
+    smollm2: LlamaForCausalLM, quantized_smollm2: LlamaForCausalLM
+) -> None:
+    plain, quantized = _linears(smollm2), _linears(quantized_smollm2)
+    assert plain.keys() == quantized.keys()
+    assert len(plain) == 4 * 30
+    gen = torch.Generator().manual_seed(0)
+    for name, layer in quantized.items():
+        assert layer.quantized is not None, name
+        assert layer.weight is None, name
+        weight = plain[name].weight
+        assert weight is not None
+        torch.testing.assert_close(layer.quantized.dequantize(), weight, rtol=0, atol=0)
+        x = torch.randn(3, layer.in_features, generator=gen)
+        expected = (x.double() @ weight.double().T).float()
+        scale = float((x.abs().double() @ weight.abs().double().T).max())
+        torch.testing.assert_close(layer(x), expected, rtol=0, atol=2e-6 * scale)
+
+
+def test_embedding_and_tied_head_are_the_files_q8_0(
+    smollm2: LlamaForCausalLM, quantized_smollm2: LlamaForCausalLM
+) -> None:
+    embedding = quantized_smollm2.model.embed_tokens
+    assert isinstance(embedding, QuantizedEmbedding)
+    ids = torch.tensor([0, 1, 2, 500, 49151])
+    assert torch.equal(embedding(ids), smollm2.model.embed_tokens(ids))
+    hidden = torch.randn(4, 576, generator=torch.Generator().manual_seed(1))
+    expected = hidden.double() @ smollm2.model.embed_tokens.weight.double().T
+    torch.testing.assert_close(
+        quantized_smollm2.compute_logits(hidden).double(), expected, rtol=0, atol=1e-4
+    )
+    assert quantized_smollm2.weight_bytes() < 0.3 * smollm2.weight_bytes()
+
+
+VARIANTS: dict[str, dict[str, Any]] = {
+    "llama-untied": {},
+    "llama-tied": {"tie_word_embeddings": True},
+    "qwen2-bias": {
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "attention_bias": True,
+    },
+}
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_tiny_quantized_gguf_matches_its_plain_load(tmp_path: Path, variant: str) -> None:
+    config = tiny_config(hidden_size=64, intermediate_size=128, **VARIANTS[variant])
+    state = write_hf_checkpoint(tmp_path / "hf", config).state_dict()
+    qtypes = {
+        name: (Q8_0 if "embed" in name or "lm_head" in name or "v_proj" in name else Q4_1)
+        for name, tensor in state.items()
+        if tensor.dim() == 2
+    }
+    write_gguf(tmp_path / "q.gguf", config, state, qtypes=qtypes)
+    plain = load_model(tmp_path / "q.gguf")
+    quantized = load_model(tmp_path / "q.gguf", quantization="gguf")
+    linears = _linears(quantized)
+    # q, k in Q4_1 but v in Q8_0: the fused projection stays plain; every other one is quantized
+    assert all(m.quantized is None for n, m in linears.items() if n.endswith("qkv_proj"))
+    assert all(m.quantized is not None for n, m in linears.items() if not n.endswith("qkv_proj"))
+    prompt = torch.randint(0, config["vocab_size"], (40,), generator=torch.Generator()).tolist()
+    expected = PagedHarness(plain).forward([(0, prompt)])[0]
+    got = PagedHarness(quantized).forward([(0, prompt)])[0]
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-4)
+
+
+def test_bad_quantization_settings_are_refused(tiny_model_dir: Path, default_gguf: Path) -> None:
+    with pytest.raises(ConfigError, match="quantization must be one of"):
+        LLM(model=str(default_gguf), quantization="int3")
+    with pytest.raises(ConfigError, match=r"not a \.gguf file"):
+        load_model(tiny_model_dir, quantization="gguf")
+    with pytest.raises(ConfigError, match="use dtype float32"):
+        load_model(default_gguf, dtype="bfloat16", quantization="gguf")
+
+
+@pytest.mark.parametrize(
+    "speculation",
+    [
+        {"method": "ngram", "num_speculative_tokens": 4},
+        {"method": "draft_model", "num_speculative_tokens": 3},
+    ],
+    ids=["ngram", "draft"],
+)
+def test_speculation_on_the_quantized_path_is_lossless(
+    default_gguf: Path, speculation: dict[str, Any]
+) -> None:
+    """Verify steps multiply k + 1 rows where decoding multiplies one: the kernel's row bits
+    must not depend on that (batch 1 and a batch of 6)."""
+    from tests.prompts import CHAT
+
+    messages = [[{"role": "user", "content": text}] for text in CHAT[:6]]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    common = {"quantization": "gguf", "max_model_len": 1024, "kv_cache_gib": 0.25}
+    plain = LLM(model=str(default_gguf), **common)
+    expected = [o.outputs[0].token_ids for o in plain.chat(messages, params, use_tqdm=False)]
+    del plain
+    spec = LLM(model=str(default_gguf), speculative_config=speculation, **common)
+    outputs = spec.chat(messages, params, use_tqdm=False)
+    alone = [spec.chat([m], params, use_tqdm=False)[0].outputs[0].token_ids for m in messages[:2]]
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    assert alone == expected[:2]
+    assert sum(o.metrics.num_accepted_tokens for o in outputs) > 0  # it did speculate
+
+
+def test_quantized_rows_do_not_depend_on_the_batch(
+    quantized_smollm2: LlamaForCausalLM,
+) -> None:
+    layer = _linears(quantized_smollm2)["model.layers.3.mlp.down_proj"]
+    x = torch.randn(9, layer.in_features, generator=torch.Generator().manual_seed(2))
+    together = layer(x)
+    for row in range(9):
+        assert torch.equal(layer(x[row : row + 1]), together[row : row + 1]), row
