@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specbatch.errors import ModelLoadError
+from specbatch.kernels import cpu_ops
 from specbatch.kernels.attention import AttentionBackend, LayerKVCache
 from specbatch.kernels.gguf_linear import QuantizedWeight, quantized_linear
 from specbatch.kernels.linear import Linear, cpu_packing_supported, pack_weight, packed_linear
@@ -33,6 +34,10 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:
+            if not torch.is_grad_enabled():  # inference: one C call where it applies
+                fast = cpu_ops.rms_norm(x, self.weight, self.eps)
+                if fast is not None:
+                    return fast
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return self.weight * normed.to(x.dtype)

@@ -229,3 +229,15 @@ def test_without_a_compiler_the_reference_path_serves(
     assert "could not be built" in caplog.text
     metadata = backend.build_metadata(step.inputs, torch.device("cpu"))
     assert getattr(metadata, "queries", None) is None
+
+
+def test_a_slot_outside_the_cache_is_refused_not_written() -> None:
+    rng = np.random.default_rng(4)
+    step = random_step(rng, ["decode", "decode"], 4, 2, 16, 8)
+    slots = step.inputs.slot_mapping.copy()
+    slots[-1] = step.key_cache.shape[0] * 8  # one past the last slot
+    inputs = AttentionInputs(
+        step.inputs.query_lens, step.inputs.seq_lens, step.inputs.block_tables, slots, 8
+    )
+    with pytest.raises(IndexError, match="outside the cache"):
+        run_backend(CpuPagedBackend(4, 2, 16, 0.25), step, inputs)

@@ -69,19 +69,42 @@ def load_library() -> ctypes.CDLL | None:
             i64, i64, i64, i64, i64, i64,  # seqs, heads, kv heads, head dim, block, chunk
             ctypes.c_float, ctypes.c_int,  # scale, threads
         ]  # fmt: skip
+        library.write_kv.restype = None
+        library.write_kv.argtypes = [
+            pointer, i64, pointer, i64,  # k, row stride, v, row stride
+            pointer, pointer, pointer,  # caches, slots
+            i64, i64, i64,  # tokens, row width, element size
+        ]  # fmt: skip
         _library = library
         return _library
 
 
 @dataclass
 class KernelQueries:
-    """Host arrays the kernel reads for the step's sequences (kept alive here)."""
+    """Host arrays the kernel reads for the step's sequences (kept alive here), and the
+    step's part of the kernel's arguments, made once per step rather than once per layer."""
 
     q_start: np.ndarray  # [S] int64: flat row of each sequence's first query token
     q_len: np.ndarray  # [S] int64
     seq_len: np.ndarray  # [S] int64
     block_tables: np.ndarray  # [S, W] int64, contiguous
     tree: np.ndarray | None  # [T, width] uint8, contiguous
+    slots: np.ndarray  # [T] int64: each token's cache slot, PAD_SLOT (negative) to skip
+
+    def __post_init__(self) -> None:
+        tree = self.tree
+        self.sequence_args = (
+            self.q_start.ctypes.data,
+            self.q_len.ctypes.data,
+            self.seq_len.ctypes.data,
+            self.block_tables.ctypes.data,
+            self.block_tables.shape[1],
+            None if tree is None else tree.ctypes.data,
+            0 if tree is None else tree.shape[1],
+            len(self.q_len),
+        )
+        self.slots_pointer = self.slots.ctypes.data
+        self.max_slot = int(self.slots.max(initial=-1))
 
 
 @dataclass
@@ -120,6 +143,7 @@ class CpuPagedBackend(TorchAttentionBackend):
                 seq_len=np.ascontiguousarray(inputs.seq_lens, dtype=np.int64),
                 block_tables=np.ascontiguousarray(inputs.block_tables, dtype=np.int64),
                 tree=tree,
+                slots=np.ascontiguousarray(inputs.slot_mapping, dtype=np.int64),
             ),
         )
 
@@ -138,7 +162,8 @@ class CpuPagedBackend(TorchAttentionBackend):
             assert isinstance(metadata, CpuPagedMetadata)  # e.g. a float16 cache: reference
             assert metadata.inputs is not None
             metadata, kernel_queries = self.reference_metadata(metadata.inputs, q.device), None
-        self.write_kv(k, v, kv_cache, metadata)
+        if kernel_queries is None or not self._write_in_place(k, v, kv_cache, kernel_queries):
+            self.write_kv(k, v, kv_cache, metadata)
         # Every query attends in float32, in the kernel as in the reference path.
         queries = q if q.dtype == torch.float32 and q.stride(-1) == 1 else q.float()
         out = torch.empty(q.shape[0], self.num_heads, self.head_dim, dtype=torch.float32)
@@ -147,13 +172,46 @@ class CpuPagedBackend(TorchAttentionBackend):
         attended = self.attend_groups(queries, kv_cache, metadata.groups, out)
         return (out if attended is None else attended).to(q.dtype)
 
+    def _write_in_place(
+        self, k: torch.Tensor, v: torch.Tensor, kv_cache: LayerKVCache, step: KernelQueries
+    ) -> bool:
+        """The step's K/V rows copied into their slots by the kernel library (one call instead
+        of a handful of torch ops per layer); False, writing nothing, where the rows are not
+        laid out as the cache's (another dtype, heads not contiguous)."""
+        key_cache, value_cache = kv_cache
+        width = self.num_kv_heads * self.head_dim
+        for rows in (k, v):
+            if (
+                rows.dtype != key_cache.dtype
+                or rows.stride(-1) != 1
+                or rows.stride(-2) != self.head_dim
+                or rows.shape[0] != len(step.slots)
+            ):
+                return False
+        if step.max_slot >= key_cache.shape[0] * key_cache.shape[1]:
+            raise IndexError(f"KV slot {step.max_slot} is outside the cache")
+        library = _library or load_library()
+        assert library is not None
+        library.write_kv(
+            k.data_ptr(),
+            k.stride(0),
+            v.data_ptr(),
+            v.stride(0),
+            key_cache.data_ptr(),
+            value_cache.data_ptr(),
+            step.slots_pointer,
+            len(step.slots),
+            width,
+            key_cache.element_size(),
+        )
+        return True
+
     def _attend(
         self, q: torch.Tensor, kv_cache: LayerKVCache, step: KernelQueries, out: torch.Tensor
     ) -> None:
         key_cache, value_cache = kv_cache
-        library = load_library()
+        library = _library or load_library()
         assert library is not None
-        tree = step.tree
         block_size = key_cache.shape[1]
         status = library.paged_attention(
             q.data_ptr(),
@@ -165,14 +223,7 @@ class CpuPagedBackend(TorchAttentionBackend):
             key_cache.data_ptr(),
             value_cache.data_ptr(),
             int(key_cache.dtype == torch.bfloat16),
-            step.q_start.ctypes.data,
-            step.q_len.ctypes.data,
-            step.seq_len.ctypes.data,
-            step.block_tables.ctypes.data,
-            step.block_tables.shape[1],
-            None if tree is None else tree.ctypes.data,
-            0 if tree is None else tree.shape[1],
-            len(step.q_len),
+            *step.sequence_args,
             self.num_heads,
             self.num_kv_heads,
             self.head_dim,

@@ -505,3 +505,22 @@ int paged_attention(
     free(unit_start);
     return failed ? -1 : 0;
 }
+
+/*
+ * The step's new K and V rows into their cache slots: row t of k (and of v) is kv_width
+ * contiguous elements of elem_size bytes (the cache's own dtype: a plain copy) at
+ * k + t * k_stride elements; slots[t] is its slot, or negative (padding) to skip. The caches
+ * are [slots, kv_width] contiguous.
+ */
+void write_kv(const void *k, int64_t k_stride, const void *v, int64_t v_stride, void *key_cache,
+              void *value_cache, const int64_t *slots, int64_t tokens, int64_t kv_width,
+              int64_t elem_size) {
+    const size_t row_bytes = (size_t)(kv_width * elem_size);
+    for (int64_t t = 0; t < tokens; t++) {
+        if (slots[t] < 0) continue;
+        memcpy((char *)key_cache + slots[t] * row_bytes, (const char *)k + t * k_stride * elem_size,
+               row_bytes);
+        memcpy((char *)value_cache + slots[t] * row_bytes,
+               (const char *)v + t * v_stride * elem_size, row_bytes);
+    }
+}
