@@ -214,3 +214,58 @@ def test_row_tensors_match_per_row_loops() -> None:
             assert torch.equal(t.bias, bias)
         else:
             assert t.bias is None
+
+
+def _peaked_logits(rows: int, vocab: int, spreads: list[float], seed: int) -> torch.Tensor:
+    """Zipf-like rows: a few likely tokens and a long tail, flatter as the spread grows."""
+    gen = torch.Generator().manual_seed(seed)
+    rank = torch.arange(1, vocab + 1, dtype=torch.float32)
+    out = torch.empty(rows, vocab)
+    for r in range(rows):
+        row = -torch.log(rank) * (4.0 / spreads[r % len(spreads)])
+        out[r] = row[torch.randperm(vocab, generator=gen)] + 0.1 * torch.randn(vocab, generator=gen)
+    return out
+
+
+def test_candidate_top_k_top_p_equals_sorting_every_row() -> None:
+    """The fast path (candidates in tiers, sorting only rows whose sets reach past them) keeps
+    exactly the tokens the sort-everything version keeps, on rows that end in each tier."""
+    from specbatch.kernels import sampling
+
+    vocab = 20000
+    spreads = [1.0, 3.0, 6.0, 12.0]  # nucleus of a few, hundreds, thousands, most tokens
+    logits = _peaked_logits(24, vocab, spreads, seed=0)
+    top_k = torch.tensor([[vocab, 5, 300, 256, 5000, vocab][i % 6] for i in range(24)])
+    top_p = torch.tensor([[0.9, 1.0, 0.95, 0.5, 0.999, 0.8][i % 6] for i in range(24)])
+    tiers = set()
+    original = sampling._within_candidates
+
+    def spy(*args: object, **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
+        values, done = original(*args, **kwargs)  # type: ignore[arg-type]
+        tiers.add((args[1], bool(done.all())))
+        return values, done
+
+    sampling._within_candidates = spy  # type: ignore[assignment]
+    try:
+        for k, p in ((top_k, None), (None, top_p), (top_k, top_p)):
+            fast = sampling._top_k_top_p(logits, k, p)
+            slow = sampling._top_k_top_p_sorted(logits, k, p)
+            assert torch.equal(fast == float("-inf"), slow == float("-inf"))
+            kept = fast != float("-inf")
+            assert torch.equal(fast[kept], logits[kept])
+    finally:
+        sampling._within_candidates = original  # type: ignore[assignment]
+    assert (256, False) in tiers  # some rows went on to the next tier
+    assert (4096, False) in tiers  # and some were sorted whole
+
+
+def test_candidate_top_k_top_p_rows_do_not_depend_on_the_batch() -> None:
+    from specbatch.kernels.sampling import _top_k_top_p
+
+    logits = _peaked_logits(8, 20000, [1.0, 3.0, 6.0, 12.0], seed=1)
+    top_k = torch.tensor([20000, 40, 20000, 300, 20000, 20000, 7, 20000])
+    top_p = torch.tensor([0.9, 1.0, 0.95, 0.9, 0.99, 0.7, 0.9, 1.0])
+    together = _top_k_top_p(logits, top_k, top_p)
+    for r in range(8):
+        alone = _top_k_top_p(logits[r : r + 1], top_k[r : r + 1], top_p[r : r + 1])
+        assert torch.equal(alone, together[r : r + 1]), r
