@@ -7,6 +7,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 /* out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * weight, float32 rows of dim elements (x rows
  * x_stride apart, out rows contiguous). The sum of squares runs in 16 lanes, folded in a fixed
@@ -27,4 +28,118 @@ void rms_norm(const float *x, int64_t rows, int64_t dim, int64_t x_stride, const
         float *dst = out + r * dim;
         for (d = 0; d < dim; d++) dst[d] = row[d] * scale * weight[d];
     }
+}
+
+/* Rotate the first `heads` heads of each row in place (HF's half-split layout): element d
+ * becomes x[d] cos[d] + x[(d + half) mod dim] sin[d], with rotate-half's sign already in sin.
+ * Row t's heads start at x + t * row_stride, head_stride apart; cos and sin are [T, dim]. */
+void rotary(float *x, int64_t tokens, int64_t heads, int64_t dim, int64_t row_stride,
+            int64_t head_stride, const float *cos, const float *sin) {
+    const int64_t half = dim / 2;
+    float copy[512];
+    for (int64_t t = 0; t < tokens; t++) {
+        const float *c = cos + t * dim, *s = sin + t * dim;
+        for (int64_t h = 0; h < heads; h++) {
+            float *v = x + t * row_stride + h * head_stride;
+            for (int64_t d = 0; d < dim; d++) copy[d] = v[d];
+            for (int64_t d = 0; d < dim; d++) {
+                const float product = copy[d] * c[d];
+                v[d] = product + copy[(d + half) % dim] * s[d];
+            }
+        }
+    }
+}
+
+/* out[t] = silu(gate) * up for rows [gate | up] of 2 * width elements. */
+void silu_mul(const float *gate_up, int64_t tokens, int64_t width, float *out, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (tokens > 16)
+    for (int64_t t = 0; t < tokens; t++) {
+        const float *gate = gate_up + t * 2 * width, *up = gate + width;
+        float *dst = out + t * width;
+        for (int64_t i = 0; i < width; i++) dst[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+    }
+}
+
+/* ---------------- a whole decoder layer in one call (quantized linears) ---------------- */
+
+/* The kernels of the other libraries, by address (gguf_linear.c, cpu_paged_attention.c): the
+ * layer calls the very functions the per-op path calls, so both give the same bits. */
+typedef int (*linear_fn)(int kind, const float *x, int64_t rows, int64_t k, const void *data,
+                         int64_t n, float *out, int threads);
+typedef int (*attention_fn)(const float *q, int64_t q_stride_t, int64_t q_stride_h, float *out,
+                            int64_t out_stride_t, int64_t out_stride_h, const void *key_cache,
+                            const void *value_cache, int bf16, const int64_t *q_start,
+                            const int64_t *q_len, const int64_t *seq_len,
+                            const int64_t *block_tables, int64_t bt_stride, const uint8_t *tree,
+                            int64_t tree_stride, int64_t num_seqs, int64_t num_heads,
+                            int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                            int64_t chunk, float scale, int num_threads);
+typedef void (*write_fn)(const void *k, int64_t k_stride, const void *v, int64_t v_stride,
+                         void *key_cache, void *value_cache, const int64_t *slots, int64_t tokens,
+                         int64_t kv_width, int64_t elem_size);
+
+typedef struct {
+    int kind;         /* gguf_linear's kind */
+    const void *data; /* its repacked blocks */
+} QuantLinear;
+
+/* What a layer holds (built once per layer and cache binding). */
+typedef struct {
+    const float *norm1, *norm2;
+    float eps, scale;
+    QuantLinear qkv, o, gate_up, down;
+    const float *qkv_bias; /* or NULL */
+    int64_t hidden, heads, kv_heads, head_dim, intermediate, block_size;
+    void *key_cache, *value_cache; /* float32 */
+} Layer;
+
+/* What a step gives every layer (built once per step). */
+typedef struct {
+    int64_t tokens;
+    const float *cos, *sin; /* [T, head_dim] */
+    const int64_t *slots;   /* [T], negative: padding, not written */
+    const int64_t *q_start, *q_len, *seq_len, *block_tables;
+    int64_t bt_stride;
+    const uint8_t *tree;
+    int64_t tree_stride, num_seqs, chunk;
+    int threads;
+    linear_fn linear;
+    attention_fn attention;
+    write_fn write;
+} LayerStep;
+
+/* x (the residual stream, [T, hidden], updated in place) through one Llama decoder layer:
+ * x += o(attention(rotary(qkv(norm1(x))))); x += down(silu(gate) * up(norm2(x))).
+ * Returns 0, or -1 when scratch memory cannot be allocated or a kernel fails. */
+int decoder_layer(const Layer *L, const LayerStep *S, float *x) {
+    const int64_t T = S->tokens, H = L->hidden, hd = L->head_dim;
+    const int64_t q_size = L->heads * hd, kv = L->kv_heads * hd, qkv_n = q_size + 2 * kv;
+    const int64_t inter = L->intermediate;
+    const size_t floats = (size_t)T * (size_t)(H + qkv_n + q_size + H + 2 * inter + inter);
+    float *memory = malloc(floats * sizeof(float));
+    if (memory == NULL) return -1;
+    float *h = memory, *qkv = h + T * H, *attn = qkv + T * qkv_n, *o = attn + T * q_size;
+    float *gate_up = o + T * H, *act = gate_up + T * 2 * inter;
+    int status = 0;
+    rms_norm(x, T, H, H, L->norm1, L->eps, h, S->threads);
+    status |= S->linear(L->qkv.kind, h, T, H, L->qkv.data, qkv_n, qkv, S->threads);
+    if (L->qkv_bias != NULL)
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t i = 0; i < qkv_n; i++) qkv[t * qkv_n + i] += L->qkv_bias[i];
+    rotary(qkv, T, L->heads + L->kv_heads, hd, qkv_n, hd, S->cos, S->sin);
+    S->write(qkv + q_size, qkv_n, qkv + q_size + kv, qkv_n, L->key_cache, L->value_cache,
+             S->slots, T, kv, (int64_t)sizeof(float));
+    status |= S->attention(qkv, qkv_n, hd, attn, q_size, hd, L->key_cache, L->value_cache, 0,
+                           S->q_start, S->q_len, S->seq_len, S->block_tables, S->bt_stride,
+                           S->tree, S->tree_stride, S->num_seqs, L->heads, L->kv_heads, hd,
+                           L->block_size, S->chunk, L->scale, S->threads);
+    status |= S->linear(L->o.kind, attn, T, q_size, L->o.data, H, o, S->threads);
+    for (int64_t i = 0; i < T * H; i++) x[i] += o[i];
+    rms_norm(x, T, H, H, L->norm2, L->eps, h, S->threads);
+    status |= S->linear(L->gate_up.kind, h, T, H, L->gate_up.data, 2 * inter, gate_up, S->threads);
+    silu_mul(gate_up, T, inter, act, S->threads);
+    status |= S->linear(L->down.kind, act, T, inter, L->down.data, H, o, S->threads);
+    for (int64_t i = 0; i < T * H; i++) x[i] += o[i];
+    free(memory);
+    return status != 0 ? -1 : 0;
 }

@@ -209,3 +209,8 @@ def run_kernel(library: ctypes.CDLL, x: torch.Tensor, weight: QuantizedWeight) -
     if status != 0:
         raise MemoryError("the GGUF linear kernel could not allocate its scratch memory")
     return out
+
+
+def kernel_kind(weight: QuantizedWeight) -> int:
+    """``gguf_linear``'s code for the weight's kind (for callers of the C function)."""
+    return _KERNEL_KIND[weight.kind]

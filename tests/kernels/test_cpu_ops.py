@@ -43,3 +43,33 @@ def test_rms_norm_declines_what_it_does_not_handle() -> None:
     assert cpu_ops.rms_norm(torch.ones(2, 8, dtype=torch.bfloat16), weight, 1e-5) is None
     assert cpu_ops.rms_norm(torch.ones(2, 4, 8), weight, 1e-5) is None
     assert cpu_ops.rms_norm(torch.ones(8, 2).T, weight, 1e-5) is None  # columns strided
+
+
+def test_rotary_matches_torch() -> None:
+    from specbatch.models.rotary import apply_rotary
+
+    gen = torch.Generator().manual_seed(3)
+    tokens, heads, dim = 5, 7, 64
+    qkv = torch.randn(tokens, heads * dim + 40, generator=gen)  # extra columns stay untouched
+    angles = torch.randn(tokens, dim // 2, generator=gen)
+    cos = torch.cat([angles.cos(), angles.cos()], -1)[:, None, :].contiguous()
+    sin = torch.cat([-angles.sin(), angles.sin()], -1)[:, None, :].contiguous()
+    expected = apply_rotary(qkv[:, : heads * dim].view(tokens, heads, dim), cos, sin)
+    rotated = qkv.clone()
+    assert cpu_ops.rotary_(rotated, heads, dim, cos, sin)
+    torch.testing.assert_close(
+        rotated[:, : heads * dim].view(tokens, heads, dim), expected, rtol=1e-6, atol=1e-6
+    )
+    assert torch.equal(rotated[:, heads * dim :], qkv[:, heads * dim :])
+    assert not cpu_ops.rotary_(rotated.to(torch.bfloat16), heads, dim, cos, sin)
+
+
+def test_silu_mul_matches_torch() -> None:
+    gen = torch.Generator().manual_seed(4)
+    gate_up = torch.randn(33, 2 * 96, generator=gen) * 4
+    got = cpu_ops.silu_mul(gate_up, 96)
+    assert got is not None
+    gate, up = gate_up.double().split(96, dim=-1)
+    expected = (F.silu(gate) * up).float()
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+    assert cpu_ops.silu_mul(gate_up.T, 16) is None  # not contiguous rows

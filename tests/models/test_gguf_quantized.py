@@ -148,3 +148,46 @@ def test_quantized_rows_do_not_depend_on_the_batch(
     together = layer(x)
     for row in range(9):
         assert torch.equal(layer(x[row : row + 1]), together[row : row + 1]), row
+
+
+def _logits_of_a_mixed_workload(model: LlamaForCausalLM) -> list[torch.Tensor]:
+    """Prefills of two lengths in one step, then decodes and a 5-token verify-like step."""
+    harness = PagedHarness(model, num_blocks=96, block_size=16)
+    gen = torch.Generator().manual_seed(7)
+    first = torch.randint(0, 49152, (300,), generator=gen).tolist()
+    second = torch.randint(0, 49152, (37,), generator=gen).tolist()
+    outputs = [torch.cat(harness.forward([(0, first), (1, second)]))]
+    outputs.append(torch.cat(harness.forward([(0, [11]), (1, [12, 13, 14, 15, 16])])))
+    outputs.append(torch.cat(harness.forward([(1, [17])])))
+    return outputs
+
+
+def test_fused_layers_give_the_per_op_paths_bits(quantized_smollm2: LlamaForCausalLM) -> None:
+    """With every linear in GGUF blocks, each layer runs as one C call; it calls the same
+    kernels as the per-op path, so every logit is the same bit for bit."""
+    model = quantized_smollm2
+    assert model._fusable()
+    fused = _logits_of_a_mixed_workload(model)
+    model.fuse_layers, model._fusable_cache = False, None
+    try:
+        per_op = _logits_of_a_mixed_workload(model)
+    finally:
+        model.fuse_layers, model._fusable_cache = True, None
+    for a, b in zip(fused, per_op, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_fused_layers_with_biases_match_the_plain_load(tmp_path: Path) -> None:
+    config = tiny_config(hidden_size=64, intermediate_size=128, **VARIANTS["qwen2-bias"])
+    state = write_hf_checkpoint(tmp_path / "hf", config).state_dict()
+    qtypes = {name: Q4_1 for name, tensor in state.items() if tensor.dim() == 2}
+    write_gguf(tmp_path / "q.gguf", config, state, qtypes=qtypes)
+    plain = load_model(tmp_path / "q.gguf")
+    quantized = load_model(tmp_path / "q.gguf", quantization="gguf")
+    assert quantized._fusable()
+    prompt = torch.randint(0, config["vocab_size"], (40,), generator=torch.Generator()).tolist()
+    expected = PagedHarness(plain).forward([(0, prompt)])[0]
+    fused = PagedHarness(quantized).forward([(0, prompt)])[0]
+    torch.testing.assert_close(fused, expected, rtol=0, atol=1e-4)
+    quantized.fuse_layers, quantized._fusable_cache = False, None
+    assert torch.equal(PagedHarness(quantized).forward([(0, prompt)])[0], fused)

@@ -79,6 +79,11 @@ def load_library() -> ctypes.CDLL | None:
         return _library
 
 
+def chunk_positions(block_size: int) -> int:
+    """Positions per work unit for a cache of ``block_size``-position blocks."""
+    return block_size * max(1, CHUNK_POSITIONS // block_size)
+
+
 @dataclass
 class KernelQueries:
     """Host arrays the kernel reads for the step's sequences (kept alive here), and the
@@ -228,7 +233,7 @@ class CpuPagedBackend(TorchAttentionBackend):
             self.num_kv_heads,
             self.head_dim,
             block_size,
-            block_size * max(1, CHUNK_POSITIONS // block_size),
+            chunk_positions(block_size),
             self.scale,
             torch.get_num_threads(),
         )
