@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 
 import numpy as np
 import torch
@@ -187,9 +187,10 @@ def unpermute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
 
 
 def iter_gguf_tensors(
-    gguf_file: GGUFFile, config: ModelConfig
+    gguf_file: GGUFFile, config: ModelConfig, skip: Collection[str] = ()
 ) -> Iterator[tuple[str, torch.Tensor, str]]:
-    """Yield ``(hf_name, float32 tensor, file)``, dequantising one tensor at a time."""
+    """Yield ``(hf_name, float32 tensor, file)``, dequantising one tensor at a time (none of
+    those named in ``skip``)."""
     path = str(gguf_file.path)
     permuted = config.architecture != "Qwen2ForCausalLM"  # llama.cpp permutes only llama-style
     for info in gguf_file.tensors:
@@ -198,6 +199,8 @@ def iter_gguf_tensors(
         name = hf_name(info.name)
         if name is None:
             raise ModelLoadError(f"{path}: unexpected GGUF tensor {info.name!r}")
+        if name in skip:
+            continue
         array = gguf_file.dequantize(info)
         if permuted and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads

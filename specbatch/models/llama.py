@@ -338,22 +338,23 @@ class LlamaForCausalLM(nn.Module):
             self._packed_tied_head = pack_weight(self.model.embed_tokens.weight.detach())
         return True
 
-    def use_quantized_weights(self, weights: Iterable[tuple[str, str, np.ndarray]]) -> int:
+    def use_quantized_weights(self, weights: Iterable[tuple[str, str, np.ndarray]]) -> set[str]:
         """Keep the matrices given as GGUF blocks (``(hf_name, kind, raw rows)``, see
         ``gguf_checkpoint.iter_gguf_quantized``) quantized and multiply with them as they are;
-        the plain weights they replace are dropped. A fused projection is quantized only when
-        all its shards come in one kind; others stay plain. Returns the matrices replaced."""
-        shards: dict[str, dict[int, tuple[str, np.ndarray]]] = {}
+        the plain weights they replace are dropped (on a model still on the meta device, they
+        are never allocated). A fused projection is quantized only when all its shards come in
+        one kind; others stay plain. Returns the HF names of the tensors now held quantized."""
+        shards: dict[str, dict[int, tuple[str, str, np.ndarray]]] = {}
         for name, kind, raw in weights:
             target, shard = self._target_of(name)
-            shards.setdefault(target, {})[0 if shard is None else shard] = (kind, raw)
+            shards.setdefault(target, {})[0 if shard is None else shard] = (name, kind, raw)
         modules = dict(self.named_modules())
-        replaced = 0
+        replaced: set[str] = set()
         for target, parts in shards.items():
-            kinds = {kind for kind, _ in parts.values()}
+            kinds = {kind for _, kind, _ in parts.values()}
             if len(parts) < self._num_shards(target) or len(kinds) != 1:
                 continue
-            raw = np.concatenate([parts[i][1] for i in sorted(parts)])
+            raw = np.concatenate([parts[i][2] for i in sorted(parts)])
             module_name = target.removesuffix(".weight")
             if target == "model.embed_tokens.weight":
                 weight = QuantizedWeight.from_blocks(raw, kinds.pop(), self.config.hidden_size)
@@ -368,7 +369,7 @@ class LlamaForCausalLM(nn.Module):
                 )
             else:
                 continue
-            replaced += 1
+            replaced.update(name for name, _, _ in parts.values())
         self._fusable_cache = None
         return replaced
 

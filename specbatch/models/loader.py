@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from specbatch.errors import ConfigError, ModelLoadError
@@ -99,23 +100,21 @@ def load_model(
         with GGUFFile(path) as gguf_file:
             config = read_gguf_config(gguf_file)
             check_gguf_tensors(gguf_file, config)
-            net = _build(
+            return _build(
                 config,
-                iter_gguf_tensors(gguf_file, config),
+                lambda skip: iter_gguf_tensors(gguf_file, config, skip),
                 path,
                 torch_dtype,
                 torch_device,
                 attention_backend,
+                iter_gguf_quantized(gguf_file, config) if quantization == "gguf" else None,
             )
-            if quantization == "gguf":
-                net.use_quantized_weights(iter_gguf_quantized(gguf_file, config))
-            return net
     config = read_hf_config(path)
     files = safetensors_files(path)
     check_safetensors_tensors(files, config, path)
     return _build(
         config,
-        iter_safetensors(files),
+        lambda skip: iter_safetensors(files),
         path,
         torch_dtype,
         torch_device,
@@ -152,12 +151,15 @@ def check_quantization(
 
 def _build(
     config: ModelConfig,
-    weights: Iterable[tuple[str, torch.Tensor, str]],
+    weights: Callable[[set[str]], Iterable[tuple[str, torch.Tensor, str]]],
     path: Path,
     torch_dtype: torch.dtype,
     torch_device: torch.device,
     attention_backend: str | None,
+    quantized: Iterable[tuple[str, str, np.ndarray]] | None = None,
 ) -> LlamaForCausalLM:
+    """The model with ``weights(skip)`` loaded, where ``skip`` names the tensors kept as GGUF
+    blocks (``quantized``), which are neither allocated nor dequantised in plain form."""
     cls = model_class(config.architecture)
     backend_cls = attention_backend_class(attention_backend, torch_device)
     backend = backend_cls(
@@ -168,9 +170,10 @@ def _build(
     )
     with torch.device("meta"):
         net = cls(config, backend)
+    skip = net.use_quantized_weights(quantized) if quantized is not None else set()
     net = net.to(dtype=torch_dtype).to_empty(device=torch_device)
     with torch.no_grad():
-        net.load_weights(weights, source=str(path))
+        net.load_weights(weights(skip), source=str(path))
     net.eval()
     net.requires_grad_(False)
     return net
