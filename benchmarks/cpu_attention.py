@@ -88,6 +88,9 @@ def main() -> None:
         ("decode b16 ctx 400-800", 16, 1, 400, 800),
         ("decode b1 ctx 2000", 1, 1, 2000, 2000),
         ("verify k=4 b1 ctx 600", 1, 5, 600, 600),
+        ("prefill b4 of 128", 4, 128, 128, 128),
+        ("prefill b1 of 700", 1, 700, 700, 700),
+        ("chunk of 256 after 768", 1, 256, 1024, 1024),
     ]
     rows = []
     for dtype in (torch.float32, torch.bfloat16):
@@ -108,7 +111,7 @@ def main() -> None:
                 }
             )
     header = ("case", "KV", "reference ms", "kernel ms", "ratio", "GB/s")
-    print("{:30s} {:9s} {:>12s} {:>10s} {:>7s} {:>6s}".format(*header))
+    print("{:30s} {:9s} {:>12s} {:>10s} {:>7s} {:>6s}".format(*header))  # ratio: ref / kernel
     for r in rows:
         print(
             f"{r['case']:30s} {r['kv_dtype']:9s} {r['reference_ms']:12.3f} {r['kernel_ms']:10.3f}"
