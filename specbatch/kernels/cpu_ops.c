@@ -8,55 +8,100 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
-/* out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * weight, float32 rows of dim elements (x rows
- * x_stride apart, out rows contiguous). The sum of squares runs in 16 lanes, folded in a fixed
- * order. */
-void rms_norm(const float *x, int64_t rows, int64_t dim, int64_t x_stride, const float *weight,
-              float eps, float *out, int num_threads) {
+/* bfloat16 <-> float32: widening is exact; narrowing rounds to nearest even, as torch does. */
+static inline float from_bf16(uint16_t value) {
+    const uint32_t bits = (uint32_t)value << 16;
+    float out;
+    memcpy(&out, &bits, sizeof out);
+    return out;
+}
+
+static inline uint16_t to_bf16(float value) {
+    uint32_t bits;
+    memcpy(&bits, &value, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u); /* NaN */
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return (uint16_t)(bits >> 16);
+}
+
+/* Element i of a float32 (bf16 == 0) or bfloat16 array, as float32; and the store back. */
+static inline float load_at(const void *base, int bf16, int64_t i) {
+    return bf16 ? from_bf16(((const uint16_t *)base)[i]) : ((const float *)base)[i];
+}
+
+static inline void store_at(void *base, int bf16, int64_t i, float value) {
+    if (bf16)
+        ((uint16_t *)base)[i] = to_bf16(value);
+    else
+        ((float *)base)[i] = value;
+}
+
+/* out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * weight over rows of dim elements (x rows x_stride
+ * apart, out rows contiguous), computed in float32. Rows, weight and out are float32, or
+ * bfloat16 (bf16 != 0), where, as HF Llama does, the normalised row is rounded to bfloat16
+ * before the weight multiplies it. The sum of squares runs in 16 lanes, folded in a fixed order. */
+void rms_norm(const void *x, int64_t rows, int64_t dim, int64_t x_stride, const void *weight,
+              float eps, void *out, int bf16, int num_threads) {
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (rows > 16)
     for (int64_t r = 0; r < rows; r++) {
-        const float *row = x + r * x_stride;
+        const int64_t row = r * x_stride;
         float lanes[16] = {0};
         int64_t d = 0;
         for (; d + 16 <= dim; d += 16)
-            for (int lane = 0; lane < 16; lane++) lanes[lane] += row[d + lane] * row[d + lane];
-        for (int lane = 0; d < dim; d++, lane++) lanes[lane] += row[d] * row[d];
+            for (int lane = 0; lane < 16; lane++) {
+                const float value = load_at(x, bf16, row + d + lane);
+                lanes[lane] += value * value;
+            }
+        for (int lane = 0; d < dim; d++, lane++) {
+            const float value = load_at(x, bf16, row + d);
+            lanes[lane] += value * value;
+        }
         for (int width = 8; width > 0; width /= 2)
             for (int lane = 0; lane < width; lane++) lanes[lane] += lanes[lane + width];
         const float scale = 1.0f / sqrtf(lanes[0] / (float)dim + eps);
-        float *dst = out + r * dim;
-        for (d = 0; d < dim; d++) dst[d] = row[d] * scale * weight[d];
+        for (d = 0; d < dim; d++) {
+            float normed = load_at(x, bf16, row + d) * scale;
+            if (bf16) normed = from_bf16(to_bf16(normed));
+            store_at(out, bf16, r * dim + d, normed * load_at(weight, bf16, d));
+        }
     }
 }
 
 /* Rotate the first `heads` heads of each row in place (HF's half-split layout): element d
- * becomes x[d] cos[d] + x[(d + half) mod dim] sin[d], with rotate-half's sign already in sin.
- * Row t's heads start at x + t * row_stride, head_stride apart; cos and sin are [T, dim]. */
-void rotary(float *x, int64_t tokens, int64_t heads, int64_t dim, int64_t row_stride,
-            int64_t head_stride, const float *cos, const float *sin) {
+ * becomes x[d] cos[d] + x[(d + half) mod dim] sin[d], with rotate-half's sign already in sin,
+ * in float32 (rounded once to bfloat16 for bfloat16 rows). Row t's heads start at element
+ * t * row_stride, head_stride apart; cos and sin are [T, dim] of the rows' dtype. */
+void rotary(void *x, int64_t tokens, int64_t heads, int64_t dim, int64_t row_stride,
+            int64_t head_stride, const void *cos, const void *sin, int bf16) {
     const int64_t half = dim / 2;
     float copy[512];
     for (int64_t t = 0; t < tokens; t++) {
-        const float *c = cos + t * dim, *s = sin + t * dim;
         for (int64_t h = 0; h < heads; h++) {
-            float *v = x + t * row_stride + h * head_stride;
-            for (int64_t d = 0; d < dim; d++) copy[d] = v[d];
+            const int64_t head = t * row_stride + h * head_stride;
+            for (int64_t d = 0; d < dim; d++) copy[d] = load_at(x, bf16, head + d);
             for (int64_t d = 0; d < dim; d++) {
-                const float product = copy[d] * c[d];
-                v[d] = product + copy[(d + half) % dim] * s[d];
+                const float product = copy[d] * load_at(cos, bf16, t * dim + d);
+                store_at(x, bf16, head + d,
+                         product + copy[(d + half) % dim] * load_at(sin, bf16, t * dim + d));
             }
         }
     }
 }
 
-/* out[t] = silu(gate) * up for rows [gate | up] of 2 * width elements. */
-void silu_mul(const float *gate_up, int64_t tokens, int64_t width, float *out, int num_threads) {
+/* out[t] = silu(gate) * up for rows [gate | up] of 2 * width elements, in float32 (rounded once
+ * for bfloat16 rows). */
+void silu_mul(const void *gate_up, int64_t tokens, int64_t width, void *out, int bf16,
+              int num_threads) {
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (tokens > 16)
     for (int64_t t = 0; t < tokens; t++) {
-        const float *gate = gate_up + t * 2 * width, *up = gate + width;
-        float *dst = out + t * width;
-        for (int64_t i = 0; i < width; i++) dst[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+        const int64_t gate = t * 2 * width, up = gate + width;
+        for (int64_t i = 0; i < width; i++) {
+            const float g = load_at(gate_up, bf16, gate + i);
+            store_at(out, bf16, t * width + i,
+                     g / (1.0f + expf(-g)) * load_at(gate_up, bf16, up + i));
+        }
     }
 }
 
@@ -121,12 +166,12 @@ int decoder_layer(const Layer *L, const LayerStep *S, float *x) {
     float *h = memory, *qkv = h + T * H, *attn = qkv + T * qkv_n, *o = attn + T * q_size;
     float *gate_up = o + T * H, *act = gate_up + T * 2 * inter;
     int status = 0;
-    rms_norm(x, T, H, H, L->norm1, L->eps, h, S->threads);
+    rms_norm(x, T, H, H, L->norm1, L->eps, h, 0, S->threads);
     status |= S->linear(L->qkv.kind, h, T, H, L->qkv.data, qkv_n, qkv, S->threads);
     if (L->qkv_bias != NULL)
         for (int64_t t = 0; t < T; t++)
             for (int64_t i = 0; i < qkv_n; i++) qkv[t * qkv_n + i] += L->qkv_bias[i];
-    rotary(qkv, T, L->heads + L->kv_heads, hd, qkv_n, hd, S->cos, S->sin);
+    rotary(qkv, T, L->heads + L->kv_heads, hd, qkv_n, hd, S->cos, S->sin, 0);
     S->write(qkv + q_size, qkv_n, qkv + q_size + kv, qkv_n, L->key_cache, L->value_cache,
              S->slots, T, kv, (int64_t)sizeof(float));
     status |= S->attention(qkv, qkv_n, hd, attn, q_size, hd, L->key_cache, L->value_cache, 0,
@@ -135,9 +180,9 @@ int decoder_layer(const Layer *L, const LayerStep *S, float *x) {
                            L->block_size, S->chunk, L->scale, S->threads);
     status |= S->linear(L->o.kind, attn, T, q_size, L->o.data, H, o, S->threads);
     for (int64_t i = 0; i < T * H; i++) x[i] += o[i];
-    rms_norm(x, T, H, H, L->norm2, L->eps, h, S->threads);
+    rms_norm(x, T, H, H, L->norm2, L->eps, h, 0, S->threads);
     status |= S->linear(L->gate_up.kind, h, T, H, L->gate_up.data, 2 * inter, gate_up, S->threads);
-    silu_mul(gate_up, T, inter, act, S->threads);
+    silu_mul(gate_up, T, inter, act, 0, S->threads);
     status |= S->linear(L->down.kind, act, T, inter, L->down.data, H, o, S->threads);
     for (int64_t i = 0; i < T * H; i++) x[i] += o[i];
     free(memory);

@@ -1,5 +1,5 @@
-"""Per-layer CPU operations in C (``cpu_ops.c``) for float32 rows: RMSNorm, rotary, SiLU-gate,
-and a whole decoder layer in one call when its linears are GGUF blocks.
+"""Per-layer CPU operations in C (``cpu_ops.c``) for float32 and bfloat16 rows: RMSNorm, rotary,
+SiLU-gate, and a whole decoder layer in one call when its linears are GGUF blocks.
 
 At decode sizes torch spends more on dispatching a layer's small ops than on their work (a
 576-wide RMSNorm row: ~8 us, the rotary ~5 us; a quantized SmolLM2 layer spent ~60 us a step
@@ -7,7 +7,7 @@ outside its linears); one ctypes call does each in 1-2 us, and ``decoder_layer``
 layer (norms, quantized linears, rotary, K/V write, attention, residuals) without returning to
 Python. The layer calls the very kernels the per-op path calls (by address: ``gguf_linear``,
 ``paged_attention``, ``write_kv``) and this file's own RMSNorm, rotary and SiLU-gate, which the
-per-op path also uses on float32 CPU rows, so the two give the same bits (tested). Where no
+per-op path also uses on CPU rows, so the two give the same bits (tested). Where no
 compiler works, callers keep torch's implementations (these functions return None/False).
 """
 
@@ -42,29 +42,34 @@ def load_library() -> ctypes.CDLL | None:
                 pointer, i64 = ctypes.c_void_p, ctypes.c_int64
                 library.rms_norm.restype = None
                 library.rms_norm.argtypes = [
-                    pointer, i64, i64, i64, pointer, ctypes.c_float, pointer, ctypes.c_int
+                    pointer, i64, i64, i64, pointer, ctypes.c_float, pointer, ctypes.c_int,
+                    ctypes.c_int,
                 ]  # fmt: skip
                 library.rotary.restype = None
                 library.rotary.argtypes = [
-                    pointer, i64, i64, i64, i64, i64, pointer, pointer
+                    pointer, i64, i64, i64, i64, i64, pointer, pointer, ctypes.c_int
                 ]  # fmt: skip
                 library.silu_mul.restype = None
-                library.silu_mul.argtypes = [pointer, i64, i64, pointer, ctypes.c_int]
+                library.silu_mul.argtypes = [pointer, i64, i64, pointer, ctypes.c_int, ctypes.c_int]
                 library.decoder_layer.restype = ctypes.c_int
                 library.decoder_layer.argtypes = [pointer, pointer, pointer]
                 _library = library
         return _library
 
 
+_DTYPES = (torch.float32, torch.bfloat16)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
-    """``x / sqrt(mean(x^2) + eps) * weight`` over the last dimension of float32 CPU rows
-    ``[T, D]`` (rows may be strided, elements contiguous); None where this path does not
-    apply (another dtype, device or layout, or no compiled library)."""
+    """``x / sqrt(mean(x^2) + eps) * weight`` over the last dimension of CPU rows ``[T, D]``
+    (float32, or bfloat16 computed in float32 as HF Llama does; rows may be strided, elements
+    contiguous); None where this path does not apply (another dtype, device or layout, or no
+    compiled library)."""
     library = _library or (None if _load_failed else load_library())
     if (
         library is None
-        or x.dtype != torch.float32
-        or weight.dtype != torch.float32
+        or x.dtype not in _DTYPES
+        or weight.dtype != x.dtype
         or x.device.type != "cpu"
         or x.dim() != 2
         or x.stride(1) != 1
@@ -72,7 +77,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
         or weight.shape[0] != x.shape[1]
     ):
         return None
-    out = torch.empty(x.shape, dtype=torch.float32)
+    out = torch.empty(x.shape, dtype=x.dtype)
     library.rms_norm(
         x.data_ptr(),
         x.shape[0],
@@ -81,6 +86,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
         weight.data_ptr(),
         eps,
         out.data_ptr(),
+        int(x.dtype == torch.bfloat16),
         torch.get_num_threads(),
     )
     return out
@@ -98,8 +104,9 @@ def rotary_(
     library = _library or (None if _load_failed else load_library())
     if (
         library is None
-        or qkv.dtype != torch.float32
-        or cos.dtype != torch.float32
+        or qkv.dtype not in _DTYPES
+        or cos.dtype != qkv.dtype
+        or sin.dtype != qkv.dtype
         or qkv.device.type != "cpu"
         or qkv.dim() != 2
         or qkv.stride(1) != 1
@@ -116,25 +123,31 @@ def rotary_(
         head_dim,
         cos.data_ptr(),
         sin.data_ptr(),
+        int(qkv.dtype == torch.bfloat16),
     )
     return True
 
 
 def silu_mul(gate_up: torch.Tensor, width: int) -> torch.Tensor | None:
-    """``silu(gate) * up`` for float32 CPU rows ``[gate | up]`` of ``2 * width``; None where
-    this path does not apply."""
+    """``silu(gate) * up`` for CPU rows ``[gate | up]`` of ``2 * width`` (float32, or bfloat16
+    computed in float32); None where this path does not apply."""
     library = _library or (None if _load_failed else load_library())
     if (
         library is None
-        or gate_up.dtype != torch.float32
+        or gate_up.dtype not in _DTYPES
         or gate_up.device.type != "cpu"
         or gate_up.dim() != 2
         or not gate_up.is_contiguous()
     ):
         return None
-    out = torch.empty(gate_up.shape[0], width, dtype=torch.float32)
+    out = torch.empty(gate_up.shape[0], width, dtype=gate_up.dtype)
     library.silu_mul(
-        gate_up.data_ptr(), gate_up.shape[0], width, out.data_ptr(), torch.get_num_threads()
+        gate_up.data_ptr(),
+        gate_up.shape[0],
+        width,
+        out.data_ptr(),
+        int(gate_up.dtype == torch.bfloat16),
+        torch.get_num_threads(),
     )
     return out
 

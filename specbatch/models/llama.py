@@ -35,11 +35,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not torch.is_grad_enabled():  # CPU inference: one C call where it applies
+            fast = cpu_ops.rms_norm(x, self.weight, self.eps)
+            if fast is not None:
+                return fast
         if x.dtype == torch.float32:
-            if not torch.is_grad_enabled():  # inference: one C call where it applies
-                fast = cpu_ops.rms_norm(x, self.weight, self.eps)
-                if fast is not None:
-                    return fast
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return self.weight * normed.to(x.dtype)
@@ -68,7 +68,7 @@ class LlamaAttention(nn.Module):
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
         # q and k rotate together: one set of rotary ops per layer instead of two (in place, in
-        # one C call, for float32 CPU inference).
+        # one C call, for CPU inference).
         heads = self.num_heads + self.num_kv_heads
         qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, heads, self.head_dim)
         if torch.is_grad_enabled() or not cpu_ops.rotary_(qkv, heads, self.head_dim, cos, sin):
@@ -91,7 +91,7 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if not torch.is_grad_enabled():  # float32 CPU inference: one C call
+        if not torch.is_grad_enabled():  # CPU inference: one C call
             activation = cpu_ops.silu_mul(gate_up, self.intermediate_size)
             if activation is not None:
                 return self.down_proj(activation)

@@ -73,3 +73,33 @@ def test_silu_mul_matches_torch() -> None:
     expected = (F.silu(gate) * up).float()
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
     assert cpu_ops.silu_mul(gate_up.T, 16) is None  # not contiguous rows
+
+
+def test_bfloat16_rows_follow_hf_llamas_arithmetic() -> None:
+    """bfloat16 rows are computed in float32 and rounded where HF Llama rounds: the normalised
+    row before the weight multiplies it, each rotary and SiLU-gate output once."""
+    from specbatch.models.rotary import apply_rotary
+
+    gen = torch.Generator().manual_seed(5)
+    x = (torch.randn(7, 576, generator=gen) * 2).to(torch.bfloat16)
+    weight = torch.randn(576, generator=gen).to(torch.bfloat16)
+    normed = F.rms_norm(x.float(), (576,), eps=1e-5).to(torch.bfloat16)
+    got = cpu_ops.rms_norm(x, weight, 1e-5)
+    assert got is not None
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, weight * normed, rtol=1e-2, atol=1e-2)
+
+    qkv = torch.randn(3, 5 * 64, generator=gen).to(torch.bfloat16)
+    angles = torch.randn(3, 32, generator=gen)
+    cos = torch.cat([angles.cos()] * 2, -1)[:, None, :].to(torch.bfloat16).contiguous()
+    sin = torch.cat([-angles.sin(), angles.sin()], -1)[:, None, :].to(torch.bfloat16).contiguous()
+    expected = apply_rotary(qkv.float().view(3, 5, 64), cos.float(), sin.float())
+    rotated = qkv.clone()
+    assert cpu_ops.rotary_(rotated, 5, 64, cos, sin)
+    torch.testing.assert_close(rotated.view(3, 5, 64).float(), expected, rtol=1e-2, atol=1e-2)
+
+    gate_up = torch.randn(4, 2 * 96, generator=gen).to(torch.bfloat16)
+    activation = cpu_ops.silu_mul(gate_up, 96)
+    assert activation is not None
+    gate, up = gate_up.float().split(96, dim=-1)
+    torch.testing.assert_close(activation.float(), F.silu(gate) * up, rtol=1e-2, atol=1e-2)
