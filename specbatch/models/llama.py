@@ -7,7 +7,6 @@ the HF shards into them.
 
 from __future__ import annotations
 
-import ctypes
 from collections.abc import Iterable
 from typing import cast
 
@@ -17,12 +16,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from specbatch.errors import ModelLoadError
-from specbatch.kernels import cpu_ops, gguf_linear
-from specbatch.kernels.attention import AttentionBackend, LayerKVCache, cpu_paged
-from specbatch.kernels.attention.cpu_paged import CpuPagedBackend
+from specbatch.kernels import cpu_ops
+from specbatch.kernels.attention import AttentionBackend, LayerKVCache
 from specbatch.kernels.gguf_linear import QuantizedWeight, quantized_linear
 from specbatch.kernels.linear import Linear, cpu_packing_supported, pack_weight, packed_linear
 from specbatch.models.config import ModelConfig
+from specbatch.models.fused_layers import FusedLayers
 from specbatch.models.rotary import RotaryEmbedding, apply_rotary
 
 
@@ -165,9 +164,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self._packed_tied_head: torch.Tensor | None = None
         self._quantized_tied_head: QuantizedWeight | None = None
-        self.fuse_layers = True  # False: the per-op path even where fused layers apply
-        self._fusable_cache: bool | None = None
-        self._layer_specs: list[cpu_ops.LayerSpec] | None = None
+        self.fused = FusedLayers(self)
         self._token_maps: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @property
@@ -186,7 +183,7 @@ class LlamaForCausalLM(nn.Module):
             )
         for layer, cache in zip(self.model.layers, kv_caches, strict=True):
             cast(LlamaDecoderLayer, layer).self_attn.kv_cache = cache
-        self._layer_specs = None  # they point into the caches
+        self.fused.forget_layers()  # they point into the caches
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: object
@@ -199,83 +196,12 @@ class LlamaForCausalLM(nn.Module):
             input_ids = self._maps(input_ids.device)[0][input_ids]
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
-        step = self._fused_step(metadata, cos, sin, x)
+        step = self.fused.step(metadata, cos, sin, x)
         if step is not None:  # every layer in one C call each (same bits as the loop below)
-            x = x.contiguous()
-            for spec in self._fused_layer_specs():
-                cpu_ops.decoder_layer(spec, step, x)
-            return self.model.norm(x)
+            return self.model.norm(self.fused.run(step, x))
         for layer in self.model.layers:
             x = layer(x, cos, sin, metadata)
         return self.model.norm(x)
-
-    def _fusable(self) -> bool:
-        """Whether every layer can run as one C call: float32 on the CPU, every linear of every
-        layer GGUF blocks, the C attention backend, and every library built."""
-        if self._fusable_cache is None:
-            self._fusable_cache = (
-                self.fuse_layers
-                and self.device.type == "cpu"
-                and self.dtype == torch.float32
-                and isinstance(self.backend, CpuPagedBackend)
-                and self.config.head_dim <= cpu_ops.MAX_ROTARY_DIM
-                and all(
-                    m.quantized is not None
-                    for layer in self.model.layers
-                    for m in _layer_linears(cast(LlamaDecoderLayer, layer))
-                )
-                and cpu_ops.load_library() is not None
-                and gguf_linear.load_library() is not None
-                and cpu_paged.load_library() is not None
-            )
-        return self._fusable_cache
-
-    def _fused_step(
-        self, metadata: object, cos: torch.Tensor, sin: torch.Tensor, x: torch.Tensor
-    ) -> cpu_ops.LayerStepSpec | None:
-        """The step's part of the fused layers' arguments, or None where they do not apply."""
-        queries = getattr(metadata, "queries", None)
-        if queries is None or torch.is_grad_enabled() or not self._fusable():
-            return None
-        first = cast(LlamaDecoderLayer, self.model.layers[0]).self_attn.kv_cache
-        if first is None or first[0].dtype != torch.float32 or x.dtype != torch.float32:
-            return None
-        if queries.max_slot >= first[0].shape[0] * first[0].shape[1]:
-            raise IndexError(f"KV slot {queries.max_slot} is outside the cache")
-        q_start, q_len, seq_len, tables, table_stride, tree, tree_stride, num_seqs = (
-            queries.sequence_args
-        )
-        attention = cpu_paged.load_library()
-        linear = gguf_linear.load_library()
-        assert attention is not None
-        assert linear is not None
-        return cpu_ops.LayerStepSpec(
-            tokens=x.shape[0],
-            cos=cos.data_ptr(),
-            sin=sin.data_ptr(),
-            slots=queries.slots_pointer,
-            q_start=q_start,
-            q_len=q_len,
-            seq_len=seq_len,
-            block_tables=tables,
-            bt_stride=table_stride,
-            tree=tree,
-            tree_stride=tree_stride,
-            num_seqs=num_seqs,
-            chunk=cpu_paged.chunk_positions(first[0].shape[1]),
-            threads=torch.get_num_threads(),
-            linear=ctypes.cast(linear.gguf_linear, ctypes.c_void_p).value,
-            attention=ctypes.cast(attention.paged_attention, ctypes.c_void_p).value,
-            write=ctypes.cast(attention.write_kv, ctypes.c_void_p).value,
-        )
-
-    def _fused_layer_specs(self) -> list[cpu_ops.LayerSpec]:
-        if self._layer_specs is None:
-            self._layer_specs = [
-                _layer_spec(cast(LlamaDecoderLayer, layer), self.config)
-                for layer in self.model.layers
-            ]
-        return self._layer_specs
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Vocabulary logits for the given hidden-state rows only."""
@@ -370,7 +296,7 @@ class LlamaForCausalLM(nn.Module):
             else:
                 continue
             replaced.update(name for name, _, _ in parts.values())
-        self._fusable_cache = None
+        self.fused.reconsider()
         return replaced
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor, str]], source: str) -> None:
@@ -444,42 +370,3 @@ class LlamaForCausalLM(nn.Module):
     def _num_shards(self, target: str) -> int:
         fused = ".qkv_proj." in target or ".gate_up_proj." in target
         return len(self._shard_sizes(target)) if fused else 1
-
-
-def _layer_linears(layer: LlamaDecoderLayer) -> tuple[Linear, Linear, Linear, Linear]:
-    attn, mlp = layer.self_attn, layer.mlp
-    return attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
-
-
-def _layer_spec(layer: LlamaDecoderLayer, config: ModelConfig) -> cpu_ops.LayerSpec:
-    """The fused layer's arguments for ``layer`` (its linears GGUF blocks, its cache bound)."""
-    attn = layer.self_attn
-    assert attn.kv_cache is not None
-    specs = []
-    for linear in _layer_linears(layer):
-        assert linear.quantized is not None
-        specs.append(
-            cpu_ops.QuantLinearSpec(
-                gguf_linear.kernel_kind(linear.quantized), linear.quantized.data.data_ptr()
-            )
-        )
-    bias = attn.qkv_proj.bias
-    return cpu_ops.LayerSpec(
-        norm1=layer.input_layernorm.weight.data_ptr(),
-        norm2=layer.post_attention_layernorm.weight.data_ptr(),
-        eps=layer.input_layernorm.eps,
-        scale=attn.backend.scale,
-        qkv=specs[0],
-        o=specs[1],
-        gate_up=specs[2],
-        down=specs[3],
-        qkv_bias=None if bias is None else bias.data_ptr(),
-        hidden=config.hidden_size,
-        heads=attn.num_heads,
-        kv_heads=attn.num_kv_heads,
-        head_dim=attn.head_dim,
-        intermediate=layer.mlp.intermediate_size,
-        block_size=attn.kv_cache[0].shape[1],
-        key_cache=attn.kv_cache[0].data_ptr(),
-        value_cache=attn.kv_cache[1].data_ptr(),
-    )

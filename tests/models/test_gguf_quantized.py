@@ -166,13 +166,15 @@ def test_fused_layers_give_the_per_op_paths_bits(quantized_smollm2: LlamaForCaus
     """With every linear in GGUF blocks, each layer runs as one C call; it calls the same
     kernels as the per-op path, so every logit is the same bit for bit."""
     model = quantized_smollm2
-    assert model._fusable()
+    assert model.fused.applies()
     fused = _logits_of_a_mixed_workload(model)
-    model.fuse_layers, model._fusable_cache = False, None
+    model.fused.enabled = False
+    model.fused.reconsider()
     try:
         per_op = _logits_of_a_mixed_workload(model)
     finally:
-        model.fuse_layers, model._fusable_cache = True, None
+        model.fused.enabled = True
+        model.fused.reconsider()
     for a, b in zip(fused, per_op, strict=True):
         assert torch.equal(a, b)
 
@@ -184,10 +186,11 @@ def test_fused_layers_with_biases_match_the_plain_load(tmp_path: Path) -> None:
     write_gguf(tmp_path / "q.gguf", config, state, qtypes=qtypes)
     plain = load_model(tmp_path / "q.gguf")
     quantized = load_model(tmp_path / "q.gguf", quantization="gguf")
-    assert quantized._fusable()
+    assert quantized.fused.applies()
     prompt = torch.randint(0, config["vocab_size"], (40,), generator=torch.Generator()).tolist()
     expected = PagedHarness(plain).forward([(0, prompt)])[0]
     fused = PagedHarness(quantized).forward([(0, prompt)])[0]
     torch.testing.assert_close(fused, expected, rtol=0, atol=1e-4)
-    quantized.fuse_layers, quantized._fusable_cache = False, None
+    quantized.fused.enabled = False
+    quantized.fused.reconsider()
     assert torch.equal(PagedHarness(quantized).forward([(0, prompt)])[0], fused)
