@@ -194,3 +194,30 @@ def test_fused_layers_with_biases_match_the_plain_load(tmp_path: Path) -> None:
     quantized.fused.enabled = False
     quantized.fused.reconsider()
     assert torch.equal(PagedHarness(quantized).forward([(0, prompt)])[0], fused)
+
+
+def test_quantized_engine_survives_chunking_preemption_and_prefix_hits(default_gguf: Path) -> None:
+    """The fused layers under the engine's hard cases: prompts cut into chunks of at most 48
+    tokens, a cache too small for every sequence at once (preemption and recompute), prefix-cache
+    hits on a second pass, speculation on; the text is that of a roomy engine."""
+    from tests.prompts import CHAT
+
+    messages = [[{"role": "user", "content": text * 3}] for text in CHAT[:6]]
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    roomy = LLM(model=str(default_gguf), quantization="gguf", max_model_len=256, kv_cache_gib=0.25)
+    expected = [o.outputs[0].token_ids for o in roomy.chat(messages, params, use_tqdm=False)]
+    del roomy
+    tight = LLM(
+        model=str(default_gguf),
+        quantization="gguf",
+        max_model_len=256,
+        num_kv_blocks=24,
+        max_num_batched_tokens=48,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 3},
+    )
+    first = tight.chat(messages, params, use_tqdm=False)
+    again = tight.chat(messages, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in first] == expected
+    assert [o.outputs[0].token_ids for o in again] == expected
+    assert sum(o.metrics.num_preemptions for o in first) > 0
+    assert sum(o.metrics.num_cached_tokens for o in again) > 0
