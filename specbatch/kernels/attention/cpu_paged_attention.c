@@ -444,9 +444,22 @@ int paged_attention(
     if (unit_start == NULL) return -1;
     int64_t *part_start = unit_start + num_seqs + 1, *row_start = part_start + num_seqs + 1;
     unit_start[0] = part_start[0] = row_start[0] = 0;
+    /* Fewer (sequence, chunk) pairs than threads (a lone short sequence): cut its rows so every
+     * thread gets some. Rows are independent: the cut changes no row's arithmetic. */
+    int64_t pairs = 0, most_rows = 1;
+    for (int64_t s = 0; s < num_seqs; s++) {
+        pairs += (seq_len[s] + chunk - 1) / chunk;
+        most_rows = q_len[s] * num_heads > most_rows ? q_len[s] * num_heads : most_rows;
+    }
+    int64_t unit_rows = UNIT_ROWS;
+    if (pairs > 0 && pairs < num_threads) {
+        const int64_t per_pair = (num_threads + pairs - 1) / pairs;
+        unit_rows = (most_rows + per_pair - 1) / per_pair;
+        unit_rows = unit_rows < 1 ? 1 : unit_rows > UNIT_ROWS ? UNIT_ROWS : unit_rows;
+    }
     for (int64_t s = 0; s < num_seqs; s++) {
         const int64_t chunks = (seq_len[s] + chunk - 1) / chunk, rows = q_len[s] * num_heads;
-        unit_start[s + 1] = unit_start[s] + chunks * ((rows + UNIT_ROWS - 1) / UNIT_ROWS);
+        unit_start[s + 1] = unit_start[s] + chunks * ((rows + unit_rows - 1) / unit_rows);
         part_start[s + 1] = part_start[s] + chunks * rows;
         row_start[s + 1] = row_start[s] + rows;
     }
@@ -464,9 +477,9 @@ int paged_attention(
 #pragma omp for schedule(dynamic, 1)
         for (int64_t unit = 0; unit < units; unit++) {
             const int64_t s = owner(unit_start, num_seqs, unit);
-            const int64_t rows = q_len[s] * num_heads, tiles = (rows + UNIT_ROWS - 1) / UNIT_ROWS;
+            const int64_t rows = q_len[s] * num_heads, tiles = (rows + unit_rows - 1) / unit_rows;
             const int64_t c = (unit - unit_start[s]) / tiles, tile = (unit - unit_start[s]) % tiles;
-            const int64_t r0 = tile * UNIT_ROWS, r1 = r0 + UNIT_ROWS < rows ? r0 + UNIT_ROWS : rows;
+            const int64_t r0 = tile * unit_rows, r1 = r0 + unit_rows < rows ? r0 + unit_rows : rows;
             const int64_t first = part_start[s] + c * rows;
             const int64_t to = (c + 1) * chunk < seq_len[s] ? (c + 1) * chunk : seq_len[s];
             const Partial part = {best + first, total + first, acc + first * head_dim};
