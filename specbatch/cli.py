@@ -98,11 +98,22 @@ def speculative_config(args: argparse.Namespace) -> dict[str, object] | None:
 def resolved_method(args: argparse.Namespace) -> str:
     """``--speculative`` with 'auto' resolved: hybrid (prompt lookup, else the draft model)
     when a draft model is given, or when the shipped draft for the default target is good
-    enough to be preferred; n-gram otherwise."""
+    enough to be preferred; n-gram otherwise. With ``--quantization gguf`` and no speculative
+    flag, off: there a verify step's extra rows cost nearly what they return on a small CPU
+    (the kernel is compute-bound; measured 208 tok/s off against 157-158 with any method)."""
     from specbatch.spec_decode.default_draft import fits_shipped_draft, shipped_draft_preferred
 
     if args.speculative != "auto":
         return str(args.speculative)
+    tuned = (
+        args.draft_model is not None
+        or args.num_speculative_tokens is not None
+        or args.ngram_min is not None
+        or args.draft_confidence is not None
+        or args.adaptive_k
+    )
+    if getattr(args, "quantization", None) == "gguf" and not tuned:
+        return "off"
     if args.draft_model is not None or (
         shipped_draft_preferred() and fits_shipped_draft(args.model)
     ):

@@ -172,3 +172,16 @@ def test_auto_recognises_the_default_model_by_its_path(
     assert resolved_method(by_path) == "hybrid"
     other = parser.parse_args(["generate", "x", "--model", str(tiny_model_dir)])
     assert resolved_method(other) == "ngram"
+
+
+def test_auto_speculation_is_off_on_the_quantized_path_unless_asked_for() -> None:
+    parser = build_parser()
+    plain = parser.parse_args(["generate", "x", "--quantization", "gguf"])
+    assert resolved_method(plain) == "off"
+    assert speculative_config(plain) is None
+    tuned = parser.parse_args(["generate", "x", "--quantization", "gguf", "-k", "3"])
+    assert resolved_method(tuned) != "off"
+    explicit = parser.parse_args(
+        ["generate", "x", "--quantization", "gguf", "--speculative", "ngram"]
+    )
+    assert resolved_method(explicit) == "ngram"
