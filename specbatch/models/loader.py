@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -11,9 +12,11 @@ import torch
 
 from specbatch.errors import ConfigError, ModelLoadError
 from specbatch.kernels.attention import attention_backend_class
+from specbatch.kernels.linear import Linear
 from specbatch.models.config import ModelConfig
 from specbatch.models.default_model import default_model_path, is_default_model_name
 from specbatch.models.gguf_checkpoint import (
+    QUANTIZED_KINDS,
     check_gguf_tensors,
     iter_gguf_quantized,
     iter_gguf_tensors,
@@ -28,6 +31,8 @@ from specbatch.models.hf_checkpoint import (
 )
 from specbatch.models.llama import LlamaForCausalLM
 from specbatch.models.registry import model_class
+
+logger = logging.getLogger("specbatch")
 
 _DTYPES = {
     "float32": torch.float32,
@@ -100,7 +105,7 @@ def load_model(
         with GGUFFile(path) as gguf_file:
             config = read_gguf_config(gguf_file)
             check_gguf_tensors(gguf_file, config)
-            return _build(
+            net = _build(
                 config,
                 lambda skip: iter_gguf_tensors(gguf_file, config, skip),
                 path,
@@ -109,6 +114,9 @@ def load_model(
                 attention_backend,
                 iter_gguf_quantized(gguf_file, config) if quantization == "gguf" else None,
             )
+            if quantization == "gguf":
+                _report_quantized(net, gguf_file)
+            return net
     config = read_hf_config(path)
     files = safetensors_files(path)
     check_safetensors_tensors(files, config, path)
@@ -123,6 +131,32 @@ def load_model(
 
 
 QUANTIZATIONS = ("gguf",)
+
+
+def _report_quantized(net: LlamaForCausalLM, gguf_file: GGUFFile) -> None:
+    """One log line on what ``quantization="gguf"`` kept as blocks, and a warning naming the
+    storage types it had to dequantise instead (a Q4_K_M file keeps little)."""
+    linears = [m for m in net.modules() if isinstance(m, Linear)]
+    kept = sum(m.quantized is not None for m in linears)
+    other = sorted(
+        {
+            t.type_name
+            for t in gguf_file.tensors
+            if len(t.shape) == 2 and t.type_name not in QUANTIZED_KINDS
+        }
+    )
+    if kept < len(linears) and other:
+        logger.warning(
+            "quantization='gguf': %d of %d linear layers multiply GGUF blocks; the others are "
+            "dequantised to float32 (the kernel reads Q4_1 and Q8_0, not %s)",
+            kept,
+            len(linears),
+            ", ".join(other),
+        )
+    else:
+        logger.info(
+            "quantization='gguf': %d of %d linear layers multiply GGUF blocks", kept, len(linears)
+        )
 
 
 def check_quantization(

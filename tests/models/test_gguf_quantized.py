@@ -221,3 +221,22 @@ def test_quantized_engine_survives_chunking_preemption_and_prefix_hits(default_g
     assert [o.outputs[0].token_ids for o in again] == expected
     assert sum(o.metrics.num_preemptions for o in first) > 0
     assert sum(o.metrics.num_cached_tokens for o in again) > 0
+
+
+def test_types_the_kernel_cannot_read_are_named(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A file with other storage types still loads (those layers dequantised), with a warning
+    naming the types, so a user knows why it is not faster."""
+    config = tiny_config(hidden_size=64, intermediate_size=128)
+    state = write_hf_checkpoint(tmp_path / "hf", config).state_dict()
+    qtypes = {name: Q4_1 for name, tensor in state.items() if tensor.dim() == 2}
+    qtypes["model.layers.0.mlp.down_proj.weight"] = gguf.GGMLQuantizationType.Q5_0
+    write_gguf(tmp_path / "q.gguf", config, state, qtypes=qtypes)
+    with caplog.at_level("WARNING", logger="specbatch"):
+        model = load_model(tmp_path / "q.gguf", quantization="gguf")
+    assert "not Q5_0" in caplog.text
+    down = _linears(model)["model.layers.0.mlp.down_proj"]
+    assert down.quantized is None
+    assert down.weight is not None
+    assert not model.fused.applies()  # one plain layer: the per-op path serves every layer
