@@ -60,21 +60,26 @@ def load_library() -> ctypes.CDLL | None:
 _DTYPES = (torch.float32, torch.bfloat16)
 
 
+def _compiled() -> ctypes.CDLL | None:
+    """The library, built on first use; asked only once a call is known to apply (a CUDA
+    model never builds it)."""
+    return _library or (None if _load_failed else load_library())
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
     """``x / sqrt(mean(x^2) + eps) * weight`` over the last dimension of CPU rows ``[T, D]``
     (float32, or bfloat16 computed in float32 as HF Llama does; rows may be strided, elements
     contiguous); None where this path does not apply (another dtype, device or layout, or no
     compiled library)."""
-    library = _library or (None if _load_failed else load_library())
     if (
-        library is None
-        or x.dtype not in _DTYPES
+        x.dtype not in _DTYPES
         or weight.dtype != x.dtype
         or x.device.type != "cpu"
         or x.dim() != 2
         or x.stride(1) != 1
         or not weight.is_contiguous()
         or weight.shape[0] != x.shape[1]
+        or (library := _compiled()) is None
     ):
         return None
     out = torch.empty(x.shape, dtype=x.dtype)
@@ -101,10 +106,8 @@ def rotary_(
     """Rotate the first ``heads`` heads of every row of ``qkv`` ``[T, N]`` in place (cos and sin
     ``[T, 1, head_dim]`` as ``RotaryEmbedding.cos_sin`` gives them); False, changing nothing,
     where this path does not apply."""
-    library = _library or (None if _load_failed else load_library())
     if (
-        library is None
-        or qkv.dtype not in _DTYPES
+        qkv.dtype not in _DTYPES
         or cos.dtype != qkv.dtype
         or sin.dtype != qkv.dtype
         or qkv.device.type != "cpu"
@@ -112,6 +115,7 @@ def rotary_(
         or qkv.stride(1) != 1
         or head_dim > MAX_ROTARY_DIM
         or not (cos.is_contiguous() and sin.is_contiguous())
+        or (library := _compiled()) is None
     ):
         return False
     library.rotary(
@@ -131,13 +135,12 @@ def rotary_(
 def silu_mul(gate_up: torch.Tensor, width: int) -> torch.Tensor | None:
     """``silu(gate) * up`` for CPU rows ``[gate | up]`` of ``2 * width`` (float32, or bfloat16
     computed in float32); None where this path does not apply."""
-    library = _library or (None if _load_failed else load_library())
     if (
-        library is None
-        or gate_up.dtype not in _DTYPES
+        gate_up.dtype not in _DTYPES
         or gate_up.device.type != "cpu"
         or gate_up.dim() != 2
         or not gate_up.is_contiguous()
+        or (library := _compiled()) is None
     ):
         return None
     out = torch.empty(gate_up.shape[0], width, dtype=gate_up.dtype)
