@@ -16,7 +16,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from specbatch.utils import cache_dir
@@ -70,8 +70,8 @@ def load_c_library(
 ) -> ctypes.CDLL | None:
     """The library built from ``source`` (compiled now unless cached), or None where it cannot
     be built or loaded, after a warning that names the kernel (``description``) and what the
-    caller does instead (``fallback``). Callers keep the result: each call retries a failed
-    build and warns again."""
+    caller does instead (``fallback``). Each call retries a failed build and warns again:
+    :class:`NativeLibrary` keeps the result."""
     with _build_lock:
         target = library_path(source, flags)
         try:
@@ -81,3 +81,41 @@ def load_c_library(
         except OSError as exc:
             logger.warning("%s could not be built (%s); %s", description, exc, fallback)
             return None
+
+
+class NativeLibrary:
+    """A C file built at first use and loaded once per process, its functions declared; a build
+    that fails is warned about once and remembered (callers then take their fallback)."""
+
+    def __init__(
+        self,
+        source: Path,
+        flags: Sequence[str],
+        description: str,
+        fallback: str,
+        declare: Callable[[ctypes.CDLL], None],
+    ) -> None:
+        self.source, self.flags = source, tuple(flags)
+        self.description, self.fallback, self.declare = description, fallback, declare
+        self._lock = threading.Lock()
+        self._library: ctypes.CDLL | None = None
+        self._failed = False
+
+    def load(self) -> ctypes.CDLL | None:
+        """The loaded library, or None where it cannot be built. Once settled, no lock: hot
+        paths call this every layer."""
+        if self._library is not None or self._failed:
+            return self._library
+        with self._lock:
+            if self._library is None and not self._failed:
+                library = load_c_library(self.source, self.flags, self.description, self.fallback)
+                if library is None:
+                    self._failed = True
+                else:
+                    self.declare(library)
+                    self._library = library
+            return self._library
+
+    def fresh(self) -> NativeLibrary:
+        """The same library, not loaded yet (tests of the build and its fallback)."""
+        return NativeLibrary(self.source, self.flags, self.description, self.fallback, self.declare)

@@ -14,56 +14,43 @@ compiler works, callers keep torch's implementations (these functions return Non
 from __future__ import annotations
 
 import ctypes
-import threading
 from pathlib import Path
 
 import torch
 
-from specbatch.kernels.cbuild import NATIVE_FLAGS, load_c_library
+from specbatch.kernels.cbuild import NATIVE_FLAGS, NativeLibrary
 
 SOURCE = Path(__file__).with_name("cpu_ops.c")
 
-_lock = threading.Lock()
-_library: ctypes.CDLL | None = None
-_load_failed = False
+
+def _declare(library: ctypes.CDLL) -> None:
+    """The C functions' signatures."""
+    pointer, i64 = ctypes.c_void_p, ctypes.c_int64
+    library.rms_norm.restype = None
+    library.rms_norm.argtypes = [
+        pointer, i64, i64, i64, pointer, ctypes.c_float, pointer, ctypes.c_int, ctypes.c_int,
+    ]  # fmt: skip
+    library.rotary.restype = None
+    library.rotary.argtypes = [
+        pointer, i64, i64, i64, i64, i64, pointer, pointer, ctypes.c_int
+    ]  # fmt: skip
+    library.silu_mul.restype = None
+    library.silu_mul.argtypes = [pointer, i64, i64, pointer, ctypes.c_int, ctypes.c_int]
+    library.decoder_layer.restype = ctypes.c_int
+    library.decoder_layer.argtypes = [pointer, pointer, pointer]
+
+
+NATIVE = NativeLibrary(
+    SOURCE, NATIVE_FLAGS, "the CPU layer operations", "torch's are used instead", _declare
+)
 
 
 def load_library() -> ctypes.CDLL | None:
     """The compiled operations (built on first use), or None where they cannot be built."""
-    global _library, _load_failed
-    with _lock:
-        if _library is None and not _load_failed:
-            library = load_c_library(
-                SOURCE, NATIVE_FLAGS, "the CPU layer operations", "torch's are used instead"
-            )
-            if library is None:
-                _load_failed = True
-            else:
-                pointer, i64 = ctypes.c_void_p, ctypes.c_int64
-                library.rms_norm.restype = None
-                library.rms_norm.argtypes = [
-                    pointer, i64, i64, i64, pointer, ctypes.c_float, pointer, ctypes.c_int,
-                    ctypes.c_int,
-                ]  # fmt: skip
-                library.rotary.restype = None
-                library.rotary.argtypes = [
-                    pointer, i64, i64, i64, i64, i64, pointer, pointer, ctypes.c_int
-                ]  # fmt: skip
-                library.silu_mul.restype = None
-                library.silu_mul.argtypes = [pointer, i64, i64, pointer, ctypes.c_int, ctypes.c_int]
-                library.decoder_layer.restype = ctypes.c_int
-                library.decoder_layer.argtypes = [pointer, pointer, pointer]
-                _library = library
-        return _library
+    return NATIVE.load()
 
 
 _DTYPES = (torch.float32, torch.bfloat16)
-
-
-def _compiled() -> ctypes.CDLL | None:
-    """The library, built on first use; asked only once a call is known to apply (a CUDA
-    model never builds it)."""
-    return _library or (None if _load_failed else load_library())
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
@@ -79,7 +66,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
         or x.stride(1) != 1
         or not weight.is_contiguous()
         or weight.shape[0] != x.shape[1]
-        or (library := _compiled()) is None
+        or (library := NATIVE.load()) is None
     ):
         return None
     out = torch.empty(x.shape, dtype=x.dtype)
@@ -115,7 +102,7 @@ def rotary_(
         or qkv.stride(1) != 1
         or head_dim > MAX_ROTARY_DIM
         or not (cos.is_contiguous() and sin.is_contiguous())
-        or (library := _compiled()) is None
+        or (library := NATIVE.load()) is None
     ):
         return False
     library.rotary(
@@ -140,7 +127,7 @@ def silu_mul(gate_up: torch.Tensor, width: int) -> torch.Tensor | None:
         or gate_up.device.type != "cpu"
         or gate_up.dim() != 2
         or not gate_up.is_contiguous()
-        or (library := _compiled()) is None
+        or (library := NATIVE.load()) is None
     ):
         return None
     out = torch.empty(gate_up.shape[0], width, dtype=gate_up.dtype)
@@ -210,7 +197,7 @@ class LayerStepSpec(ctypes.Structure):
 def decoder_layer(layer: LayerSpec, step: LayerStepSpec, x: torch.Tensor) -> None:
     """Run one decoder layer on the residual stream ``x`` (float32 ``[T, hidden]``, contiguous,
     updated in place)."""
-    library = _library or load_library()
+    library = NATIVE.load()
     assert library is not None
     if library.decoder_layer(ctypes.byref(layer), ctypes.byref(step), x.data_ptr()) != 0:
         raise MemoryError("the fused CPU decoder layer could not allocate its scratch memory")

@@ -14,14 +14,13 @@ and multiplies with weights dequantised at every call instead (slow, for correct
 from __future__ import annotations
 
 import ctypes
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from specbatch.kernels.cbuild import NATIVE_FLAGS, load_c_library
+from specbatch.kernels.cbuild import NATIVE_FLAGS, NativeLibrary
 
 SOURCE = Path(__file__).with_name("gguf_linear.c")
 FLAGS = (*NATIVE_FLAGS, "-ffp-contract=off")
@@ -32,10 +31,6 @@ PANEL = 8  # rows per panel
 _CODE_BYTES = {"q4_1": GROUP * BLOCK // 2, "q8_0": GROUP * BLOCK}  # per record
 _SCALES = {"q4_1": 2, "q8_0": 1}  # float32 scales per block: (d, m) or d
 _KERNEL_KIND = {"q4_1": 0, "q8_0": 1}
-
-_lock = threading.Lock()
-_library: ctypes.CDLL | None = None
-_load_failed = False
 
 
 def _fp16(cells: np.ndarray, offset: int) -> np.ndarray:
@@ -138,24 +133,6 @@ class QuantizedWeight:
         return _CODE_BYTES[self.kind] + GROUP * _SCALES[self.kind] * 4
 
 
-def load_library() -> ctypes.CDLL | None:
-    """The compiled kernel (built on first use), or None where it cannot be built."""
-    global _library, _load_failed
-    with _lock:
-        if _library is None and not _load_failed:
-            _library = load_c_library(
-                SOURCE,
-                FLAGS,
-                "the GGUF quantized linear kernel",
-                "quantized weights are dequantised at every multiply (slow)",
-            )
-            if _library is None:
-                _load_failed = True
-            else:
-                declare(_library)
-        return _library
-
-
 def declare(library: ctypes.CDLL) -> None:
     """The C functions' signatures."""
     pointer, i64 = ctypes.c_void_p, ctypes.c_int64
@@ -165,6 +142,20 @@ def declare(library: ctypes.CDLL) -> None:
         pointer, i64,  # weights, N
         pointer, ctypes.c_int,  # out, threads
     ]  # fmt: skip
+
+
+NATIVE = NativeLibrary(
+    SOURCE,
+    FLAGS,
+    "the GGUF quantized linear kernel",
+    "quantized weights are dequantised at every multiply (slow)",
+    declare,
+)
+
+
+def load_library() -> ctypes.CDLL | None:
+    """The compiled kernel (built on first use), or None where it cannot be built."""
+    return NATIVE.load()
 
 
 def kernel_available() -> bool:

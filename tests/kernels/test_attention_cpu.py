@@ -213,8 +213,7 @@ def test_a_token_gets_the_same_bits_in_any_chunk(dtype: torch.dtype, length: int
 def test_without_a_compiler_the_reference_path_serves(
     monkeypatch: pytest.MonkeyPatch, tmp_path: object, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr(cpu_paged, "_library", None)
-    monkeypatch.setattr(cpu_paged, "_load_failed", False)
+    monkeypatch.setattr(cpu_paged, "NATIVE", cpu_paged.NATIVE.fresh())  # not built in this process
     monkeypatch.setenv("SPECBATCH_CACHE", str(tmp_path))  # nothing built there yet
     monkeypatch.setenv("CC", "/nonexistent/cc")
     rng = np.random.default_rng(9)

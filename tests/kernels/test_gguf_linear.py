@@ -175,8 +175,7 @@ def test_resident_bytes() -> None:
 def test_without_a_compiler_the_dense_fallback_serves(
     monkeypatch: pytest.MonkeyPatch, tmp_path: object, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr(gguf_linear, "_library", None)
-    monkeypatch.setattr(gguf_linear, "_load_failed", False)
+    monkeypatch.setattr(gguf_linear, "NATIVE", gguf_linear.NATIVE.fresh())  # not built yet
     monkeypatch.setenv("SPECBATCH_CACHE", str(tmp_path))  # nothing built there yet
     monkeypatch.setenv("CC", "/nonexistent/cc")
     weight, _ = make_weight("q4_1", 160, 33)

@@ -17,7 +17,6 @@ says so once and keeps the reference path (``torch_ref.py``) for every query.
 from __future__ import annotations
 
 import ctypes
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,7 +28,7 @@ from specbatch.kernels.attention.torch_ref import (
     TorchAttentionBackend,
     TorchAttentionMetadata,
 )
-from specbatch.kernels.cbuild import NATIVE_FLAGS, load_c_library
+from specbatch.kernels.cbuild import NATIVE_FLAGS, NativeLibrary
 
 SOURCE = Path(__file__).with_name("cpu_paged_attention.c")
 FLAGS = NATIVE_FLAGS
@@ -39,44 +38,42 @@ MAX_HEAD_DIM = 256  # the merge keeps one row on the stack
 # batch). 256 keeps a unit's K/V in L2 and its merge cheap.
 CHUNK_POSITIONS = 256
 
-_lock = threading.Lock()
-_library: ctypes.CDLL | None = None
-_load_failed = False
+
+def _declare(library: ctypes.CDLL) -> None:
+    """The C functions' signatures."""
+    function = library.paged_attention
+    function.restype = ctypes.c_int
+    pointer, i64 = ctypes.c_void_p, ctypes.c_int64
+    function.argtypes = [
+        pointer, i64, i64,  # q, strides
+        pointer, i64, i64,  # out, strides
+        pointer, pointer, ctypes.c_int,  # caches, bf16
+        pointer, pointer, pointer,  # q_start, q_len, seq_len
+        pointer, i64,  # block tables, stride
+        pointer, i64,  # tree mask, stride
+        i64, i64, i64, i64, i64, i64,  # seqs, heads, kv heads, head dim, block, chunk
+        ctypes.c_float, ctypes.c_int,  # scale, threads
+    ]  # fmt: skip
+    library.write_kv.restype = None
+    library.write_kv.argtypes = [
+        pointer, i64, pointer, i64,  # k, row stride, v, row stride
+        pointer, pointer, pointer,  # caches, slots
+        i64, i64, i64,  # tokens, row width, element size
+    ]  # fmt: skip
+
+
+NATIVE = NativeLibrary(
+    SOURCE,
+    FLAGS,
+    "the CPU attention kernel",
+    "every query uses the slower reference path",
+    _declare,
+)
 
 
 def load_library() -> ctypes.CDLL | None:
     """The compiled kernel (built on first use), or None where it cannot be built."""
-    global _library, _load_failed
-    with _lock:
-        if _library is not None or _load_failed:
-            return _library
-        library = load_c_library(
-            SOURCE, FLAGS, "the CPU attention kernel", "every query uses the slower reference path"
-        )
-        if library is None:
-            _load_failed = True
-            return None
-        function = library.paged_attention
-        function.restype = ctypes.c_int
-        pointer, i64 = ctypes.c_void_p, ctypes.c_int64
-        function.argtypes = [
-            pointer, i64, i64,  # q, strides
-            pointer, i64, i64,  # out, strides
-            pointer, pointer, ctypes.c_int,  # caches, bf16
-            pointer, pointer, pointer,  # q_start, q_len, seq_len
-            pointer, i64,  # block tables, stride
-            pointer, i64,  # tree mask, stride
-            i64, i64, i64, i64, i64, i64,  # seqs, heads, kv heads, head dim, block, chunk
-            ctypes.c_float, ctypes.c_int,  # scale, threads
-        ]  # fmt: skip
-        library.write_kv.restype = None
-        library.write_kv.argtypes = [
-            pointer, i64, pointer, i64,  # k, row stride, v, row stride
-            pointer, pointer, pointer,  # caches, slots
-            i64, i64, i64,  # tokens, row width, element size
-        ]  # fmt: skip
-        _library = library
-        return _library
+    return NATIVE.load()
 
 
 def chunk_positions(block_size: int) -> int:
@@ -195,7 +192,7 @@ class CpuPagedBackend(TorchAttentionBackend):
                 return False
         if step.max_slot >= key_cache.shape[0] * key_cache.shape[1]:
             raise IndexError(f"KV slot {step.max_slot} is outside the cache")
-        library = _library or load_library()
+        library = NATIVE.load()
         assert library is not None
         library.write_kv(
             k.data_ptr(),
@@ -215,7 +212,7 @@ class CpuPagedBackend(TorchAttentionBackend):
         self, q: torch.Tensor, kv_cache: LayerKVCache, step: KernelQueries, out: torch.Tensor
     ) -> None:
         key_cache, value_cache = kv_cache
-        library = _library or load_library()
+        library = NATIVE.load()
         assert library is not None
         block_size = key_cache.shape[1]
         status = library.paged_attention(
