@@ -112,7 +112,7 @@ def resolved_method(args: argparse.Namespace) -> str:
         or args.draft_confidence is not None
         or args.adaptive_k
     )
-    if getattr(args, "quantization", None) == "gguf" and not tuned:
+    if args.quantization == "gguf" and not tuned:
         return "off"
     if args.draft_model is not None or (
         shipped_draft_preferred() and fits_shipped_draft(args.model)

@@ -3,8 +3,9 @@
 ``cpu_ops.decoder_layer`` runs a layer (norms, quantized projections, rotary, K/V write,
 attention, residuals) without returning to Python; it calls the very kernels the per-op path
 calls (by address) and the same C norm, rotary and SiLU-gate, so both paths give the same bits
-(``tests/models/test_gguf_quantized.py``). On SmolLM2 at batch 1 it took a decode step from
-7.5 to 4.4 ms: ~60 us per layer had gone to torch dispatch and Python around the linears.
+(``tests/models/test_gguf_quantized.py``). On SmolLM2 a batch-1 decode forward takes 4.9 ms
+fused against 7.7 ms per op (``python benchmarks/verify_cost.py --modes gguf gguf-per-op
+--batch-sizes 1``): ~90 us per layer had gone to torch dispatch and Python around the linears.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ class FusedLayers:
         self.enabled = True  # False: the per-op path even where fused layers apply
         self._applies: bool | None = None
         self._layers: list[cpu_ops.LayerSpec] | None = None
+        self._kernels: tuple[int, ...] = ()
 
     def reconsider(self) -> None:
         """The model's weights changed kind: decide again whether fused layers apply."""
@@ -45,23 +47,34 @@ class FusedLayers:
         """Float32 on the CPU, every linear of every layer GGUF blocks, the C attention backend,
         and every library built."""
         if self._applies is None:
-            model = self.model
-            self._applies = (
-                self.enabled
-                and model.device.type == "cpu"
-                and model.dtype == torch.float32
-                and isinstance(model.backend, CpuPagedBackend)
-                and model.config.head_dim <= cpu_ops.MAX_ROTARY_DIM
-                and all(
-                    linear.quantized is not None
-                    for layer in self._decoder_layers()
-                    for linear in _linears(layer)
-                )
-                and cpu_ops.load_library() is not None
-                and gguf_linear.load_library() is not None
-                and cpu_paged.load_library() is not None
-            )
+            self._kernels = self._kernel_addresses() if self._model_fits() else ()
+            self._applies = bool(self._kernels)
         return self._applies
+
+    def _model_fits(self) -> bool:
+        model = self.model
+        return (
+            self.enabled
+            and model.device.type == "cpu"
+            and model.dtype == torch.float32
+            and isinstance(model.backend, CpuPagedBackend)
+            and model.config.head_dim <= cpu_ops.MAX_ROTARY_DIM
+            and all(
+                linear.quantized is not None
+                for layer in self._decoder_layers()
+                for linear in _linears(layer)
+            )
+        )
+
+    @staticmethod
+    def _kernel_addresses() -> tuple[int, ...]:
+        """The kernels a fused layer calls (GGUF linear, attention, K/V write), by address, or
+        () where a library cannot be built. Fixed for the process: taken once."""
+        linear, attention = gguf_linear.load_library(), cpu_paged.load_library()
+        if linear is None or attention is None or cpu_ops.load_library() is None:
+            return ()
+        functions = (linear.gguf_linear, attention.paged_attention, attention.write_kv)
+        return tuple(ctypes.cast(f, ctypes.c_void_p).value or 0 for f in functions)
 
     def step(
         self, metadata: object, cos: torch.Tensor, sin: torch.Tensor, x: torch.Tensor
@@ -75,7 +88,9 @@ class FusedLayers:
             return None
         if queries.max_slot >= cache[0].shape[0] * cache[0].shape[1]:
             raise IndexError(f"KV slot {queries.max_slot} is outside the cache")
-        return _step_spec(cast(KernelQueries, queries), cos, sin, x, cache[0].shape[1])
+        return _step_spec(
+            cast(KernelQueries, queries), cos, sin, x, cache[0].shape[1], self._kernels
+        )
 
     def run(self, step: cpu_ops.LayerStepSpec, x: torch.Tensor) -> torch.Tensor:
         """Every layer on the residual stream ``x``; the stream after the last one."""
@@ -96,15 +111,17 @@ def _linears(layer: LlamaDecoderLayer) -> tuple[Linear, Linear, Linear, Linear]:
 
 
 def _step_spec(
-    queries: KernelQueries, cos: torch.Tensor, sin: torch.Tensor, x: torch.Tensor, block: int
+    queries: KernelQueries,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    x: torch.Tensor,
+    block: int,
+    kernels: tuple[int, ...],
 ) -> cpu_ops.LayerStepSpec:
     q_start, q_len, seq_len, tables, table_stride, tree, tree_stride, num_seqs = (
         queries.sequence_args
     )
-    attention = cpu_paged.load_library()
-    linear = gguf_linear.load_library()
-    assert attention is not None
-    assert linear is not None
+    linear, attention, write = kernels
     return cpu_ops.LayerStepSpec(
         tokens=x.shape[0],
         cos=cos.data_ptr(),
@@ -120,9 +137,9 @@ def _step_spec(
         num_seqs=num_seqs,
         chunk=cpu_paged.chunk_positions(block),
         threads=torch.get_num_threads(),
-        linear=ctypes.cast(linear.gguf_linear, ctypes.c_void_p).value,
-        attention=ctypes.cast(attention.paged_attention, ctypes.c_void_p).value,
-        write=ctypes.cast(attention.write_kv, ctypes.c_void_p).value,
+        linear=linear,
+        attention=attention,
+        write=write,
     )
 
 
