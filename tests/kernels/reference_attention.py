@@ -67,6 +67,20 @@ class RandomStep:
     value_cache: torch.Tensor
 
 
+def float32_reference(step: RandomStep, scale: float) -> torch.Tensor:
+    """``reference_attention`` of a step computed in float32, whatever the step's dtype (a
+    float32 step's own caches receive its K/V, as a backend's would)."""
+    return reference_attention(
+        step.q.float(),
+        step.k.float(),
+        step.v.float(),
+        step.key_cache.float(),
+        step.value_cache.float(),
+        step.inputs,
+        scale,
+    )
+
+
 def random_step(
     rng: np.random.Generator,
     kinds: list[str],

@@ -11,7 +11,12 @@ import torch
 from specbatch.kernels.attention import PAD_SLOT, AttentionInputs, cpu_paged
 from specbatch.kernels.attention.cpu_paged import CpuPagedBackend, CpuPagedMetadata
 from specbatch.kernels.attention.torch_ref import TorchAttentionBackend
-from tests.kernels.reference_attention import RandomStep, random_step, reference_attention
+from tests.kernels.reference_attention import (
+    RandomStep,
+    float32_reference,
+    random_step,
+    reference_attention,
+)
 
 
 def run_backend(
@@ -115,15 +120,7 @@ def test_bfloat16_close_to_float32_reference(backend_class: type[TorchAttentionB
     rng = np.random.default_rng(3)
     step = random_step(rng, MIXES["mixed"], 6, 2, 16, 16, dtype=torch.bfloat16)
     backend = backend_class(6, 2, 16, 0.25)
-    expected = reference_attention(
-        step.q.float(),
-        step.k.float(),
-        step.v.float(),
-        step.key_cache.float(),
-        step.value_cache.float(),
-        step.inputs,
-        0.25,
-    )
+    expected = float32_reference(step, 0.25)
     got = run_backend(backend, step, step.inputs)
     torch.testing.assert_close(got.float(), expected, rtol=2e-2, atol=2e-2)
 

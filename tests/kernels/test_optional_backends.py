@@ -12,7 +12,7 @@ from specbatch.kernels.attention.optional_backends import (
     flash_attn_available,
     xformers_available,
 )
-from tests.kernels.reference_attention import random_step, reference_attention
+from tests.kernels.reference_attention import float32_reference, random_step
 
 BACKENDS = [
     pytest.param(
@@ -46,15 +46,7 @@ def test_matches_reference(name: str, block_size: int, heads: int, kv_heads: int
         block_size,
         dtype=torch.bfloat16,
     )
-    expected = reference_attention(
-        step.q.float(),
-        step.k.float(),
-        step.v.float(),
-        step.key_cache.float(),
-        step.value_cache.float(),
-        step.inputs,
-        0.125,
-    )
+    expected = float32_reference(step, 0.125)
     backend = attention_backend_class(name, torch.device("cuda"))(heads, kv_heads, 64, 0.125)
     t = step.q.shape[0]
     cache = (step.key_cache.cuda(), step.value_cache.cuda())
