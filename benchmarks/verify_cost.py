@@ -1,13 +1,15 @@
 """What a verify step costs against a decode step, per batch size and weight mode.
 
-    python benchmarks/verify_cost.py [--modes float32 bfloat16 gguf] [--batch-sizes 1 4 8 16 32 64]
+    python benchmarks/verify_cost.py [--modes float32 bfloat16 gguf gguf-per-op]
+        [--batch-sizes 1 4 8 16 32 64]
 
 Speculation pays only when the tokens a verify step accepts outweigh what its extra rows cost.
 For each batch size, every sequence gets a 200-token prompt, then the forward of one token per
 sequence (a decode step) and of k + 1 tokens per sequence (a verify step of k drafts) are timed
 on the same model and cache (the model's forward and logits for every row, as the engine runs
 them). The ratio verify / decode is the number of tokens a verify step must yield per sequence
-to break even (before the drafts' own cost).
+to break even (before the drafts' own cost). ``gguf-per-op`` is ``gguf`` with its fused layers
+turned off (the per-op path: same bits, more Python).
 """
 
 from __future__ import annotations
@@ -31,12 +33,16 @@ MODES = {
     "float32": {"dtype": "float32"},
     "bfloat16": {"dtype": "bfloat16"},
     "gguf": {"dtype": "float32", "quantization": "gguf"},
+    "gguf-per-op": {"dtype": "float32", "quantization": "gguf"},  # layers not fused
 }
 
 
 def step_times(mode: str, batch_sizes: list[int], k: int, repeats: int) -> list[dict[str, float]]:
     model = load_model(default_model_path(), **MODES[mode])  # type: ignore[arg-type]
     model.pack_for_cpu()
+    if mode == "gguf-per-op":
+        model.fused.enabled = False
+        model.fused.reconsider()
     gen = torch.Generator().manual_seed(0)
     rows = []
     for batch in batch_sizes:
@@ -70,7 +76,9 @@ def step_times(mode: str, batch_sizes: list[int], k: int, repeats: int) -> list[
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    parser.add_argument(
+        "--modes", nargs="+", default=["float32", "bfloat16", "gguf"], choices=list(MODES)
+    )
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 8, 16, 32, 64])
     parser.add_argument("-k", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=4)

@@ -4,9 +4,10 @@
 
 Each mode (``float32``, ``bfloat16``, ``quantization="gguf"``) runs in a fresh process (so its
 peak resident memory, ``VmHWM``, is its own) on the first chat turns of the Spec-Bench dev file:
-once at batch 1 (one prompt) and once with every prompt at once. Prints the peak memory, the
-weights' bytes, and how many prompts' greedy tokens equal float32's (with the median number of
-tokens before a first difference).
+once at batch 1 (one prompt) and once with every prompt at once, then each prompt again alone
+(prefix caching on: the batch left their prompts in the cache). Prints the peak memory, the
+weights' bytes, how many prompts' greedy tokens equal float32's (with the median number of
+tokens before a first difference), and how many give the same tokens alone as in the batch.
 """
 
 from __future__ import annotations
@@ -32,13 +33,17 @@ def child(mode: str, count: int, max_tokens: int) -> None:
     prompts = [json.loads(line)["turns"][0] for line in DATASET.open()][:count]
     llm = LLM(max_num_seqs=count, max_model_len=2048, **MODES[mode])
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=False)
+    messages = [[{"role": "user", "content": p}] for p in prompts]
+    outputs = llm.chat(messages, params, use_tqdm=False)
     with open("/proc/self/status") as status:
         peak = next(int(line.split()[1]) for line in status if line.startswith("VmHWM"))
+    tokens = [list(o.outputs[0].token_ids) for o in outputs]
+    alone = [list(llm.chat([m], params, use_tqdm=False)[0].outputs[0].token_ids) for m in messages]
     result = {
         "peak_mib": peak / 1024,
         "weights_mib": llm.llm_engine.model.weight_bytes() / 2**20,
-        "tokens": [list(o.outputs[0].token_ids) for o in outputs],
+        "tokens": tokens,
+        "alone_equal": sum(a == b for a, b in zip(alone, tokens, strict=True)),
     }
     print(json.dumps(result))
 
@@ -76,7 +81,8 @@ def main() -> None:
             f"{mode:9s} weights {batch['weights_mib']:5.0f} MiB, peak RSS batch 1 "
             f"{single['peak_mib']:5.0f} MiB, batch {args.prompts} {batch['peak_mib']:5.0f} MiB; "
             f"greedy text equal to float32 on {same}/{len(reference)} prompts (median tokens "
-            f"before a difference: {statistics.median(firsts):.0f})"
+            f"before a difference: {statistics.median(firsts):.0f}); alone as in the batch "
+            f"on {batch['alone_equal']}/{len(reference)}"
         )
 
 

@@ -1,14 +1,14 @@
 """Per-layer CPU operations in C (``cpu_ops.c``) for float32 and bfloat16 rows: RMSNorm, rotary,
 SiLU-gate, and a whole decoder layer in one call when its linears are GGUF blocks.
 
-At decode sizes torch spends more on dispatching a layer's small ops than on their work (a
-576-wide RMSNorm row: ~8 us, the rotary ~5 us; a quantized SmolLM2 layer spent ~60 us a step
-outside its linears); one ctypes call does each in 1-2 us, and ``decoder_layer`` runs a whole
-layer (norms, quantized linears, rotary, K/V write, attention, residuals) without returning to
-Python. The layer calls the very kernels the per-op path calls (by address: ``gguf_linear``,
-``paged_attention``, ``write_kv``) and this file's own RMSNorm, rotary and SiLU-gate, which the
-per-op path also uses on CPU rows, so the two give the same bits (tested). Where no
-compiler works, callers keep torch's implementations (these functions return None/False).
+At decode sizes torch spends more on dispatching a layer's small ops than on their work; one
+ctypes call does each, and ``decoder_layer`` runs a whole layer (norms, quantized linears,
+rotary, K/V write, attention, residuals) without returning to Python (``models/fused_layers.py``
+has what that saves). The layer calls the very kernels the per-op path calls (by address:
+``gguf_linear``, ``paged_attention``, ``write_kv``) and this file's own RMSNorm, rotary and
+SiLU-gate, which the per-op path also uses on CPU rows, so the two give the same bits (tested).
+Where no compiler works, callers keep torch's implementations (these functions return
+None/False).
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
     return out
 
 
-MAX_ROTARY_DIM = 512  # the C rotary copies a head on its stack
+MAX_ROTARY_DIM = 512  # the C rotary holds a head on its stack (MAX_DIM in cpu_ops.c)
 
 
 def rotary_(
