@@ -1,7 +1,15 @@
 """Speculative decoding vs speculation off, per Spec-Bench category and batch size, same run.
 
     python benchmarks/spec_decode.py --dataset ../shared/data/specbench_dev.jsonl \
-        --batch-sizes 1 4 16 64 --proposers ngram draft --plot spec.png --json spec.json
+        --batch-sizes 1 4 8 16 32 64 --proposers default --code-edit --repeats 2
+
+``default`` is what ``LLM()`` does without a speculative_config (auto: the goodput controller
+choosing every step's drafts); ``ngram``, ``draft`` and ``hybrid`` are fixed-k unless given
+``adaptive=1``. With ``--repeats`` every engine runs each cell that many times, interleaved
+with speculation off, and the speedup is the median of the per-repeat ratios, printed with
+their range (the run-to-run spread). For the controller, each row also prints the share of its
+planned steps that drafted, the drafts per planned step, and the measured cost of one verify
+row over the step's (its step-time model at the end of the cell).
 
 For every category and batch size, each engine (speculation off, then each proposer) generates
 greedily for the same chat-formatted first turns (cycled to fill the batch), stopping at EOS or
@@ -16,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import statistics
 import sys
 import time
 from collections import defaultdict
@@ -58,11 +67,13 @@ class Timer:
 PROPOSER_OPTIONS = {"k": int, "min": int, "max": int, "conf": float, "adaptive": int}
 
 
-def proposer_config(spec: str, args: argparse.Namespace) -> dict[str, Any]:
-    """``name[:key=value,...]`` (name ngram, draft or hybrid; keys k, min, max, conf,
+def proposer_config(spec: str, args: argparse.Namespace) -> dict[str, Any] | None:
+    """``name[:key=value,...]`` (name default, ngram, draft or hybrid; keys k, min, max, conf,
     adaptive) as a speculative_config, the command-line defaults filling what the spec leaves
-    out."""
+    out; None for ``default``."""
     name, _, rest = spec.partition(":")
+    if name == "default":
+        return None
     if name not in ("ngram", "draft", "hybrid"):
         raise SystemExit(f"--proposers: unknown proposer {name!r} in {spec!r}")
     options: dict[str, Any] = {}
@@ -93,7 +104,7 @@ def build_engines(args: argparse.Namespace) -> dict[str, LLMEngine]:
         "max_num_seqs": max(args.batch_sizes),
         "enable_prefix_caching": False,
     }
-    engines = {"off": LLMEngine(EngineConfig(**common))}
+    engines = {"off": LLMEngine(EngineConfig(**common, speculative_config={"method": "off"}))}
     for name in args.proposers:
         spec = proposer_config(name, args)
         engines[name] = LLMEngine(EngineConfig(**common, speculative_config=spec))
@@ -112,10 +123,14 @@ def run(
 ) -> dict[str, Any]:
     """Generate for every prompt with at most ``concurrency`` requests in flight."""
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    stats = engine.stats
     before = (
-        engine.stats.num_drafts,
-        engine.stats.num_draft_tokens,
-        engine.stats.num_accepted_tokens,
+        stats.num_drafts,
+        stats.num_draft_tokens,
+        stats.num_accepted_tokens,
+        stats.num_planned_steps,
+        stats.num_drafting_steps,
+        stats.num_drafts_allotted,
     )
     start = time.perf_counter()
     pending = list(enumerate(prompts))
@@ -132,10 +147,16 @@ def run(
                 outputs[index[out.request_id]] = list(out.outputs[0].token_ids)
     elapsed = time.perf_counter() - start
     tokens = sum(len(ids) for ids in outputs)
-    drafts = engine.stats.num_drafts - before[0]
-    drafted = engine.stats.num_draft_tokens - before[1]
-    accepted = engine.stats.num_accepted_tokens - before[2]
+    drafts = stats.num_drafts - before[0]
+    drafted = stats.num_draft_tokens - before[1]
+    accepted = stats.num_accepted_tokens - before[2]
+    planned = stats.num_planned_steps - before[3]
     return {
+        "drafting_share": (stats.num_drafting_steps - before[4]) / planned if planned else 0.0,
+        "drafts_per_step": (stats.num_drafts_allotted - before[5]) / planned if planned else 0.0,
+        "row_cost": stats.spec_row_seconds / stats.spec_step_seconds
+        if stats.spec_step_seconds
+        else 0.0,
         "outputs": outputs,
         "tokens": tokens,
         "seconds": elapsed,
@@ -174,6 +195,9 @@ def main() -> None:
         help="distinct prompts per category (cycled to fill larger batches)",
     )
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument(
+        "--repeats", type=int, default=1, help="runs of every cell per engine (spread)"
+    )
     parser.add_argument("--max-prompt-len", type=int, default=1024)
     parser.add_argument(
         "--code-edit",
@@ -227,47 +251,83 @@ def main() -> None:
         for batch in args.batch_sizes:
             cycled = token_ids * (batch // len(token_ids) + 1)
             batch_prompts = cycled[: max(batch, len(token_ids))]
-            results = {}
-            for name, engine in engines.items():
-                target_timer[name].reset()
-                if name in draft_timer:
-                    draft_timer[name].reset()
-                results[name] = run(engine, batch_prompts, args.max_tokens, batch)
-                results[name]["target_step_s"] = target_timer[name].mean
-                if name in draft_timer:  # per draft forward (n-gram: per lookup)
-                    results[name]["draft_step_s"] = draft_timer[name].mean
+            results: dict[str, list[dict[str, Any]]] = defaultdict(list)
+            for _ in range(args.repeats):  # interleaved, so drift hits every engine alike
+                for name, engine in engines.items():
+                    target_timer[name].reset()
+                    if name in draft_timer:
+                        draft_timer[name].reset()
+                    result = run(engine, batch_prompts, args.max_tokens, batch)
+                    result["target_step_s"] = target_timer[name].mean
+                    if name in draft_timer:  # per draft forward (n-gram: per lookup)
+                        result["draft_step_s"] = draft_timer[name].mean
+                    results[name].append(result)
             base = results["off"]
-            for name, r in results.items():
+            for name, repeats in results.items():
+                ratios = sorted(r["tok_s"] / b["tok_s"] for r, b in zip(repeats, base, strict=True))
+                r = repeats[-1]
                 row = {
                     "category": category,
                     "batch": batch,
                     "proposer": name,
-                    "tok_s": r["tok_s"],
-                    "speedup": r["tok_s"] / base["tok_s"],
+                    "tok_s": statistics.median(x["tok_s"] for x in repeats),
+                    "speedup": statistics.median(ratios),
+                    "speedup_min": ratios[0],
+                    "speedup_max": ratios[-1],
                     "mean_accepted_length": r["mean_accepted_length"],
                     "acceptance_rate": r["acceptance_rate"],
-                    "c": r.get("draft_step_s", 0.0) / base["target_step_s"],
+                    "c": r.get("draft_step_s", 0.0) / base[-1]["target_step_s"],
+                    "drafting_share": r["drafting_share"],
+                    "drafts_per_step": r["drafts_per_step"],
+                    "row_cost": r["row_cost"],
                     "tokens": r["tokens"],
-                    "identical_output": r["outputs"] == base["outputs"],
+                    "identical_output": all(x["outputs"] == base[0]["outputs"] for x in repeats),
                 }
                 rows.append(row)
                 print(
-                    f"{category:>18} b={batch:<3} {name:>22}: {r['tok_s']:7.1f} tok/s "
-                    f"x{row['speedup']:.2f} len {row['mean_accepted_length']:.2f} "
-                    f"c {row['c']:.3f}" + ("" if row["identical_output"] else " OUTPUT DIFFERS"),
+                    f"{category:>18} b={batch:<3} {name:>22}: {row['tok_s']:7.1f} tok/s "
+                    f"x{row['speedup']:.2f} ({ratios[0]:.2f}..{ratios[-1]:.2f}) "
+                    f"len {row['mean_accepted_length']:.2f} c {row['c']:.3f} "
+                    f"drafting {row['drafting_share']:.0%} {row['drafts_per_step']:.1f}/step "
+                    f"row {row['row_cost']:.3f}"
+                    + ("" if row["identical_output"] else " OUTPUT DIFFERS"),
                     flush=True,
                 )
     print()
     print(
         f"{'category':>18} {'batch':>5} {'proposer':>22} {'tok/s':>8} {'speedup':>8} "
-        f"{'acc.len':>7} {'acc.rate':>8} {'c':>6}"
+        f"{'spread':>11} {'acc.len':>7} {'acc.rate':>8} {'c':>6} {'drafting':>8}"
     )
     for r in rows:
         print(
             f"{r['category']:>18} {r['batch']:>5} {r['proposer']:>22} {r['tok_s']:>8.1f} "
-            f"{r['speedup']:>7.2f}x {r['mean_accepted_length']:>7.2f} "
-            f"{100 * r['acceptance_rate']:>7.1f}% {r['c']:>6.3f}"
+            f"{r['speedup']:>7.2f}x {r['speedup_min']:>5.2f}..{r['speedup_max']:<4.2f} "
+            f"{r['mean_accepted_length']:>7.2f} "
+            f"{100 * r['acceptance_rate']:>7.1f}% {r['c']:>6.3f} {r['drafting_share']:>8.0%}"
         )
+    print()
+    for name in engines:
+        if name == "off":
+            continue
+        low = [r for r in rows if r["proposer"] == name and r["speedup"] < 0.97]
+        print(
+            f"{name}: {len(low)} of {sum(r['proposer'] == name for r in rows)} cells below "
+            "x0.97" + "".join(f"; {r['category']} b={r['batch']} x{r['speedup']:.2f}" for r in low)
+        )
+    fixed = [name for name in engines if name not in ("off", "default")]
+    if "default" in engines and fixed:  # the default against the best fixed choice in hindsight
+        for batch in args.batch_sizes:
+            for category in sorted(by_category):
+                cell = {
+                    r["proposer"]: r["speedup"]
+                    for r in rows
+                    if r["batch"] == batch and r["category"] == category
+                }
+                best = max(fixed, key=lambda name: cell[name])
+                print(
+                    f"b={batch:<3} {category:>18}: default x{cell['default']:.2f}, best fixed "
+                    f"{best} x{cell[best]:.2f}: {cell['default'] / cell[best]:.2f} of it"
+                )
     print()
     for batch in args.batch_sizes:
         for name in engines:

@@ -16,16 +16,18 @@ if TYPE_CHECKING:
     from specbatch.config import EngineConfig
 
 
-def _add_speculative_args(parser: argparse.ArgumentParser, default: str = "auto") -> None:
+def _add_speculative_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--speculative",
         choices=["auto", "off", "ngram", "draft", "hybrid"],
-        default=default,
-        help=f"speculative decoding proposer (default: {default}; 'hybrid' is n-gram prompt "
-        "lookup where the text repeats and the draft model elsewhere; 'auto' is hybrid with "
-        "--draft-model or for a model the shipped draft fits (SmolLM2-135M-Instruct, by path "
-        "or name), else n-gram; 'draft' and 'hybrid' without --draft-model use the shipped "
-        "draft)",
+        default="auto",
+        help="speculative decoding proposer (default: auto; 'hybrid' is n-gram prompt lookup "
+        "where the text repeats and the draft model elsewhere; 'auto' is hybrid with "
+        "--draft-model or for a model the shipped draft fits (SmolLM2-135M-Instruct, "
+        "recognised by shape and vocabulary), else n-gram; 'draft' and 'hybrid' without "
+        "--draft-model use the shipped draft). Unless --fixed-k, a goodput controller gives "
+        "each sequence, each step, the drafts that make the step fastest per token (often "
+        "none with many concurrent sequences): outputs are the same as with 'off'",
     )
     parser.add_argument(
         "--draft-model", default=None, help="draft model path for --speculative draft/hybrid"
@@ -39,10 +41,9 @@ def _add_speculative_args(parser: argparse.ArgumentParser, default: str = "auto"
         "tokens)",
     )
     parser.add_argument(
-        "--adaptive-k",
+        "--fixed-k",
         action="store_true",
-        help="choose each step's drafts per sequence from measured step times and acceptance "
-        "(k becomes a ceiling; pays with many concurrent sequences, e.g. serve with ngram)",
+        help="verify k drafts for every sequence every step (no goodput controller)",
     )
     parser.add_argument(
         "--ngram-min",
@@ -60,17 +61,17 @@ def _add_speculative_args(parser: argparse.ArgumentParser, default: str = "auto"
     )
 
 
-def speculative_config(args: argparse.Namespace) -> dict[str, object] | None:
+def speculative_config(args: argparse.Namespace) -> dict[str, object]:
     """The engine's speculative_config for the command-line flags."""
-    method = resolved_method(args)
+    method = args.speculative
     unused = [
         flag
         for flag, given, used_by in (
-            ("--adaptive-k", args.adaptive_k, ("ngram", "draft", "hybrid")),
-            ("--ngram-min", args.ngram_min is not None, ("ngram", "hybrid")),
-            ("--draft-model", args.draft_model is not None, ("draft", "hybrid")),
-            ("--draft-confidence", args.draft_confidence is not None, ("draft", "hybrid")),
-            ("-k", args.num_speculative_tokens is not None, ("ngram", "draft", "hybrid")),
+            ("--fixed-k", args.fixed_k, ("auto", "ngram", "draft", "hybrid")),
+            ("--ngram-min", args.ngram_min is not None, ("auto", "ngram", "hybrid")),
+            ("--draft-model", args.draft_model is not None, ("auto", "draft", "hybrid")),
+            ("--draft-confidence", args.draft_confidence is not None, ("auto", "draft", "hybrid")),
+            ("-k", args.num_speculative_tokens is not None, ("auto", "ngram", "draft", "hybrid")),
         )
         if given and method not in used_by
     ]
@@ -79,46 +80,20 @@ def speculative_config(args: argparse.Namespace) -> dict[str, object] | None:
 
         raise ConfigError(f"{', '.join(unused)} has no effect with --speculative {method}")
     if method == "off":
-        return None
-    config: dict[str, object] = {}
+        return {"method": "off"}
+    config: dict[str, object] = {"method": "draft_model" if method == "draft" else method}
     if args.num_speculative_tokens is not None:
         config["num_speculative_tokens"] = args.num_speculative_tokens
-    if args.adaptive_k:
-        config["adaptive_k"] = True
+    if args.fixed_k:
+        config["adaptive_k"] = False
     if args.ngram_min is not None:  # else the method's default (1-4 for ngram, 2-4 for hybrid)
         config.update(prompt_lookup_min=args.ngram_min, prompt_lookup_max=max(4, args.ngram_min))
-    if method in ("draft", "hybrid"):
-        config["model"] = args.draft_model
+    if method in ("auto", "draft", "hybrid"):
+        if args.draft_model is not None or method != "auto":
+            config["model"] = args.draft_model
         if args.draft_confidence is not None:
             config["draft_confidence_threshold"] = args.draft_confidence
-    config["method"] = "draft_model" if method == "draft" else method
     return config
-
-
-def resolved_method(args: argparse.Namespace) -> str:
-    """``--speculative`` with 'auto' resolved: hybrid (prompt lookup, else the draft model)
-    when a draft model is given, or when the shipped draft for the default target is good
-    enough to be preferred; n-gram otherwise. With ``--quantization gguf`` and no speculative
-    flag, off: there a verify step's extra rows cost nearly what they return on a small CPU
-    (the kernel is compute-bound; measured 208 tok/s off against 157-158 with any method)."""
-    from specbatch.spec_decode.default_draft import fits_shipped_draft, shipped_draft_preferred
-
-    if args.speculative != "auto":
-        return str(args.speculative)
-    tuned = (
-        args.draft_model is not None
-        or args.num_speculative_tokens is not None
-        or args.ngram_min is not None
-        or args.draft_confidence is not None
-        or args.adaptive_k
-    )
-    if args.quantization == "gguf" and not tuned:
-        return "off"
-    if args.draft_model is not None or (
-        shipped_draft_preferred() and fits_shipped_draft(args.model)
-    ):
-        return "hybrid"
-    return "ngram"
 
 
 def engine_config(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
@@ -217,9 +192,10 @@ def _generate(args: argparse.Namespace) -> int:
     if not args.quiet:
         spec = ""
         if metrics is not None and metrics.num_drafts:
-            spec_k = engine.speculative_config.k if engine.speculative_config else 0
+            spec_config = engine.speculative_config
+            assert spec_config is not None
             spec = (
-                f"; {resolved_method(args)} k={spec_k}: mean accepted "
+                f"; {spec_config.method} k<={spec_config.k}: mean accepted "
                 f"length {metrics.mean_accepted_length:.2f}, acceptance "
                 f"{metrics.acceptance_rate:.0%}"
             )
@@ -268,7 +244,7 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
         help="let clients set a request's scheduling priority (refused otherwise)",
     )
     p.add_argument("--log-level", default="info")
-    _add_speculative_args(p, default="off")
+    _add_speculative_args(p)
     p.set_defaults(handler=_serve)
 
 

@@ -32,8 +32,10 @@ class EngineConfig:
     ``quantization="gguf"`` keeps a GGUF model's Q4_1/Q8_0 matrices quantized and multiplies with
     them as stored (CPU, float32: the file's exact values at a fraction of the bytes per token).
     ``enforce_eager`` disables CUDA graphs (captured on CUDA for decode and verify steps).
-    ``speculative_config`` turns speculative decoding on
-    (see :class:`~specbatch.spec_decode.config.SpeculativeConfig`).
+    ``speculative_config`` chooses how speculative decoding drafts (see
+    :class:`~specbatch.spec_decode.config.SpeculativeConfig`): None is ``"auto"`` (on, the
+    goodput controller choosing each step's drafts; outputs are the same as without it),
+    ``{"method": "off"}`` the plain path.
     """
 
     model: str | None = None
@@ -112,10 +114,11 @@ class EngineConfig:
 
     @property
     def speculation(self) -> SpeculativeConfig | None:
-        """``speculative_config`` as validated at construction (None: speculation off)."""
+        """``speculative_config`` as validated at construction (None: speculation off; method
+        ``"auto"`` is resolved once the model is loaded)."""
         spec = self.speculative_config
-        assert spec is None or isinstance(spec, SpeculativeConfig)
-        return spec
+        assert isinstance(spec, SpeculativeConfig)
+        return spec if spec.enabled else None
 
     def replace(self, **changes: Any) -> EngineConfig:
         return dataclasses.replace(self, **changes)

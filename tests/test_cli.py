@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from specbatch.cli import build_parser, main, resolved_method, speculative_config
+from specbatch.cli import build_parser, main, speculative_config
+from specbatch.config import EngineConfig
 from specbatch.errors import ConfigError
-from specbatch.spec_decode import default_draft
 from specbatch.spec_decode.config import SpeculativeConfig
 
 
@@ -81,107 +81,60 @@ def test_bad_input_is_an_error_exit(
         build_parser().parse_args(["generate", "x", "--speculative", "bogus"])
 
 
-def test_speculative_flags(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_speculative_flags() -> None:
     parser = build_parser()
-    assert speculative_config(parser.parse_args(["generate", "x", "--speculative", "off"])) is None
 
-    def resolved(argv: list[str]) -> SpeculativeConfig | None:
-        """What the engine makes of the flags (the method's defaults filled in)."""
-        return SpeculativeConfig.parse(speculative_config(parser.parse_args(argv)))
+    def resolved(argv: list[str], shipped_draft_fits: bool = True) -> SpeculativeConfig:
+        """What the engine makes of the flags for a target the shipped draft fits (or not)."""
+        config = SpeculativeConfig.parse(speculative_config(parser.parse_args(argv)))
+        return config.resolved(shipped_draft_fits)
 
-    lookup = {"prompt_lookup_min": 1, "prompt_lookup_max": 4}
-    ngram = {"method": "ngram", "num_speculative_tokens": 6, **lookup}
-    shipped = {
-        "method": "hybrid",
-        "model": None,
-        "num_speculative_tokens": 6,
-        "prompt_lookup_min": 2,
-        "prompt_lookup_max": 4,
-        "draft_confidence_threshold": 0.5,
-    }
-    # 'auto' (the default): hybrid lookup + the shipped draft for the default target when that
-    # draft is preferred, n-gram for any other target or while the shipped draft does not pay.
-    monkeypatch.setattr(default_draft, "shipped_draft_preferred", lambda: True)
-    assert resolved(["generate", "x", "-k", "6"]) == SpeculativeConfig.parse(shipped)
-    other = ["generate", "x", "-k", "6", "--model", "m.gguf"]
-    assert resolved(other) == SpeculativeConfig.parse(ngram)
-    monkeypatch.setattr(default_draft, "shipped_draft_preferred", lambda: False)
-    assert resolved(["generate", "x", "-k", "6"]) == SpeculativeConfig.parse(ngram)
+    assert not resolved(["generate", "x", "--speculative", "off"]).enabled
+    # 'auto' (the default, generate and serve alike): hybrid with the shipped draft where it
+    # fits, n-gram elsewhere; the goodput controller on unless --fixed-k
+    assert resolved(["generate", "x", "-k", "6"]) == SpeculativeConfig(
+        "hybrid", 6, prompt_lookup_min=2, draft_confidence_threshold=0.5
+    )
+    assert resolved(["serve", "-k", "6"], shipped_draft_fits=False) == SpeculativeConfig(
+        "ngram", 6, prompt_lookup_min=1, prompt_lookup_max=4
+    )
     given = ["generate", "x", "--draft-model", "d", "--ngram-min", "3"]
-    assert resolved(given) == SpeculativeConfig(
-        **{
-            **shipped,
-            "model": "d",
-            "num_speculative_tokens": 4,
-            "prompt_lookup_min": 3,
-        }
+    assert resolved(given, shipped_draft_fits=False) == SpeculativeConfig(
+        "hybrid", 4, model="d", prompt_lookup_min=3, prompt_lookup_max=4
     )
-    draft = [
-        "generate",
-        "x",
-        "--speculative",
-        "draft",
-        "--draft-model",
-        "d",
-        "--draft-confidence",
-        "0",
-    ]
-    assert resolved(draft) == SpeculativeConfig(
-        **{
-            "method": "draft_model",
-            "model": "d",
-            "num_speculative_tokens": 4,
-            "draft_confidence_threshold": 0.0,
-        }
+    draft = ["generate", "x", "--speculative", "draft", "--draft-model", "d"]
+    assert resolved([*draft, "--draft-confidence", "0"]) == SpeculativeConfig(
+        "draft_model", 4, model="d", draft_confidence_threshold=0.0
     )
-    adaptive = ["serve", "--speculative", "ngram", "--adaptive-k"]
-    assert resolved(adaptive) == SpeculativeConfig(
-        **{
-            "method": "ngram",
-            "num_speculative_tokens": 4,
-            "adaptive_k": True,
-            **lookup,
-        }
+    fixed = ["serve", "--speculative", "ngram", "--fixed-k"]
+    assert resolved(fixed) == SpeculativeConfig(
+        "ngram", 4, prompt_lookup_min=1, prompt_lookup_max=4, adaptive_k=False
     )
     long_lookup = ["generate", "x", "--speculative", "ngram", "--ngram-min", "6"]
     assert resolved(long_lookup) == SpeculativeConfig(
-        **{
-            "method": "ngram",
-            "num_speculative_tokens": 4,
-            "prompt_lookup_min": 6,
-            "prompt_lookup_max": 6,
-        }
+        "ngram", 4, prompt_lookup_min=6, prompt_lookup_max=6
     )
     for flags, unused in (
-        (["--speculative", "off", "--adaptive-k"], "--adaptive-k"),
+        (["--speculative", "off", "--fixed-k"], "--fixed-k"),
         (["--speculative", "draft", "--ngram-min", "2"], "--ngram-min"),
         (["--speculative", "ngram", "--draft-model", "d"], "--draft-model"),
     ):
         with pytest.raises(ConfigError, match=f"{unused} has no effect"):
             speculative_config(parser.parse_args(["generate", "x", *flags]))
     serve = parser.parse_args(["serve", "--port", "9000", "--api-key", "k"])
-    assert (serve.port, serve.api_key, serve.speculative) == (9000, "k", "off")
+    assert (serve.port, serve.api_key, serve.speculative) == (9000, "k", "auto")
 
 
-def test_auto_recognises_the_default_model_by_its_path(
+def test_auto_recognises_the_default_model_by_its_content(
     default_gguf: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(default_draft, "shipped_draft_preferred", lambda: True)
-    parser = build_parser()
-    by_path = parser.parse_args(["generate", "x", "--model", str(default_gguf)])
-    assert resolved_method(by_path) == "hybrid"
-    other = parser.parse_args(["generate", "x", "--model", str(tiny_model_dir)])
-    assert resolved_method(other) == "ngram"
+    from specbatch.engine import setup
 
-
-def test_auto_speculation_is_off_on_the_quantized_path_unless_asked_for() -> None:
-    parser = build_parser()
-    plain = parser.parse_args(["generate", "x", "--quantization", "gguf"])
-    assert resolved_method(plain) == "off"
-    assert speculative_config(plain) is None
-    tuned = parser.parse_args(["generate", "x", "--quantization", "gguf", "-k", "3"])
-    assert resolved_method(tuned) != "off"
-    explicit = parser.parse_args(
-        ["generate", "x", "--quantization", "gguf", "--speculative", "ngram"]
-    )
-    assert resolved_method(explicit) == "ngram"
+    monkeypatch.setattr(setup, "shipped_draft_preferred", lambda: True)
+    by_path = EngineConfig(model=str(default_gguf), num_kv_blocks=16)
+    assert setup.load_models(by_path).speculation == SpeculativeConfig("auto").resolved(True)
+    other = EngineConfig(model=str(tiny_model_dir), num_kv_blocks=16)
+    models = setup.load_models(other)
+    assert models.speculation is not None
+    assert models.speculation.method == "ngram"
+    assert models.draft is None

@@ -36,7 +36,8 @@ INVALID: list[tuple[dict[str, Any], str]] = [
     ({"enforce_eager": 1}, "enforce_eager must be true or false"),
     ({"model": 3}, "model must be a string"),
     ({"speculative_config": "ngram"}, "speculative_config must be a dict"),
-    ({"speculative_config": {"num_speculative_tokens": 3}}, "needs a 'method'"),
+    ({"speculative_config": {"method": "off", "num_speculative_tokens": 3}}, "takes no other"),
+    ({"speculative_config": {"method": "auto", "num_speculative_tokens": 0}}, "must be an int"),
     ({"speculative_config": {"method": "medusa"}}, "method must be one of"),
     ({"speculative_config": {"method": "ngram", "k": 3}}, "unknown speculative_config keys"),
     (
@@ -68,7 +69,16 @@ def test_impossible_settings_fail_at_construction(fields: dict[str, Any], messag
 def test_paths_and_defaults() -> None:
     config = EngineConfig(model=Path("/some/model.gguf"))  # type: ignore[arg-type]
     assert config.model == "/some/model.gguf"
-    assert config.speculation is None
+    spec = config.speculation  # on by default: "auto", the controller choosing drafts
+    assert spec is not None
+    assert (spec.method, spec.adaptive_k, spec.k) == ("auto", True, 4)
+    assert EngineConfig(speculative_config={"method": "off"}).speculation is None
+    assert EngineConfig(speculative_config={"num_speculative_tokens": 6}).speculation == (
+        SpeculativeConfig("auto", 6)
+    )
+    assert SpeculativeConfig().resolved(True).method == "hybrid"
+    assert SpeculativeConfig().resolved(False).method == "ngram"
+    assert SpeculativeConfig(model="/a/draft").resolved(False).method == "hybrid"
     assert EngineConfig(dtype="bf16", attention_backend="torch").dtype == "bf16"
 
 

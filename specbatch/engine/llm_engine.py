@@ -56,6 +56,16 @@ class EngineStats:
     num_running: int = 0
     num_waiting: int = 0
     kv_cache_usage: float = 0.0
+    # The goodput controller (speculation on, adaptive_k): counters, then its last step.
+    num_planned_steps: int = 0  # steps it planned (with decodes that had draft slots)
+    num_drafting_steps: int = 0  # ... of which it gave some sequence drafts
+    num_drafts_allotted: int = 0  # draft slots it gave (proposers may draft fewer)
+    spec_candidates: int = 0  # decoding sequences it considered in the last planned step
+    spec_seqs_drafting: int = 0  # ... and gave drafts
+    spec_drafts_allotted: int = 0  # ... and the drafts it gave them
+    spec_step_seconds: float = 0.0  # its step-time model: that step before drafts
+    spec_row_seconds: float = 0.0  # ... and what one more verify row adds to it
+    spec_expected_gain: float = 1.0  # planned tokens per second over the plain step's
 
 
 class LLMEngine:
@@ -76,19 +86,10 @@ class LLMEngine:
             models.tokenizer,
         )
         self.draft_model, self.max_model_len = models.draft, models.max_model_len
-        self.speculative_config = config.speculation
+        self.speculative_config = models.speculation  # "auto" resolved; None: off
         self.num_kv_blocks = allocate_cache(config, models)
         self.cache = KVCacheManager(
             self.num_kv_blocks, config.block_size, config.enable_prefix_caching
-        )
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                config.max_num_seqs,
-                config.max_num_batched_tokens,
-                self.max_model_len,
-                models.num_speculative_tokens,
-            ),
-            self.cache,
         )
         self.runner = ModelRunner(self.model, config.block_size, capture_graphs(config, models))
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
@@ -101,6 +102,16 @@ class LLMEngine:
             external=proposer,
             draft_graphs=lambda: capture_draft_graphs(config, models),
             cuda_graphs=self.runner.graphs is not None,
+        )
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                config.max_num_seqs,
+                config.max_num_batched_tokens,
+                self.max_model_len,
+                models.num_speculative_tokens,
+            ),
+            self.cache,
+            draft_planner=self.speculator.plan if self.speculator.planned else None,
         )
         self.intake = RequestIntake(
             self.tokenizer, self.model.config.vocab_size, self.max_model_len
@@ -206,9 +217,7 @@ class LLMEngine:
         scheduled = plan.scheduled
         sampling = [s for s in scheduled if s.completes_sequence]
         proposal = self.speculator.propose(
-            [s.seq for s in sampling],
-            [s.num_lookahead for s in sampling],
-            sum(s.num_new_tokens for s in scheduled),
+            [s.seq for s in sampling], [s.num_lookahead for s in sampling]
         )
         drafts = dict(zip((s.seq.seq_id for s in sampling), proposal.tokens, strict=True))
         runs = [_token_run(s, drafts.get(s.seq.seq_id, [])) for s in scheduled]
@@ -232,13 +241,29 @@ class LLMEngine:
         for seq in finished:
             self.speculator.forget(seq)
         self.speculator.observe_step(
-            sum(len(r.token_ids) for r in runs),
+            [(r.start_position, len(r.token_ids)) for r in runs],
             time.perf_counter() - started,
             sum(len(t) for t in proposal.tokens),
         )
         self.stats.num_steps += 1
+        self._record_plan()
         self._update_gauges()
         return self._outputs(touched)
+
+    def _record_plan(self) -> None:
+        controller = self.speculator.controller
+        if controller is None or not controller.report.candidates:
+            return
+        report, stats = controller.report, self.stats
+        stats.num_planned_steps += 1
+        stats.num_drafting_steps += report.drafts > 0
+        stats.num_drafts_allotted += report.drafts
+        stats.spec_candidates = report.candidates
+        stats.spec_seqs_drafting = report.seqs_drafting
+        stats.spec_drafts_allotted = report.drafts
+        stats.spec_step_seconds = report.step_seconds
+        stats.spec_row_seconds = report.row_seconds
+        stats.spec_expected_gain = report.expected_gain
 
     def _append(
         self,

@@ -18,6 +18,8 @@ from specbatch.engine.kv_sizing import (
 )
 from specbatch.models import load_model, resolve_model_path
 from specbatch.models.llama import LlamaForCausalLM
+from specbatch.spec_decode.config import SpeculativeConfig
+from specbatch.spec_decode.default_draft import drafts_for, shipped_draft_preferred
 from specbatch.spec_decode.factory import load_draft_model
 from specbatch.tokenizer import Tokenizer, load_tokenizer
 from specbatch.utils import ceil_div
@@ -40,6 +42,7 @@ class Models:
     draft: LlamaForCausalLM | None
     max_model_len: int
     num_speculative_tokens: int
+    speculation: SpeculativeConfig | None  # "auto" resolved
 
 
 def load_models(config: EngineConfig) -> Models:
@@ -54,6 +57,9 @@ def load_models(config: EngineConfig) -> Models:
     tokenizer = load_tokenizer(config.tokenizer or path)
     positions = model.config.max_position_embeddings
     spec = config.speculation
+    if spec is not None:
+        fits = shipped_draft_preferred() and drafts_for(model.config, tokenizer)
+        spec = spec.resolved(fits)
     draft = None
     if spec is not None:
         draft = load_draft_model(
@@ -75,6 +81,7 @@ def load_models(config: EngineConfig) -> Models:
         draft,
         max_model_len=min(config.max_model_len or positions, positions),
         num_speculative_tokens=spec.k if spec else 0,
+        speculation=spec,
     )
 
 

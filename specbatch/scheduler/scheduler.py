@@ -9,6 +9,9 @@ Policy (vLLM V1 style, one token budget per step):
    tokens kept, recomputed later), possibly the sequence itself.
 2. Then waiting sequences by (priority, arrival), while the budget, ``max_num_seqs`` and the
    cache allow, reusing prefix-cached blocks. Nothing is admitted in a step that preempted.
+3. With a draft planner (the goodput controller), draft slots are reserved in the cache in step
+   1 but take no budget there: prompts are admitted first, and the planner then chooses each
+   decode's drafts within what the budget has left, so speculation never delays a prompt.
 
 After the step, :meth:`Scheduler.update_from_output` is the one place where what happened
 reaches the cache: computed tokens advance (accepted drafts included), full blocks of final
@@ -21,10 +24,14 @@ from __future__ import annotations
 
 import bisect
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from specbatch.cache.kv_cache_manager import KVCacheManager
 from specbatch.sequence import Sequence, SequenceStatus
+
+# Given a step's plan before drafts and the budget left, the drafts of each scheduled sequence.
+DraftPlanner = Callable[["SchedulerOutput", int], list[int]]
 
 
 @dataclass(frozen=True)
@@ -71,9 +78,15 @@ def _order(seq: Sequence) -> tuple[int, float, int]:
 class Scheduler:
     """Waiting and running queues over a :class:`KVCacheManager`."""
 
-    def __init__(self, config: SchedulerConfig, cache: KVCacheManager) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        cache: KVCacheManager,
+        draft_planner: DraftPlanner | None = None,
+    ) -> None:
         self.config = config
         self.cache = cache
+        self.draft_planner = draft_planner
         self.waiting: list[Sequence] = []  # sorted by _order
         self.running: list[Sequence] = []  # admission order
         self.num_preemptions = 0
@@ -99,6 +112,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         self._budget = self.config.max_num_batched_tokens
+        planned = self.draft_planner is not None
         for seq in list(self.running):
             if self._budget <= 0:
                 break
@@ -107,14 +121,27 @@ class Scheduler:
             num_new = min(seq.num_uncomputed_tokens, self._budget)
             lookahead = 0
             if num_new == 1:
-                lookahead = min(self.lookahead(seq), self._budget - num_new)
+                lookahead = self.lookahead(seq)
+                if not planned:
+                    lookahead = min(lookahead, self._budget - num_new)
             granted = self._allocate_or_preempt(seq, num_new, lookahead, out)
             if granted is not None:
                 out.scheduled.append(ScheduledSequence(seq, num_new, granted))
-                self._budget -= num_new + granted
+                self._budget -= num_new + (0 if planned else granted)
         if not out.preempted:
             self._admit(out)
+        if planned:
+            self._plan_drafts(out)
         return out
+
+    def _plan_drafts(self, out: SchedulerOutput) -> None:
+        """The planner's drafts per scheduled sequence, at most its reserved slots, at most
+        the budget left in all."""
+        assert self.draft_planner is not None
+        drafts = self.draft_planner(out, max(self._budget, 0))
+        for scheduled, count in zip(out.scheduled, drafts, strict=True):
+            scheduled.num_lookahead = max(0, min(count, scheduled.num_lookahead, self._budget))
+            self._budget -= scheduled.num_lookahead
 
     def update_from_output(
         self, out: SchedulerOutput, num_accepted: dict[int, int]
@@ -164,7 +191,8 @@ class Scheduler:
         for i, scheduled in enumerate(out.scheduled):
             if scheduled.seq is seq:  # already granted this step: take it back
                 del out.scheduled[i]
-                self._budget += scheduled.num_new_tokens + scheduled.num_lookahead
+                charged = 0 if self.draft_planner is not None else scheduled.num_lookahead
+                self._budget += scheduled.num_new_tokens + charged
                 break
         self.running.remove(seq)
         self.cache.free(seq)

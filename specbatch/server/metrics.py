@@ -43,6 +43,21 @@ class _EngineCollector(Collector):
                 "Draft tokens accepted.",
                 stats.num_accepted_tokens,
             ),
+            (
+                "specbatch_spec_controller_planned_steps",
+                "Steps whose drafts the goodput controller chose.",
+                stats.num_planned_steps,
+            ),
+            (
+                "specbatch_spec_controller_drafting_steps",
+                "Planned steps in which some sequence got drafts.",
+                stats.num_drafting_steps,
+            ),
+            (
+                "specbatch_spec_controller_drafts_allotted",
+                "Draft slots the goodput controller gave.",
+                stats.num_drafts_allotted,
+            ),
         ]:
             family = CounterMetricFamily(name, doc, labels=labels)
             family.add_metric([self.model], value)
@@ -57,6 +72,36 @@ class _EngineCollector(Collector):
                 stats.kv_cache_usage,
             ),
             ("specbatch_spec_decode_acceptance_rate", "Accepted / proposed draft tokens.", rate),
+            (
+                "specbatch_spec_controller_seqs_drafting",
+                "Sequences given drafts in the last planned step.",
+                stats.spec_seqs_drafting,
+            ),
+            (
+                "specbatch_spec_controller_candidates",
+                "Decoding sequences the last planned step considered.",
+                stats.spec_candidates,
+            ),
+            (
+                "specbatch_spec_controller_drafts",
+                "Drafts given in the last planned step.",
+                stats.spec_drafts_allotted,
+            ),
+            (
+                "specbatch_spec_controller_step_seconds",
+                "The step-time model's estimate of the last planned step before drafts.",
+                stats.spec_step_seconds,
+            ),
+            (
+                "specbatch_spec_controller_row_seconds",
+                "The step-time model's cost of one more verify row in that step.",
+                stats.spec_row_seconds,
+            ),
+            (
+                "specbatch_spec_controller_expected_gain",
+                "Planned tokens per second over the plain step's, last planned step.",
+                stats.spec_expected_gain,
+            ),
         ]
         for gauge_name, gauge_doc, level in gauges:
             gauge = GaugeMetricFamily(gauge_name, gauge_doc, labels=labels)

@@ -8,7 +8,7 @@ from typing import Any
 
 from specbatch.errors import ConfigError
 
-METHODS = ("draft_model", "ngram", "hybrid", "external")
+METHODS = ("auto", "off", "draft_model", "ngram", "hybrid", "external")
 DRAFT_METHODS = ("draft_model", "hybrid")
 # k when the config does not say, for every method: what the benchmarks in docs/architecture.md
 # were measured with (with the confidence stop a draft model's k is only a ceiling).
@@ -31,26 +31,33 @@ class SpeculativeConfig:
     whichever has paid better. ``"external"`` means the application passes its own
     :class:`~specbatch.spec_decode.proposer.Proposer` to ``LLMEngine(config, proposer=...)``.
 
+    ``"auto"`` (the default, also what ``None`` means) is ``"hybrid"`` with the shipped draft
+    for a target it was made for (SmolLM2-135M-Instruct, recognised by shape and vocabulary) or
+    with ``model`` when one is given, and ``"ngram"`` for any other target. ``"off"`` is the
+    plain path: no proposer, no draft slots.
+
     ``draft_confidence_threshold`` (draft models only) makes k a ceiling: a sequence stops
     drafting after the draft that brings the draft's own probability that all its drafts so
     far are right (the product of its probabilities of the tokens it drafted) below the
     threshold (that draft is still verified: its forward is paid, a verify row is cheap); 0.5 by
     default, 0 always drafts k tokens. Without ``num_speculative_tokens`` k is 4.
-    ``adaptive_k`` makes k a ceiling for every method: each step the engine gives each
-    sequence the number of drafts that maximises the expected tokens per second of the step,
-    from measured step times and the sequence's own acceptance so far
-    (``spec_decode/budget.py``); with many sequences or poor acceptance that is often none.
+    ``adaptive_k`` (on by default) makes k a ceiling for every method: each step the goodput
+    controller (``spec_decode/controller.py``) gives each sequence the number of drafts, and
+    for ``"hybrid"`` the way (prompt lookup or the draft model), that maximises the expected
+    tokens per second of the whole step, from measured step times and each sequence's
+    acceptance so far; with many sequences or poor acceptance that is none, the plain step.
+    ``adaptive_k=False`` verifies k drafts for every sequence every step.
     None of these change what is generated: greedy and seeded outputs are token for token the
     same, unseeded sampling keeps the target's distribution (its draws differ).
     """
 
-    method: str
+    method: str = "auto"
     num_speculative_tokens: int | None = None  # the method's default
     model: str | None = None
     prompt_lookup_min: int | None = None  # 1 for ngram, 2 for hybrid
     prompt_lookup_max: int = 4
     draft_confidence_threshold: float | None = None  # 0.5 for draft models, else 0
-    adaptive_k: bool = False
+    adaptive_k: bool = True
 
     MAX_TOKENS = 16
 
@@ -59,17 +66,27 @@ class SpeculativeConfig:
             raise ConfigError(
                 f"speculative_config method must be one of {METHODS}, got {self.method!r}"
             )
+        if self.method == "off":
+            extra = [
+                f.name
+                for f in fields(self)
+                if f.name != "method" and getattr(self, f.name) != f.default
+            ]
+            if extra:
+                raise ConfigError(
+                    f"speculative_config method 'off' takes no other keys, got {extra}"
+                )
+            return
         # frozen: defaults are set through object
         if self.num_speculative_tokens is None:
             object.__setattr__(self, "num_speculative_tokens", DEFAULT_NUM_SPECULATIVE_TOKENS)
+        if self.method == "auto":
+            self._check_k()
+            return  # the rest depends on the method auto resolves to (``resolved``)
         if self.draft_confidence_threshold is None:
             default_threshold = DEFAULT_DRAFT_CONFIDENCE if self.method in DRAFT_METHODS else 0.0
             object.__setattr__(self, "draft_confidence_threshold", default_threshold)
-        k = self.num_speculative_tokens
-        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= self.MAX_TOKENS:
-            raise ConfigError(
-                f"num_speculative_tokens must be an integer in [1, {self.MAX_TOKENS}], got {k!r}"
-            )
+        self._check_k()
         threshold = self.draft_confidence_threshold
         if (
             isinstance(threshold, bool)
@@ -83,8 +100,6 @@ class SpeculativeConfig:
             raise ConfigError(
                 f"draft_confidence_threshold is for methods {DRAFT_METHODS}, not {self.method!r}"
             )
-        if not isinstance(self.adaptive_k, bool):
-            raise ConfigError(f"adaptive_k must be true or false, got {self.adaptive_k!r}")
         if self.prompt_lookup_min is None:
             object.__setattr__(self, "prompt_lookup_min", 2 if self.method == "hybrid" else 1)
         if self.method in ("ngram", "hybrid"):
@@ -99,10 +114,34 @@ class SpeculativeConfig:
                 f"speculative_config 'model' is for methods {DRAFT_METHODS}, not {self.method!r}"
             )
 
+    def _check_k(self) -> None:
+        k = self.num_speculative_tokens
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= self.MAX_TOKENS:
+            raise ConfigError(
+                f"num_speculative_tokens must be an integer in [1, {self.MAX_TOKENS}], got {k!r}"
+            )
+        if not isinstance(self.adaptive_k, bool):
+            raise ConfigError(f"adaptive_k must be true or false, got {self.adaptive_k!r}")
+
+    def resolved(self, shipped_draft_fits: bool) -> SpeculativeConfig:
+        """``"auto"`` made concrete for a target (``shipped_draft_fits``: the shipped draft
+        was made for it and is preferred): hybrid with a draft, else ngram."""
+        if self.method != "auto":
+            return self
+        method = "hybrid" if self.model is not None or shipped_draft_fits else "ngram"
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        return SpeculativeConfig(**{**values, "method": method})
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "off"
+
     @classmethod
-    def parse(cls, value: SpeculativeConfig | Mapping[str, Any] | None) -> SpeculativeConfig | None:
-        """Accept a config, a vLLM-style dict, or None (speculation off)."""
-        if value is None or isinstance(value, SpeculativeConfig):
+    def parse(cls, value: SpeculativeConfig | Mapping[str, Any] | None) -> SpeculativeConfig:
+        """Accept a config, a vLLM-style dict, or None (``"auto"``)."""
+        if value is None:
+            return cls()
+        if isinstance(value, SpeculativeConfig):
             return value
         if not isinstance(value, Mapping):
             raise ConfigError(f"speculative_config must be a dict, got {type(value).__name__}")
@@ -110,8 +149,6 @@ class SpeculativeConfig:
         unknown = sorted(set(value) - known)
         if unknown:
             raise ConfigError(f"unknown speculative_config keys {unknown}; known: {sorted(known)}")
-        if "method" not in value:
-            raise ConfigError(f"speculative_config needs a 'method', one of {METHODS}")
         return cls(**value)
 
     @property

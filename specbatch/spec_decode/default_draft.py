@@ -44,22 +44,6 @@ def vocabulary_digest(tokenizer: Tokenizer) -> str:
     return digest.hexdigest()
 
 
-def fits_shipped_draft(model: str | None) -> bool:
-    """:func:`drafts_for` the model at ``model`` (a path, the default's name, or None for the
-    default), read from its files; False where they cannot be read (the engine will say why)."""
-    from specbatch.models import load_config, resolve_model_path
-    from specbatch.models.default_model import is_default_model_name
-    from specbatch.tokenizer import load_tokenizer
-
-    if is_default_model_name(model):
-        return True
-    try:
-        path = resolve_model_path(model)
-        return drafts_for(load_config(path), load_tokenizer(path))
-    except ModelLoadError:
-        return False
-
-
 def drafts_for(config: ModelConfig, tokenizer: Tokenizer) -> bool:
     """Whether the shipped draft was made for this target, recognised by content: its shape
     and its vocabulary (lossless either way; this says whether the draft is any good)."""

@@ -16,6 +16,7 @@ draft's rollback.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -38,6 +39,8 @@ from specbatch.spec_decode.proposer import DraftRequest, Proposal, Proposer
 
 if TYPE_CHECKING:  # triton is optional: only CUDA engines build graphs
     from specbatch.runner.cuda_graphs import CudaGraphRunner
+
+MAX_FORWARD_TIMES = 64
 
 
 class DraftModelProposer(Proposer):
@@ -64,6 +67,7 @@ class DraftModelProposer(Proposer):
         self.runner = ModelRunner(model, block_size, capture_graphs() if capture_graphs else None)
         self._computed: dict[int, int] = {}  # seq_id -> leading tokens held by the draft cache
         self.num_forwards = 0  # batched draft forwards run so far (for cost accounting)
+        self._forward_times: list[tuple[int, float]] = []  # (rows, seconds) not yet taken
 
     def propose(self, requests: list[DraftRequest]) -> Proposal:
         tokens: list[list[int]] = [[] for _ in requests]
@@ -77,10 +81,12 @@ class DraftModelProposer(Proposer):
         # q for every draft once any row samples: the verify needs a row per draft token
         keep_probs = any(not r.seq.params.greedy for r in requests)
         for step in range(max(r.max_drafts for r in requests)):
+            started = time.perf_counter()
             batch = flatten(runs, self.block_size)
             last_rows = batch.query_start[1:] - 1
             logits = self.model.logits_in_output_vocab(self.runner.forward(batch, last_rows))
             self.num_forwards += 1
+            num_rows = sum(len(run.token_ids) for run in runs)
             for i, run in zip(active, runs, strict=True):
                 self._computed[requests[i].seq.seq_id] = run.start_position + len(run.token_ids)
             rows = [requests[i].seq.sampling_row(tokens[i]) for i in active]
@@ -90,6 +96,8 @@ class DraftModelProposer(Proposer):
                 confidence[i] *= chosen[row]
                 if q is not None:
                     probs[i].append(q[row])
+            self._forward_times.append((num_rows, time.perf_counter() - started))
+            del self._forward_times[:-MAX_FORWARD_TIMES]  # nobody may be taking them
             active = [
                 i
                 for i in active
@@ -126,6 +134,11 @@ class DraftModelProposer(Proposer):
             chosen = natural if chosen is None else torch.where(t.greedy, natural, chosen)
         assert chosen is not None
         return drafted.tolist(), q, chosen.tolist()
+
+    def take_forward_times(self) -> list[tuple[int, float]]:
+        """(rows, seconds) of every draft forward since the last call (sampling included)."""
+        times, self._forward_times = self._forward_times, []
+        return times
 
     def on_verified(self, seq: Sequence) -> None:
         held = self._computed.get(seq.seq_id)

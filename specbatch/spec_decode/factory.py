@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -12,8 +11,8 @@ import torch
 from specbatch.errors import ConfigError, ModelLoadError
 from specbatch.models import load_model, resolve_model_path
 from specbatch.models.llama import LlamaForCausalLM
-from specbatch.spec_decode.budget import SpeculationBudget
 from specbatch.spec_decode.config import DRAFT_METHODS, SpeculativeConfig
+from specbatch.spec_decode.controller import GoodputController
 from specbatch.spec_decode.default_draft import default_draft_path, drafts_for
 from specbatch.spec_decode.draft_model import DraftModelProposer
 from specbatch.spec_decode.hybrid import HybridProposer
@@ -91,26 +90,21 @@ def build_speculator(
     cuda_graphs: bool = False,
 ) -> Speculator:
     """The engine's speculator: the proposer of ``spec`` (none when it is None: the plain
-    sampler) and, with ``adaptive_k``, the draft budget (not under CUDA graphs, whose replays
-    pad every decode to k drafts, so that fewer drafts would save nothing)."""
+    sampler) and, with ``adaptive_k``, the goodput controller. Under CUDA graphs every decode
+    step with drafts is padded to k drafts, so the controller's per-row costs are measured on
+    padded steps: it still chooses between drafting and not, per sequence (unmeasured on a GPU
+    so far; ``adaptive_k=False`` or ``enforce_eager=True`` are the alternatives)."""
     if spec is None:
         if external is not None:
             raise ConfigError("a proposer needs speculative_config={'method': 'external', ...}")
         return Speculator(None, None, generator)
-    budget = None
-    if spec.adaptive_k:
-        if cuda_graphs:
-            warnings.warn(
-                "adaptive_k is ignored while CUDA graphs are on (every decode step is padded to "
-                "k drafts); pass enforce_eager=True to use it",
-                stacklevel=3,
-            )
-        else:
-            budget = SpeculationBudget()
     proposer = build_proposer(
         spec, draft, num_blocks, block_size, generator, external, draft_graphs
     )
-    return Speculator(proposer, budget, generator)
+    controller = None
+    if spec.adaptive_k:
+        controller = GoodputController(Speculator.controller_ways(proposer))
+    return Speculator(proposer, controller, generator)
 
 
 def build_proposer(
@@ -129,7 +123,9 @@ def build_proposer(
     if external is not None:
         return external
     assert spec.prompt_lookup_min is not None  # set by SpeculativeConfig.__post_init__
-    lookup = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+    # the hybrid weighs short matches against the draft model: its lookup goes down to 1 token
+    shortest = 1 if spec.method == "hybrid" else spec.prompt_lookup_min
+    lookup = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max, shortest)
     if spec.method == "ngram":
         return lookup
     assert draft is not None

@@ -19,12 +19,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import torch
-
 from specbatch.sequence import Sequence
 from specbatch.spec_decode.draft_model import DraftModelProposer
 from specbatch.spec_decode.ngram import NgramProposer
-from specbatch.spec_decode.proposer import DraftRequest, Proposal, Proposer
+from specbatch.spec_decode.proposer import DraftRequest, Proposal, Proposer, with_point_masses
 
 EXPLORE_STEPS = 2  # tries of each way before values are compared
 PROBE_EVERY = 8  # every so many choices, the way that lost is tried again
@@ -138,7 +136,7 @@ class HybridProposer(Proposer):
                 state.pending = (DRAFT, state.pending[1], len(row))
         if drafted.draft_probs is None:
             return Proposal(tokens)
-        return Proposal(tokens, _with_point_masses(tokens, to_draft, drafted.draft_probs))
+        return Proposal(tokens, with_point_masses(tokens, to_draft, drafted.draft_probs))
 
     def on_verified(self, seq: Sequence) -> None:
         self.drafter.on_verified(seq)
@@ -156,21 +154,3 @@ class HybridProposer(Proposer):
 
 def _smooth(average: float | None, value: float) -> float:
     return value if average is None else average + SMOOTHING * (value - average)
-
-
-def _with_point_masses(
-    tokens: list[list[int]], drafted_rows: list[int], draft_probs: torch.Tensor
-) -> torch.Tensor:
-    """The draft model's q rows in request order, with a one-hot q for every looked-up token
-    (a copied token is a point mass, which the rejection sampler handles exactly)."""
-    probs = draft_probs.new_zeros((sum(len(t) for t in tokens), draft_probs.shape[1]))
-    from_draft = set(drafted_rows)
-    out = draft = 0
-    for i, row in enumerate(tokens):
-        if i in from_draft:
-            probs[out : out + len(row)] = draft_probs[draft : draft + len(row)]
-            draft += len(row)
-        else:
-            probs[torch.arange(out, out + len(row)), torch.tensor(row, dtype=torch.long)] = 1.0
-        out += len(row)
-    return probs

@@ -44,3 +44,21 @@ class Proposer(ABC):
 
     def forget(self, seq: Sequence) -> None:  # noqa: B027
         """The sequence finished, was aborted or preempted (its cache is gone)."""
+
+
+def with_point_masses(
+    tokens: list[list[int]], drafted_rows: list[int], draft_probs: torch.Tensor
+) -> torch.Tensor:
+    """The draft model's q rows in request order, with a one-hot q for every looked-up token
+    (a copied token is a point mass, which the rejection sampler handles exactly)."""
+    probs = draft_probs.new_zeros((sum(len(t) for t in tokens), draft_probs.shape[1]))
+    from_draft = set(drafted_rows)
+    out = draft = 0
+    for i, row in enumerate(tokens):
+        if i in from_draft:
+            probs[out : out + len(row)] = draft_probs[draft : draft + len(row)]
+            draft += len(row)
+        else:
+            probs[torch.arange(out, out + len(row)), torch.tensor(row, dtype=torch.long)] = 1.0
+        out += len(row)
+    return probs

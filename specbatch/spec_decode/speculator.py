@@ -1,24 +1,51 @@
 """The engine's one handle on speculative decoding: who drafts how many, the drafts, the verdict.
 
-Each step the engine hands over the sequences that will sample a token and how many draft slots
-the scheduler reserved for each; the speculator asks the budget (``adaptive_k``) how many of
-those slots each sequence should use, asks the proposer for that many drafts (batched over the
-sequences), and after the target's forward turns the logits into the accepted drafts plus one
-token per sequence. With speculation off (no proposer) it is the plain sampler.
+With the goodput controller (the default) the scheduler asks :meth:`Speculator.plan` for each
+decode's drafts once a step's prompts are admitted: every sampling sequence is looked up (prompt
+lookup, incremental: microseconds), the controller chooses a way and a count per sequence, and
+the lookups it did not use are kept to be judged against what the target emits next. Then
+:meth:`propose` drafts exactly that: lookups as they are, the draft model (batched) for the
+sequences given to it, an application's proposer for its own. Without the controller (a fixed
+k, ``adaptive_k=False``) every reserved slot goes to the proposer. After the target's forward,
+:meth:`verify` turns the logits into the accepted drafts plus one token per sequence; with no
+drafts at all it is the plain sampler.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence as SequenceT
+from dataclasses import dataclass
 
 import torch
 
 from specbatch.kernels.sampling import sample
+from specbatch.scheduler import SchedulerOutput
 from specbatch.sequence import Sequence
-from specbatch.spec_decode.budget import SpeculationBudget
-from specbatch.spec_decode.proposer import DraftRequest, Proposal, Proposer
+from specbatch.spec_decode.controller import (
+    DRAFT,
+    EXTERNAL,
+    LOOKUP_WAYS,
+    Candidate,
+    Choice,
+    GoodputController,
+    lookup_way,
+)
+from specbatch.spec_decode.draft_model import DraftModelProposer
+from specbatch.spec_decode.hybrid import HybridProposer
+from specbatch.spec_decode.ngram import NgramProposer
+from specbatch.spec_decode.proposer import DraftRequest, Proposal, Proposer, with_point_masses
 from specbatch.spec_decode.rejection import VerifyResult, verify
+
+
+@dataclass
+class _Shadow:
+    """A lookup the step did not use, to be compared with what the target emits after
+    ``start``."""
+
+    way: str
+    tokens: list[int]
+    start: int
 
 
 class Speculator:
@@ -27,46 +54,131 @@ class Speculator:
     def __init__(
         self,
         proposer: Proposer | None,
-        budget: SpeculationBudget | None,
+        controller: GoodputController | None,
         generator: torch.Generator,
     ) -> None:
         self.proposer = proposer
-        self.budget = budget
+        self.controller = controller
         self.generator = generator
-        self._proposer_seconds = 0.0  # of the current step
+        self.lookup, self.drafter = _parts(proposer)
+        self._plan: dict[int, Choice] = {}  # seq_id -> this step's choice
+        self._lookups: dict[int, tuple[list[int], int]] = {}  # seq_id -> (drafts, match n)
+        self._shadows: dict[int, _Shadow] = {}
+        self._used: dict[int, str] = {}  # seq_id -> way of this step's drafts
+        self._draft_seconds = 0.0  # of the current step: draft model or external proposer
 
-    def propose(
-        self, seqs: SequenceT[Sequence], slots: SequenceT[int], base_tokens: int
-    ) -> Proposal:
-        """Drafts for each sequence, at most its reserved ``slots`` (others: none); with a
-        budget, as many of those slots as it gives the sequence this step. ``base_tokens`` is
-        the size of the step's forward before drafts."""
-        self._proposer_seconds = 0.0
+    @staticmethod
+    def controller_ways(proposer: Proposer | None) -> tuple[str, ...]:
+        """The ways a controller chooses among for ``proposer``."""
+        lookup, drafter = _parts(proposer)
+        if proposer is None:
+            return ()
+        if lookup is None and drafter is None:
+            return (EXTERNAL,)
+        return (LOOKUP_WAYS if lookup is not None else ()) + ((DRAFT,) if drafter else ())
+
+    # ------------------------------------------------------------------ planning
+
+    def plan(self, out: SchedulerOutput, budget: int) -> list[int]:
+        """Drafts per scheduled sequence for the step ``out`` (the scheduler's draft planner)."""
+        assert self.controller is not None
+        self._plan.clear()
+        self._lookups.clear()
+        candidates, index = [], []
+        for i, s in enumerate(out.scheduled):
+            if s.num_lookahead and s.completes_sequence:
+                candidates.append(self._candidate(s.seq, s.num_lookahead))
+                index.append(i)
+        tokens = sum(s.num_new_tokens for s in out.scheduled)
+        pairs = sum(_pairs(s.seq.num_computed_tokens, s.num_new_tokens) for s in out.scheduled)
+        choices = self.controller.plan(candidates, tokens, len(out.scheduled), pairs, budget)
+        drafts = [0] * len(out.scheduled)
+        for i, candidate, choice in zip(index, candidates, choices, strict=True):
+            drafts[i] = choice.drafts
+            self._plan[candidate.seq_id] = choice
+            found, n = self._lookups.get(candidate.seq_id, ([], 0))
+            if found and not (choice.way in LOOKUP_WAYS and choice.drafts):
+                seq = out.scheduled[i].seq
+                self._shadows[seq.seq_id] = _Shadow(lookup_way(n), found, seq.num_tokens)
+        return drafts
+
+    def _candidate(self, seq: Sequence, slots: int) -> Candidate:
+        found: list[int] = []
+        n = 0
+        if self.lookup is not None:
+            found, n = self.lookup.match(seq, slots, min_n=self.lookup.shortest)
+            self._lookups[seq.seq_id] = (found, n)
+        return Candidate(seq.seq_id, slots, seq.num_tokens, found, n)
+
+    @property
+    def planned(self) -> bool:
+        return self.controller is not None
+
+    # ------------------------------------------------------------------ drafting
+
+    def propose(self, seqs: SequenceT[Sequence], slots: SequenceT[int]) -> Proposal:
+        """Drafts for each sequence, at most its ``slots`` (the planned count under the
+        controller: the way it chose; otherwise the proposer's own choice)."""
+        self._draft_seconds = 0.0
+        self._used.clear()
         tokens: list[list[int]] = [[] for _ in seqs]
         wanted = [i for i, n in enumerate(slots) if n > 0]
         if self.proposer is None or not wanted:
             return Proposal(tokens)
-        allowed = [slots[i] for i in wanted]
-        if self.budget is not None:
-            allowed = self.budget.allot([seqs[i].seq_id for i in wanted], allowed, base_tokens)
-            kept = [(i, a) for i, a in zip(wanted, allowed, strict=True) if a]
-            if not kept:
-                return Proposal(tokens)
-            wanted, allowed = [i for i, _ in kept], [a for _, a in kept]
+        if self.controller is None:
+            requests = [DraftRequest(seqs[i], slots[i]) for i in wanted]
+            return self._timed(self.proposer, requests, wanted, tokens)
+        by_model, external = [], []
+        for i in wanted:
+            seq = seqs[i]
+            choice = self._plan.get(seq.seq_id)
+            if choice is None or not choice.drafts or choice.way is None:
+                continue
+            self._used[seq.seq_id] = choice.way
+            if choice.way in LOOKUP_WAYS:
+                tokens[i] = self._lookups[seq.seq_id][0][: slots[i]]
+            elif choice.way == DRAFT:
+                by_model.append(i)
+            else:
+                external.append(i)
+        if external:
+            assert self.proposer is not None
+            requests = [DraftRequest(seqs[i], slots[i]) for i in external]
+            return self._timed(self.proposer, requests, external, tokens)
+        if by_model:
+            assert self.drafter is not None
+            requests = [DraftRequest(seqs[i], slots[i]) for i in by_model]
+            return self._timed(self.drafter, requests, by_model, tokens)
+        return Proposal(tokens)
+
+    def _timed(
+        self,
+        proposer: Proposer,
+        requests: list[DraftRequest],
+        rows: list[int],
+        tokens: list[list[int]],
+    ) -> Proposal:
+        """``proposer``'s drafts for ``requests`` (at sequence indices ``rows``) merged into
+        ``tokens``; a draft distribution gains point masses for the other drafted rows."""
         started = time.perf_counter()
-        proposal = self.proposer.propose(
-            [DraftRequest(seqs[i], a) for i, a in zip(wanted, allowed, strict=True)]
-        )
-        self._proposer_seconds = time.perf_counter() - started
+        proposal = proposer.propose(requests)
+        self._draft_seconds = time.perf_counter() - started
         probs, row = proposal.draft_probs, 0
         q_rows: list[int] = []
-        for i, drafted, most in zip(wanted, proposal.tokens, allowed, strict=True):
-            tokens[i] = drafted[:most]  # a proposer may not exceed its slots: cut, q rows too
+        for i, drafted, r in zip(rows, proposal.tokens, requests, strict=True):
+            tokens[i] = drafted[: r.max_drafts]  # a proposer may not exceed its slots
             q_rows += range(row, row + len(tokens[i]))
             row += len(drafted)
-        if probs is not None and len(q_rows) < row:
+        if probs is None:
+            return Proposal(tokens)
+        if len(q_rows) < row:
             probs = probs[q_rows]
+        drafted_rows = set(rows)
+        if any(t for i, t in enumerate(tokens) if i not in drafted_rows):
+            probs = with_point_masses(tokens, rows, probs)
         return Proposal(tokens, probs)
+
+    # ------------------------------------------------------------------ verifying
 
     def verify(
         self, logits: torch.Tensor, seqs: SequenceT[Sequence], proposal: Proposal
@@ -84,25 +196,64 @@ class Speculator:
         ]
         return verify(logits, rows, proposal.tokens, proposal.draft_probs, self.generator)
 
-    def observe_step(self, forward_tokens: int, seconds: float, num_drafts: int) -> None:
-        """A finished step: its forward's size and its whole time (the proposer's included)."""
-        if self.budget is not None:
-            proposer = self._proposer_seconds
-            self.budget.observe_step(forward_tokens, seconds - proposer, num_drafts, proposer)
+    # ------------------------------------------------------------------ learning
+
+    def observe_step(self, runs: list[tuple[int, int]], seconds: float, num_drafts: int) -> None:
+        """A finished step: ``(start position, tokens)`` of each sequence's run in the
+        forward, the step's whole time (the draft model's or external proposer's included)
+        and its draft tokens."""
+        if self.controller is None:
+            return
+        tokens = sum(n for _, n in runs)
+        pairs = sum(_pairs(start, n) for start, n in runs)
+        drafter_seconds = self._draft_seconds
+        if self.drafter is not None:
+            for rows, forward_seconds in self.drafter.take_forward_times():
+                self.controller.observe_draft_forward(rows, forward_seconds)
+        elif EXTERNAL in self.controller.ways:
+            self.controller.observe_external(num_drafts, drafter_seconds)
+        self.controller.observe_step(tokens, len(runs), pairs, seconds - drafter_seconds)
 
     def on_verified(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
         """The target accepted ``num_accepted`` of the sequence's ``num_drafts`` drafts and the
         sequence's computed tokens cover them: proposers roll their own state back to it."""
         if num_drafts:
             seq.spec.record(num_drafts, num_accepted)
-            if self.budget is not None:
-                self.budget.observe_verify(seq.seq_id, num_drafts, num_accepted)
+            way = self._used.get(seq.seq_id)
+            if self.controller is not None and way is not None:
+                self.controller.observe_verify(seq.seq_id, way, num_drafts, num_accepted)
+        shadow = self._shadows.pop(seq.seq_id, None)
+        if shadow is not None and self.controller is not None:
+            emitted = seq.token_ids[shadow.start : shadow.start + len(shadow.tokens)]
+            judged = min(len(emitted), len(shadow.tokens))
+            right = 0
+            while right < judged and emitted[right] == shadow.tokens[right]:
+                right += 1
+            self.controller.observe_verify(seq.seq_id, shadow.way, judged, right)
         if self.proposer is not None:
             self.proposer.on_verified(seq)
 
     def forget(self, seq: Sequence) -> None:
         """The sequence's cache is gone (finished, aborted, preempted): so is its draft state."""
+        self._shadows.pop(seq.seq_id, None)
         if self.proposer is not None:
             self.proposer.forget(seq)
-        if self.budget is not None:
-            self.budget.forget(seq.seq_id)
+        if self.controller is not None:
+            self.controller.forget(seq.seq_id)
+
+
+def _parts(proposer: Proposer | None) -> tuple[NgramProposer | None, DraftModelProposer | None]:
+    """The prompt lookup and the draft model a proposer is made of (None where it has none;
+    an application's proposer has neither)."""
+    if isinstance(proposer, HybridProposer):
+        return proposer.lookup, proposer.drafter
+    if isinstance(proposer, NgramProposer):
+        return proposer, None
+    if isinstance(proposer, DraftModelProposer):
+        return None, proposer
+    return None, None
+
+
+def _pairs(start: int, count: int) -> int:
+    """(query row, key) pairs of ``count`` rows at positions ``start`` on (causal)."""
+    return count * start + count * (count + 1) // 2

@@ -160,7 +160,12 @@ def test_every_decode_step_replays(
 ) -> None:
     """Sequences near max_tokens draft fewer than k (their lookahead shrinks) and steps where
     nothing was drafted have q = 1: both still replay a graph."""
-    speculative: dict[str, Any] = {"method": method, "num_speculative_tokens": 3}
+    # fixed k: every decode step drafts, so every one must replay
+    speculative: dict[str, Any] = {
+        "method": method,
+        "num_speculative_tokens": 3,
+        "adaptive_k": False,
+    }
     if method == "draft_model":  # always k drafts: k - 1 single-token draft forwards a step
         speculative.update(model=str(tiny_draft_dir), draft_confidence_threshold=0.0)
     prompts = [[5, 6, 7, 8] * 5, [9, 10, 11] * 4, [40, 41, 42, 43, 44]]
@@ -198,7 +203,7 @@ def test_long_contexts_replay_split_kv_graphs(
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 
     def run(graphs: bool) -> tuple[list[list[int]], Any]:
-        llm = make_llm(tiny_model_dir, graphs, max_num_seqs=2)
+        llm = make_llm(tiny_model_dir, graphs, max_num_seqs=2, speculative_config={"method": "off"})
         outputs = llm.generate(prompts, params, use_tqdm=False)
         return [o.outputs[0].token_ids for o in outputs], llm.llm_engine
 

@@ -93,7 +93,10 @@ def sample_engine(
             max_model_len=64,
             max_num_seqs=256,
             max_num_batched_tokens=4096,
-            speculative_config=speculative,
+            # fixed k: every step verifies (the controller would draft only where it pays)
+            speculative_config=(
+                {"method": "off"} if speculative is None else {**speculative, "adaptive_k": False}
+            ),
             seed=123,
         )
     )

@@ -29,8 +29,8 @@ from specbatch.spec_decode.hybrid import (
     PROBE_EVERY,
     HybridProposer,
     _Way,
-    _with_point_masses,
     choose_way,
+    with_point_masses,
 )
 from specbatch.spec_decode.ngram import NgramProposer, ngram_propose
 from specbatch.spec_decode.proposer import DraftRequest, Proposal
@@ -173,7 +173,7 @@ def test_hybrid_all_looked_up_runs_no_draft_forward(tiny_draft_dir: Path) -> Non
 def test_point_masses_fill_looked_up_rows() -> None:
     tokens = [[4, 1], [2], [], [0, 3, 3]]
     draft_probs = torch.rand(4, 6)  # rows of requests 1 and 3, in order
-    probs = _with_point_masses(tokens, [1, 3], draft_probs)
+    probs = with_point_masses(tokens, [1, 3], draft_probs)
     expected = torch.zeros(6, 6)
     expected[0, 4] = expected[1, 1] = 1.0
     expected[2] = draft_probs[0]

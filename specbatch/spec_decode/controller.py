@@ -1,0 +1,294 @@
+"""The goodput controller: each step, how many drafts each sequence gets, and which way.
+
+A draft is worth the chance that it is emitted (it and every draft before it accepted) and
+costs the time it adds to the step: a row in the target's forward (nearly free at batch 1 on a
+CPU, as dear as a decode row at batch 64, dearer with a long context) and its proposer's time (a
+prompt lookup is free; a draft model pays a forward per draft position and a row per draft,
+the first being the catch-up on the tokens the sequence emitted since it last drafted: skipping
+a sequence defers that work, it does not save it, so it is charged as the one row a step that
+keeping up costs, not as the backlog). The controller
+chooses, per sequence, a way (a prompt-lookup match, graded by its length; the draft model; an
+application's proposer) and a count 0..slots to maximise the whole step's expected tokens per
+second::
+
+    (sequences + sum of emitted-draft chances) / (step time + added rows + proposer time)
+
+No draft at all is always a candidate and wins when nothing beats it, so a step is never
+planned slower per token than speculation off. The maximum of that ratio is found exactly
+(Dinkelbach's method: for a trial ratio ``r`` each sequence independently takes the prefix of
+drafts maximising ``sum(gain - r * cost)``; the ratio of that choice is the next ``r`` until it
+stops rising), once per possible depth of the draft model's forwards, whose fixed cost is
+shared by every sequence drafting that deep.
+
+Times come from :mod:`step_times` (measured as the engine runs), chances from
+:mod:`acceptance` (measured from verifies, and for prompt lookup also from steps where the
+lookup was not used: what it would have drafted is compared with what the target emitted, which
+judges a point-mass draft exactly as a verify would). Until the step-time model has a few
+steps it drafts every slot, so that it sees what drafts cost.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from specbatch.spec_decode.acceptance import AcceptanceModel
+from specbatch.spec_decode.step_times import ForwardTimes, StepCost, StepTimes
+
+LOOKUP_WAYS = ("lookup1", "lookup2", "lookup3")  # by match length: 1, 2, 3 or more tokens
+DRAFT = "draft"
+EXTERNAL = "external"
+MAX_ITERATIONS = 32
+EPSILON = 1e-12
+
+
+def lookup_way(match_length: int) -> str:
+    return LOOKUP_WAYS[min(match_length, len(LOOKUP_WAYS)) - 1]
+
+
+@dataclass
+class Candidate:
+    """A sequence that samples this step and may get drafts.
+
+    ``context``: keys its first draft row attends to; ``lookup``: what prompt lookup would
+    draft (empty: no match) and ``lookup_n`` the matched suffix length."""
+
+    seq_id: int
+    slots: int
+    context: int
+    lookup: list[int]
+    lookup_n: int = 0
+
+
+@dataclass(frozen=True)
+class Choice:
+    way: str | None  # None: no drafts
+    drafts: int
+
+
+@dataclass
+class PlanReport:
+    """What the controller decided for the last step, and why (for stats and /metrics)."""
+
+    candidates: int = 0
+    seqs_drafting: int = 0
+    drafts: int = 0
+    by_way: dict[str, int] | None = None
+    step_seconds: float = 0.0  # estimated, before drafts
+    row_seconds: float = 0.0  # estimated target cost of one more row, mean over candidates
+    expected_gain: float = 1.0  # planned goodput over the no-draft step's
+
+
+class GoodputController:
+    """Chooses each step's drafts; learns step times and acceptance from the engine."""
+
+    def __init__(self, ways: tuple[str, ...]) -> None:
+        self.ways = ways
+        self.times = StepTimes()
+        self.draft_times = ForwardTimes()
+        self.acceptance = AcceptanceModel()
+        self.external_seconds_per_draft = 0.0
+        self.report = PlanReport()
+
+    def plan(
+        self,
+        candidates: list[Candidate],
+        base_tokens: int,
+        base_seqs: int,
+        base_pairs: float,
+        budget: int,
+    ) -> list[Choice]:
+        """The drafts of each candidate for a step whose forward has ``base_tokens`` tokens of
+        ``base_seqs`` sequences attending ``base_pairs`` (row, key) pairs before drafts, with
+        at most ``budget`` draft rows in all."""
+        self.acceptance.step += 1
+        if not candidates or not max(c.slots for c in candidates):
+            self.report = PlanReport(candidates=len(candidates))
+            return [Choice(None, 0) for _ in candidates]
+        gains, costs, valid = self._options(candidates, base_tokens, base_seqs)
+        expected_gain = 1.0
+        if not self.times.ready:  # measure what drafts cost: every slot, the likeliest way
+            chosen = _all_slots(gains, valid)
+        else:
+            base = self._cost.seconds(base_tokens, base_seqs, base_pairs)
+            chosen, ratio = self._solve(gains, costs, valid, len(candidates), base)
+            expected_gain = ratio * base / len(candidates)
+        chosen = _within_budget(chosen, gains, costs, max(budget, 0))
+        choices = [Choice(self.ways[w], d + 1) if d >= 0 else Choice(None, 0) for w, d in chosen]
+        self._report(candidates, choices, base_tokens, base_seqs, base_pairs, expected_gain)
+        return choices
+
+    def _options(
+        self, candidates: list[Candidate], base_tokens: int, base_seqs: int
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per candidate, way and draft position: the chance it is emitted, the seconds it
+        adds (the draft model's per-forward cost aside), whether it may be drafted."""
+        most = max(c.slots for c in candidates)
+        self._cost = cost = self.times.fit(base_tokens + most / 2, base_seqs)
+        self._draft_fit = self.draft_times.fit(len(candidates)) if DRAFT in self.ways else (0, 0)
+        acceptance = self.acceptance
+        usable = np.zeros((len(candidates), len(self.ways)), dtype=np.int64)
+        first = np.zeros(usable.shape)
+        model_ways = [(w, way) for w, way in enumerate(self.ways) if way not in LOOKUP_WAYS]
+        lookup_index = {way: self.ways.index(way) for way in LOOKUP_WAYS if way in self.ways}
+        for i, c in enumerate(candidates):
+            for w, way in model_ways:
+                usable[i, w] = c.slots
+                first[i, w] = acceptance.first(c.seq_id, way)
+            if c.lookup and lookup_index:
+                way = lookup_way(c.lookup_n)
+                w = lookup_index[way]
+                usable[i, w] = min(c.slots, len(c.lookup))
+                first[i, w] = acceptance.first(c.seq_id, way)
+        follow = np.stack([np.cumprod(acceptance.follow(way, most)) for way in self.ways])
+        positions = np.arange(most)
+        valid = positions[None, None, :] < usable[:, :, None]
+        gains = np.where(valid, first[:, :, None] * follow[None], 0.0)
+        context = np.array([c.context for c in candidates], dtype=np.float64)
+        row = cost.per_token + cost.per_pair * (context[:, None] + positions[None, :])
+        # a draft-model draft adds a row to a draft forward (the first: one catch-up row, see
+        # the module docstring); an application's proposer its measured time per draft
+        extra = [
+            self._draft_fit[1]
+            if way == DRAFT
+            else self.external_seconds_per_draft
+            if way == EXTERNAL
+            else 0.0
+            for way in self.ways
+        ]
+        costs = np.where(valid, row[:, None, :] + np.array(extra)[None, :, None], 0.0)
+        return gains, costs, valid
+
+    def _solve(
+        self, gains: np.ndarray, costs: np.ndarray, valid: np.ndarray, seqs: int, base: float
+    ) -> tuple[list[tuple[int, int]], float]:
+        """The goodput-maximising (way, last draft index) per candidate (-1: none), and that
+        goodput in tokens per second."""
+        cum_gains, cum_costs = np.cumsum(gains, axis=2), np.cumsum(costs, axis=2)
+        draft = self.ways.index(DRAFT) if DRAFT in self.ways else None
+        depths = range(gains.shape[2] + 1) if draft is not None else (0,)
+        per_forward = self._draft_fit[0]
+        best: tuple[list[tuple[int, int]], float] = ([(0, -1)] * seqs, seqs / base)
+        for depth in depths:
+            allowed = valid
+            if draft is not None:
+                allowed = valid.copy()
+                allowed[:, draft, depth:] = False
+            if depth and not allowed[:, draft].any():
+                break
+            chosen, ratio = _dinkelbach(
+                cum_gains, cum_costs, allowed, seqs, base + per_forward * depth
+            )
+            if ratio > best[1] * (1 + EPSILON):
+                best = chosen, ratio
+        return best
+
+    def _report(
+        self,
+        candidates: list[Candidate],
+        choices: list[Choice],
+        base_tokens: int,
+        base_seqs: int,
+        base_pairs: float,
+        expected_gain: float,
+    ) -> None:
+        by_way: dict[str, int] = {}
+        for choice in choices:
+            if choice.way is not None:
+                by_way[choice.way] = by_way.get(choice.way, 0) + choice.drafts
+        cost = self._cost
+        mean_context = sum(c.context for c in candidates) / len(candidates)
+        self.report = PlanReport(
+            candidates=len(candidates),
+            seqs_drafting=sum(1 for c in choices if c.drafts),
+            drafts=sum(c.drafts for c in choices),
+            by_way=by_way,
+            step_seconds=float(cost.seconds(base_tokens, base_seqs, base_pairs)),
+            row_seconds=float(cost.row(mean_context)),
+            expected_gain=float(expected_gain),
+        )
+
+    @property
+    def step_cost(self) -> StepCost:
+        """The step-time model fitted for the last plan."""
+        return self._cost
+
+    def observe_step(self, tokens: int, seqs: int, pairs: float, seconds: float) -> None:
+        """A finished step: its forward's size and its time without a draft model's."""
+        self.times.observe(tokens, seqs, pairs, seconds)
+
+    def observe_draft_forward(self, rows: int, seconds: float) -> None:
+        self.draft_times.observe(rows, seconds)
+
+    def observe_external(self, drafts: int, seconds: float) -> None:
+        if drafts:
+            per_draft = seconds / drafts
+            old = self.external_seconds_per_draft
+            self.external_seconds_per_draft = (
+                per_draft if not old else old + 0.2 * (per_draft - old)
+            )
+
+    def observe_verify(self, seq_id: int, way: str, num_drafts: int, num_accepted: int) -> None:
+        self.acceptance.observe(seq_id, way, num_drafts, num_accepted)
+
+    def forget(self, seq_id: int) -> None:
+        self.acceptance.forget(seq_id)
+
+
+def _dinkelbach(
+    cum_gains: np.ndarray, cum_costs: np.ndarray, allowed: np.ndarray, seqs: int, base: float
+) -> tuple[list[tuple[int, int]], float]:
+    """The exact maximum of (seqs + chosen gains) / (base + chosen costs) over one prefix of
+    one way per candidate (or none)."""
+    count, _ways, depth = cum_gains.shape
+    ratio = seqs / base
+    best_choice = np.full(count, -1)
+    rows = np.arange(count)
+    flat_gains = cum_gains.reshape(count, -1)
+    flat_costs = cum_costs.reshape(count, -1)
+    flat_allowed = allowed.reshape(count, -1)
+    for _ in range(MAX_ITERATIONS):
+        values = np.where(flat_allowed, flat_gains - ratio * flat_costs, -np.inf)
+        index = values.argmax(axis=1)
+        take = values[rows, index] > EPSILON * max(ratio, 1.0)
+        choice = np.where(take, index, -1)
+        gain = flat_gains[rows, index][take].sum()
+        cost = flat_costs[rows, index][take].sum()
+        new_ratio = (seqs + gain) / (base + cost)
+        if new_ratio <= ratio * (1 + EPSILON):
+            break
+        ratio, best_choice = new_ratio, choice
+    chosen = [(-1, -1) if i < 0 else divmod(int(i), depth) for i in best_choice]
+    return [(w if d >= 0 else 0, d) for w, d in chosen], float(ratio)
+
+
+def _all_slots(gains: np.ndarray, valid: np.ndarray) -> list[tuple[int, int]]:
+    """Every usable slot, of the way with the most expected tokens."""
+    totals = np.where(valid, gains, 0.0).sum(axis=2)
+    usable = valid.sum(axis=2)
+    out = []
+    for i in range(gains.shape[0]):
+        w = int(totals[i].argmax())
+        out.append((w, int(usable[i, w]) - 1))
+    return out
+
+
+def _within_budget(
+    chosen: list[tuple[int, int]], gains: np.ndarray, costs: np.ndarray, budget: int
+) -> list[tuple[int, int]]:
+    """Drop the least valuable last drafts until at most ``budget`` remain."""
+    chosen = list(chosen)
+    total = sum(d + 1 for _, d in chosen)
+    while total > budget:
+        worst = min(
+            (i for i, (_, d) in enumerate(chosen) if d >= 0),
+            key=lambda i: (
+                gains[i, chosen[i][0], chosen[i][1]]
+                / max(costs[i, chosen[i][0], chosen[i][1]], EPSILON)
+            ),
+        )
+        way, last = chosen[worst]
+        chosen[worst] = (way, last - 1)
+        total -= 1
+    return chosen

@@ -1,0 +1,316 @@
+"""The goodput controller against a fake clock and oracle proposers.
+
+Step times come from a known function of tokens, sequences and attention pairs (the fake
+clock), acceptance from oracles of known rates; the controller learns both as the engine would
+and must then choose what an exhaustive search over every per-sequence (way, count) finds."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import numpy as np
+import pytest
+
+from specbatch.sampling_params import SamplingParams
+from specbatch.scheduler import ScheduledSequence, SchedulerOutput
+from specbatch.sequence import Sequence
+from specbatch.spec_decode.acceptance import AcceptanceModel
+from specbatch.spec_decode.controller import (
+    DRAFT,
+    LOOKUP_WAYS,
+    Candidate,
+    GoodputController,
+)
+from specbatch.spec_decode.ngram import NgramProposer
+from specbatch.spec_decode.speculator import Speculator
+from specbatch.spec_decode.step_times import ForwardTimes, StepTimes
+
+
+class FakeClock:
+    """A step's seconds as a known function of its tokens, sequences and attention pairs."""
+
+    def __init__(self, fixed: float, per_token: float, per_seq: float, per_pair: float = 0.0):
+        self.fixed, self.per_token, self.per_seq, self.per_pair = (
+            fixed,
+            per_token,
+            per_seq,
+            per_pair,
+        )
+
+    def __call__(self, tokens: float, seqs: float, pairs: float = 0.0) -> float:
+        return self.fixed + self.per_token * tokens + self.per_seq * seqs + self.per_pair * pairs
+
+
+def trained(clock: FakeClock, ways: tuple[str, ...] = ("external",)) -> GoodputController:
+    """A controller whose step-time model has seen a varied run under ``clock``."""
+    controller = GoodputController(ways)
+    rng = random.Random(0)
+    for _ in range(200):
+        seqs = rng.randint(1, 64)
+        tokens = seqs + rng.choice([0, 0, rng.randint(0, 4 * seqs), rng.randint(0, 2000)])
+        pairs = rng.uniform(0, 200) * tokens
+        controller.observe_step(tokens, seqs, pairs, clock(tokens, seqs, pairs))
+    return controller
+
+
+def with_rates(
+    controller: GoodputController, rates: dict[int, float], follow: float | None = None
+) -> None:
+    """Oracle acceptance: sequence i's first draft is right with ``rates[i]``, each later one
+    (given the one before) with ``follow`` (default: the same rate as the first, for one
+    sequence: independent drafts)."""
+    acceptance = controller.acceptance
+    acceptance.first = lambda seq_id, way: rates[seq_id]  # type: ignore[method-assign]
+    later = next(iter(rates.values())) if follow is None else follow
+    acceptance.follow = lambda way, count: np.r_[1.0, np.full(count - 1, later)]  # type: ignore[method-assign]
+
+
+def candidates(slots: list[int], context: int = 0) -> list[Candidate]:
+    return [Candidate(i, n, context, []) for i, n in enumerate(slots)]
+
+
+def goodput(
+    clock: FakeClock,
+    controller: GoodputController,
+    plan: list[tuple[str | None, int]],
+    cands: list[Candidate],
+    base_tokens: int,
+    base_pairs: float = 0.0,
+) -> float:
+    """Expected tokens per second of a plan, by the true clock and the oracle's rates."""
+    tokens, seconds = float(len(cands)), 0.0
+    drafts = 0
+    pairs = base_pairs
+    for (way, count), c in zip(plan, cands, strict=True):
+        if count:
+            assert way is not None
+            tokens += controller.acceptance.gains(c.seq_id, way, count).sum()
+            drafts += count
+            pairs += sum(c.context + j for j in range(count))
+    seconds = clock(base_tokens + drafts, len(cands), pairs)
+    return tokens / seconds
+
+
+def exhaustive(
+    clock: FakeClock,
+    controller: GoodputController,
+    cands: list[Candidate],
+    base_tokens: int,
+    base_pairs: float = 0.0,
+) -> float:
+    """The best goodput over every per-sequence draft count (the slow, obvious reference)."""
+    options = [range(c.slots + 1) for c in cands]
+    return max(
+        goodput(
+            clock, controller, [("external", n) for n in counts], cands, base_tokens, base_pairs
+        )
+        for counts in itertools.product(*options)
+    )
+
+
+def test_step_times_recover_a_linear_clock() -> None:
+    clock = FakeClock(0.02, 0.0005, 0.0002, 1e-7)
+    controller = trained(clock)
+    for tokens, seqs in ((1, 1), (5, 1), (64, 64), (320, 64), (2048, 2)):
+        cost = controller.times.fit(tokens, seqs)
+        assert cost.per_token == pytest.approx(0.0005, rel=1e-3)
+        assert cost.per_seq == pytest.approx(0.0002, rel=1e-3)
+        assert cost.per_pair == pytest.approx(1e-7, rel=1e-3)
+        assert cost.seconds(tokens, seqs, 100.0 * tokens) == pytest.approx(
+            clock(tokens, seqs, 100.0 * tokens), rel=1e-6
+        )
+
+
+def test_step_times_follow_a_knee() -> None:
+    """Memory-bound below 32 tokens (flat), compute-bound above: the slope near the step asked
+    about is the one that counts."""
+    times = StepTimes()
+    for tokens in list(range(1, 9)) * 3 + [64, 80, 96, 128, 160] * 3:
+        times.observe(tokens, 1, 0.0, max(0.016, 0.0005 * tokens))
+    assert times.fit(3, 1).per_token < 0.0005 * 0.1
+    assert times.fit(100, 1).per_token == pytest.approx(0.0005, rel=0.1)
+
+
+def test_forward_times_fit_fixed_and_per_row() -> None:
+    times = ForwardTimes()
+    for rows in (1, 2, 4, 8, 16, 3, 5):
+        times.observe(rows, 0.004 + 0.0001 * rows)
+    fixed, per_row = times.fit(4)
+    assert fixed == pytest.approx(0.004, rel=1e-3)
+    assert per_row == pytest.approx(0.0001, rel=1e-3)
+
+
+def test_no_drafts_when_rows_cost_more_than_they_return() -> None:
+    # 16 sequences, every row as dear as a decode: a draft right 30% of the time adds 0.3
+    # tokens for the price of one
+    clock = FakeClock(0.0, 0.01, 0.0)
+    controller = trained(clock)
+    with_rates(controller, dict.fromkeys(range(16), 0.3))
+    choices = controller.plan(candidates([4] * 16), 16, 16, 0.0, 1000)
+    assert [c.drafts for c in choices] == [0] * 16
+
+
+def test_every_slot_when_acceptance_is_one_and_rows_are_free() -> None:
+    clock = FakeClock(0.05, 0.0, 0.001)
+    controller = trained(clock)
+    with_rates(controller, dict.fromkeys(range(8), 1.0))
+    choices = controller.plan(candidates([4, 4, 3, 1, 4, 2, 4, 4]), 8, 8, 0.0, 1000)
+    assert [c.drafts for c in choices] == [4, 4, 3, 1, 4, 2, 4, 4]
+
+
+def test_the_budget_caps_the_drafts() -> None:
+    controller = trained(FakeClock(0.05, 0.0, 0.001))
+    with_rates(controller, dict.fromkeys(range(8), 1.0))
+    choices = controller.plan(candidates([4] * 8), 8, 8, 0.0, 5)
+    assert sum(c.drafts for c in choices) == 5
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_plan_is_the_exhaustive_optimum(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    clock = FakeClock(
+        float(rng.uniform(0.001, 0.05)),
+        float(rng.choice([0.0, 1e-4, 1e-3, 1e-2])),
+        float(rng.choice([0.0, 1e-4, 1e-3])),
+        float(rng.choice([0.0, 1e-6])),
+    )
+    controller = trained(clock)
+    count = int(rng.integers(1, 5))
+    rates = {i: float(rng.choice([0.0, 0.1, 0.5, 0.8, 0.95, 1.0])) for i in range(count)}
+    with_rates(controller, rates, follow=float(rng.choice([0.2, 0.7, 1.0])))
+    context = int(rng.integers(0, 2000))
+    cands = candidates(rng.integers(0, 5, count).tolist(), context)
+    base_tokens = count + int(rng.integers(0, 40))  # decodes plus some prefill
+    base_pairs = float(base_tokens * context)
+    choices = controller.plan(cands, base_tokens, count, base_pairs, 1000)
+    assert all(0 <= c.drafts <= cand.slots for c, cand in zip(choices, cands, strict=True))
+    plan = [(c.way, c.drafts) for c in choices]
+    best = exhaustive(clock, controller, cands, base_tokens, base_pairs)
+    assert goodput(clock, controller, plan, cands, base_tokens, base_pairs) == pytest.approx(
+        best, rel=1e-6
+    )
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_hybrid_plan_is_the_exhaustive_optimum(seed: int) -> None:
+    """Lookup or draft model per sequence, the draft model's forwards shared: exact too."""
+    rng = np.random.default_rng(100 + seed)
+    controller = GoodputController((*LOOKUP_WAYS, DRAFT))
+    fixed, per_token = float(rng.uniform(0.005, 0.03)), float(rng.choice([1e-4, 1e-3]))
+    for tokens in (1, 2, 4, 8, 16, 32, 64, 128):
+        for seqs in (1, 4, 16):
+            controller.observe_step(tokens * seqs, seqs, 0.0, fixed + per_token * tokens * seqs)
+    per_forward, per_row = float(rng.uniform(0.0005, 0.005)), float(rng.choice([0, 1e-4]))
+    for rows in (1, 2, 3, 5, 8):
+        controller.observe_draft_forward(rows, per_forward + per_row * rows)
+    count = int(rng.integers(1, 4))
+    cands = []
+    rates: dict[tuple[int, str], float] = {}
+    for i in range(count):
+        n = int(rng.integers(0, 4))
+        lookup = rng.integers(0, 100, int(rng.integers(1, 4)) if n else 0).tolist()
+        cands.append(Candidate(i, int(rng.integers(1, 4)), 0, lookup, n))
+        for way in (*LOOKUP_WAYS, DRAFT):
+            rates[(i, way)] = float(rng.choice([0.1, 0.5, 0.9]))
+    follows = {way: float(rng.choice([0.3, 0.8, 1.0])) for way in (*LOOKUP_WAYS, DRAFT)}
+    acceptance = controller.acceptance
+    acceptance.first = lambda seq_id, way: rates[(seq_id, way)]  # type: ignore[method-assign]
+    acceptance.follow = lambda way, count: np.r_[1.0, np.full(count - 1, follows[way])]  # type: ignore[method-assign]
+    choices = controller.plan(cands, count, count, 0.0, 1000)
+
+    def ratio(plan: list[tuple[str, int]]) -> float:
+        tokens = count + sum(
+            controller.acceptance.gains(i, way, d).sum() for i, (way, d) in enumerate(plan) if d
+        )
+        rows = sum(d for _, d in plan)
+        depth = max([d for way, d in plan if way == DRAFT], default=0)
+        draft_rows = sum(d for way, d in plan if way == DRAFT)
+        seconds = fixed + per_token * (count + rows) + per_forward * depth + per_row * draft_rows
+        return tokens / seconds
+
+    options = []
+    for c in cands:
+        mine = [("none", 0)] + [(DRAFT, d) for d in range(1, c.slots + 1)]
+        if c.lookup_n:
+            way = LOOKUP_WAYS[min(c.lookup_n, 3) - 1]
+            mine += [(way, d) for d in range(1, min(c.slots, len(c.lookup)) + 1)]
+        options.append(mine)
+    best = max(ratio(list(plan)) for plan in itertools.product(*options))
+    chosen = [(c.way or "none", c.drafts) for c in choices]
+    assert ratio(chosen) == pytest.approx(best, rel=1e-6)
+
+
+def test_acceptance_is_per_position_and_decays() -> None:
+    model = AcceptanceModel()
+    assert model.first(1, "lookup2") == 0.5
+    for _ in range(50):  # all or nothing: later drafts as likely as the first, given it
+        model.observe(1, "lookup2", 4, 4)
+        model.observe(2, "lookup2", 4, 0)
+    assert model.first(1, "lookup2") > 0.9
+    assert model.first(2, "lookup2") < 0.2
+    assert model.follow("lookup2", 4)[1:].min() > 0.9
+    # a new sequence starts from the population's rate
+    assert model.first(3, "lookup2") == pytest.approx(model.population("lookup2"))
+    # idle steps pull a sequence back towards the population
+    before = model.first(2, "lookup2")
+    model.step += 100
+    assert model.first(2, "lookup2") > before
+    model.forget(1)
+    assert model.first(1, "lookup2") == pytest.approx(model.population("lookup2"))
+
+
+# ------------------------------------------------------------------ re-probing
+
+
+def run_copying_batch(switch: int, steps: int, seqs: int = 16) -> list[int]:
+    """Drafting sequences per step of a fake engine whose target emits random tokens until
+    step ``switch``, then copies its prompt; a row costs a 26th of a 16-sequence step, so a
+    draft pays only when it is right more than ~60% of the time: while the text is copied."""
+    rng = random.Random(1)
+    prompt = [rng.randrange(1000, 2000) for _ in range(64)]
+    batch = [
+        Sequence(
+            i, str(i), 0, list(prompt), SamplingParams(temperature=0.0, max_tokens=10_000), 0.0
+        )
+        for i in range(seqs)
+    ]
+    for seq in batch:
+        seq.num_computed_tokens = seq.num_tokens - 1
+    lookup = NgramProposer(1, 4)
+    speculator = Speculator(lookup, GoodputController(LOOKUP_WAYS), None)  # type: ignore[arg-type]
+    clock = FakeClock(0.01, 0.001, 0.0)
+    drafting = []
+    copied = {seq.seq_id: 0 for seq in batch}
+    for step in range(steps):
+        out = SchedulerOutput([ScheduledSequence(seq, 1, 4) for seq in batch])
+        counts = speculator.plan(out, 1000)
+        proposal = speculator.propose(batch, counts)
+        drafting.append(sum(1 for c in counts if c))
+        runs = []
+        for seq, drafts in zip(batch, proposal.tokens, strict=True):
+            runs.append((seq.num_computed_tokens, 1 + len(drafts)))
+            truth = []
+            for _ in range(len(drafts) + 1):
+                if step >= switch:
+                    truth.append(prompt[copied[seq.seq_id] % len(prompt)])
+                    copied[seq.seq_id] += 1
+                else:
+                    truth.append(rng.randrange(0, 1000))
+            accepted = 0
+            while accepted < len(drafts) and drafts[accepted] == truth[accepted]:
+                accepted += 1
+            if step >= switch:  # the copy position moves by what was emitted
+                copied[seq.seq_id] -= len(drafts) - accepted
+            seq.token_ids += truth[: accepted + 1]
+            seq.num_computed_tokens = seq.num_tokens - 1
+            speculator.on_verified(seq, len(drafts), accepted)
+        tokens = sum(n for _, n in runs)
+        speculator.observe_step(runs, clock(tokens, len(batch)), sum(map(len, proposal.tokens)))
+    return drafting
+
+
+def test_drafts_return_within_a_few_steps_once_the_text_is_copied() -> None:
+    drafting = run_copying_batch(switch=60, steps=80)
+    assert sum(drafting[20:60]) <= 0.05 * 16 * 40  # random text: (almost) no drafts
+    assert min(drafting[70:80]) == 16  # copying: every sequence drafts again within 10 steps
