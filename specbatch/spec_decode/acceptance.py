@@ -9,10 +9,19 @@ all sequences drafted that way (a new sequence starts from the population's rate
 per outcome and, more slowly, per step without one, so a sequence that stopped drafting drifts
 back to the population's rate and is tried again when that pays. Every estimate is a ratio of
 decayed counts with a prior: no rate is ever exactly 0 or 1.
+
+A plan uses an optimistic first-draft rate for a way the sequence has (almost) no recent
+outcomes of (:meth:`AcceptanceModel.optimistic`): the estimate plus ``EXPLORE`` standard
+errors. Without that, two unlucky verifies of a new sequence's draft model would rule the draft
+model out for good (no drafts, no outcomes, no correction); with it the way is probed again
+once its outcomes have decayed (~``1 / (1 - IDLE_DECAY)`` idle steps) if it could pay. A way in
+use has outcomes and gets no bonus (a permanent one would keep paying for drafts that lose);
+where a row is dear (big batches) even an optimistic rate does not pay, so probes cost nothing.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,6 +31,8 @@ IDLE_DECAY = 0.97  # ... and this much per step without an outcome
 SHARED_DECAY = 0.99  # the same for the rates shared by all sequences
 PRIOR_WEIGHT = 2.0  # pseudo-outcomes at the population's rate behind each sequence's own
 SHARED_PRIOR = 0.5  # the population's rate before any outcome (one pseudo-outcome)
+EXPLORE = 1.0  # standard errors added to the first-draft rate of a way being probed
+PROBE_BELOW = 1.0  # ... a way with fewer decayed outcomes than this for the sequence
 
 
 @dataclass
@@ -66,6 +77,20 @@ class AcceptanceModel:
             return prior
         scale = IDLE_DECAY ** max(self.step - state.step, 0)
         return state.rate.rate(prior, PRIOR_WEIGHT, scale)
+
+    def optimistic(self, seq_id: int, way: str) -> float:
+        """:meth:`first`, plus ``EXPLORE`` standard errors (its effective outcomes: the
+        sequence's decayed count plus the prior's weight) while the sequence has fewer than
+        ``PROBE_BELOW`` decayed outcomes of the way."""
+        rate = self.first(seq_id, way)
+        state = self._first.get((seq_id, way))
+        seen = 0.0
+        if state is not None:
+            seen = state.rate.total * IDLE_DECAY ** max(self.step - state.step, 0)
+        if seen >= PROBE_BELOW:
+            return rate
+        bonus = EXPLORE * math.sqrt(rate * (1.0 - rate) / (seen + PRIOR_WEIGHT))
+        return min(rate + bonus, 1.0)
 
     def follow(self, way: str, count: int) -> np.ndarray:
         """Chance that draft ``j`` (1 .. count - 1) is accepted given draft ``j - 1`` was;

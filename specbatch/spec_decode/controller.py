@@ -4,9 +4,10 @@ A draft is worth the chance that it is emitted (it and every draft before it acc
 costs the time it adds to the step: a row in the target's forward (nearly free at batch 1 on a
 CPU, as dear as a decode row at batch 64, dearer with a long context) and its proposer's time (a
 prompt lookup is free; a draft model pays a forward per draft position and a row per draft,
-the first being the catch-up on the tokens the sequence emitted since it last drafted: skipping
-a sequence defers that work, it does not save it, so it is charged as the one row a step that
-keeping up costs, not as the backlog). The controller
+the first being the catch-up on the tokens it has not seen. Skipping a sequence defers that
+work, it does not save it: the backlog beyond one row (a new sequence's whole prompt, the
+tokens of the steps it was skipped) is an investment that drafting the rest of the sequence
+repays, so it is charged spread over the steps the sequence has left). The controller
 chooses, per sequence, a way (a prompt-lookup match, graded by its length; the draft model; an
 application's proposer) and a count 0..slots to maximise the whole step's expected tokens per
 second::
@@ -59,6 +60,8 @@ class Candidate:
     context: int
     lookup: list[int]
     lookup_n: int = 0
+    catch_up: int = 1  # rows the draft model computes for it before its first draft
+    remaining: int = 1  # tokens it may still generate
 
 
 @dataclass(frozen=True)
@@ -135,12 +138,12 @@ class GoodputController:
         for i, c in enumerate(candidates):
             for w, way in model_ways:
                 usable[i, w] = c.slots
-                first[i, w] = acceptance.first(c.seq_id, way)
+                first[i, w] = acceptance.optimistic(c.seq_id, way)
             if c.lookup and lookup_index:
                 way = lookup_way(c.lookup_n)
                 w = lookup_index[way]
                 usable[i, w] = min(c.slots, len(c.lookup))
-                first[i, w] = acceptance.first(c.seq_id, way)
+                first[i, w] = acceptance.optimistic(c.seq_id, way)
         follow = np.stack([np.cumprod(acceptance.follow(way, most)) for way in self.ways])
         positions = np.arange(most)
         valid = positions[None, None, :] < usable[:, :, None]
@@ -158,6 +161,9 @@ class GoodputController:
             for way in self.ways
         ]
         costs = np.where(valid, row[:, None, :] + np.array(extra)[None, :, None], 0.0)
+        if DRAFT in self.ways:  # the backlog a draft model must catch up on, amortised
+            backlog = np.array([_amortised_backlog(c) for c in candidates])
+            costs[:, self.ways.index(DRAFT), 0] += self._draft_fit[1] * backlog
         return gains, costs, valid
 
     def _solve(
@@ -234,6 +240,12 @@ class GoodputController:
 
     def forget(self, seq_id: int) -> None:
         self.acceptance.forget(seq_id)
+
+
+def _amortised_backlog(candidate: Candidate) -> float:
+    """Catch-up rows beyond the one a step costs anyway, spread over the steps left to the
+    sequence (about two tokens a step while it drafts)."""
+    return (max(candidate.catch_up, 1) - 1) / max(candidate.remaining / 2, 1.0)
 
 
 def _dinkelbach(

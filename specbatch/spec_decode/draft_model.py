@@ -135,6 +135,11 @@ class DraftModelProposer(Proposer):
         assert chosen is not None
         return drafted.tolist(), q, chosen.tolist()
 
+    def catch_up(self, seq: Sequence) -> int:
+        """Rows the draft computes for ``seq`` before its first draft: 1 or 2 after a
+        verify, more after steps it was skipped, the whole prompt for a new sequence."""
+        return seq.num_tokens - self._computed.get(seq.seq_id, 0)
+
     def take_forward_times(self) -> list[tuple[int, float]]:
         """(rows, seconds) of every draft forward since the last call (sampling included)."""
         times, self._forward_times = self._forward_times, []

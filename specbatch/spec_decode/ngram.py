@@ -7,8 +7,6 @@ import numpy as np
 from specbatch.sequence import Sequence
 from specbatch.spec_decode.proposer import DraftRequest, Proposal, Proposer
 
-TOKEN_BITS = 20  # n-grams are packed into one int per key; larger ids fall back to tuples
-
 
 def ngram_propose(tokens: np.ndarray, min_n: int, max_n: int, max_drafts: int) -> list[int]:
     """The tokens after the most recent earlier match of the longest suffix n-gram."""
@@ -47,7 +45,7 @@ class NgramIndex:
 
     def __init__(self, min_n: int, max_n: int) -> None:
         self.min_n, self.max_n = min_n, max_n
-        self._ends: dict[object, int] = {}  # n-gram key -> the index just past its latest end
+        self._ends: dict[tuple[int, ...], int] = {}  # n-gram -> the index just past its latest end
         self._next_end = 0  # n-grams ending before this index are in _ends
 
     def match(self, tokens: list[int], max_drafts: int) -> tuple[list[int], int]:
@@ -58,23 +56,13 @@ class NgramIndex:
         # an n-gram may end at length - 1 at most (the suffix itself is not a match)
         for end in range(max(self._next_end, 1), length):
             for n in range(self.min_n, min(self.max_n, end) + 1):
-                self._ends[_key(tokens, end - n, end)] = end
+                self._ends[tuple(tokens[end - n : end])] = end
         self._next_end = max(self._next_end, length)
         for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
-            found = self._ends.get(_key(tokens, length - n, length))
+            found = self._ends.get(tuple(tokens[length - n :]))
             if found is not None:
                 return tokens[found : found + max_drafts], n
         return [], 0
-
-
-def _key(tokens: list[int], start: int, stop: int) -> object:
-    """One dict key for ``tokens[start:stop]`` (packed into an int: far smaller than a tuple)."""
-    key = stop - start
-    for token in tokens[start:stop]:
-        if not 0 <= token < 1 << TOKEN_BITS:
-            return tuple(tokens[start:stop])
-        key = (key << TOKEN_BITS) | token
-    return key
 
 
 class NgramProposer(Proposer):

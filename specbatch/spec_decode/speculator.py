@@ -37,6 +37,8 @@ from specbatch.spec_decode.ngram import NgramProposer
 from specbatch.spec_decode.proposer import DraftRequest, Proposal, Proposer, with_point_masses
 from specbatch.spec_decode.rejection import VerifyResult, verify
 
+UNBOUNDED_HORIZON = 256  # remaining tokens assumed for a request without max_tokens
+
 
 @dataclass
 class _Shadow:
@@ -108,7 +110,8 @@ class Speculator:
         if self.lookup is not None:
             found, n = self.lookup.match(seq, slots, min_n=self.lookup.shortest)
             self._lookups[seq.seq_id] = (found, n)
-        return Candidate(seq.seq_id, slots, seq.num_tokens, found, n)
+        catch_up = self.drafter.catch_up(seq) if self.drafter is not None else 1
+        return Candidate(seq.seq_id, slots, seq.num_tokens, found, n, catch_up, _remaining(seq))
 
     @property
     def planned(self) -> bool:
@@ -252,6 +255,12 @@ def _parts(proposer: Proposer | None) -> tuple[NgramProposer | None, DraftModelP
     if isinstance(proposer, DraftModelProposer):
         return None, proposer
     return None, None
+
+
+def _remaining(seq: Sequence) -> int:
+    """Tokens the sequence may still generate (a horizon of 256 without max_tokens)."""
+    max_tokens = seq.params.max_tokens
+    return max(max_tokens - seq.num_output_tokens if max_tokens else UNBOUNDED_HORIZON, 1)
 
 
 def _pairs(start: int, count: int) -> int:

@@ -62,6 +62,7 @@ def with_rates(
     sequence: independent drafts)."""
     acceptance = controller.acceptance
     acceptance.first = lambda seq_id, way: rates[seq_id]  # type: ignore[method-assign]
+    acceptance.optimistic = acceptance.first  # type: ignore[method-assign]
     later = next(iter(rates.values())) if follow is None else follow
     acceptance.follow = lambda way, count: np.r_[1.0, np.full(count - 1, later)]  # type: ignore[method-assign]
 
@@ -216,6 +217,7 @@ def test_hybrid_plan_is_the_exhaustive_optimum(seed: int) -> None:
     follows = {way: float(rng.choice([0.3, 0.8, 1.0])) for way in (*LOOKUP_WAYS, DRAFT)}
     acceptance = controller.acceptance
     acceptance.first = lambda seq_id, way: rates[(seq_id, way)]  # type: ignore[method-assign]
+    acceptance.optimistic = acceptance.first  # type: ignore[method-assign]
     acceptance.follow = lambda way, count: np.r_[1.0, np.full(count - 1, follows[way])]  # type: ignore[method-assign]
     choices = controller.plan(cands, count, count, 0.0, 1000)
 
@@ -252,10 +254,14 @@ def test_acceptance_is_per_position_and_decays() -> None:
     assert model.follow("lookup2", 4)[1:].min() > 0.9
     # a new sequence starts from the population's rate
     assert model.first(3, "lookup2") == pytest.approx(model.population("lookup2"))
-    # idle steps pull a sequence back towards the population
+    # planning probes a way a sequence has no recent outcomes of, not one in use
+    assert model.optimistic(3, "lookup2") > model.first(3, "lookup2")
+    assert model.optimistic(2, "lookup2") == model.first(2, "lookup2")
+    # idle steps pull a sequence back towards the population, and make it a probe again
     before = model.first(2, "lookup2")
     model.step += 100
     assert model.first(2, "lookup2") > before
+    assert model.optimistic(2, "lookup2") > model.first(2, "lookup2")
     model.forget(1)
     assert model.first(1, "lookup2") == pytest.approx(model.population("lookup2"))
 
@@ -314,3 +320,18 @@ def test_drafts_return_within_a_few_steps_once_the_text_is_copied() -> None:
     drafting = run_copying_batch(switch=60, steps=80)
     assert sum(drafting[20:60]) <= 0.05 * 16 * 40  # random text: (almost) no drafts
     assert min(drafting[70:80]) == 16  # copying: every sequence drafts again within 10 steps
+
+
+def test_a_draft_models_backlog_is_charged_over_the_steps_left() -> None:
+    """A sequence the draft model has not seen must be caught up first: worth it for a long
+    generation, not for one about to end."""
+    controller = GoodputController((DRAFT,))
+    for tokens in (1, 2, 4, 8, 16, 64, 256):
+        controller.observe_step(tokens, 1, 0.0, 0.02 + 0.0002 * tokens)
+    for rows in (1, 2, 8, 64, 512):
+        controller.observe_draft_forward(rows, 0.001 + 0.0001 * rows)
+    with_rates(controller, {0: 0.6}, follow=0.6)
+    long_run = Candidate(0, 4, 500, [], catch_up=500, remaining=2000)
+    ending = Candidate(0, 4, 500, [], catch_up=500, remaining=4)
+    assert controller.plan([long_run], 1, 1, 500.0, 100)[0].drafts > 0
+    assert controller.plan([ending], 1, 1, 500.0, 100)[0].drafts == 0
