@@ -1,13 +1,14 @@
 """Online serving: Poisson arrivals against a specbatch server over loopback.
 
     python benchmarks/serve.py --dataset ../shared/data/specbench_dev.jsonl \
-        --rates 0.5 2 --num-requests 40 --speculative off ngram
+        --rates 0.5 2 4 --num-requests 40 --speculative off auto
 
 For each speculation setting a server is started (``specbatch serve`` in a subprocess, on a
 free port), warmed up, then for each request rate ``--num-requests`` streaming chat requests
 arrive as a Poisson process (bounded by ``--max-seconds``). Reported: TTFT, TPOT (per request,
 after the first token), ITL (between streamed chunks) at p50/p99, request throughput and output
-tok/s — per setting and rate, in one table.
+tok/s — per setting and rate, in one table, then each setting's TTFT and TPOT p50 over the
+first setting's at the same rate (``auto`` is the default: the goodput controller).
 """
 
 from __future__ import annotations
@@ -153,7 +154,7 @@ def main() -> None:
     parser.add_argument("--max-seconds", type=float, default=300)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--max-num-seqs", type=int, default=32)
-    parser.add_argument("--speculative", nargs="+", default=["off", "ngram"])
+    parser.add_argument("--speculative", nargs="+", default=["off", "auto"])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
@@ -199,6 +200,17 @@ def main() -> None:
             f"{1000 * r['ttft_p50']:>8.0f}ms {1000 * r['ttft_p99']:>6.0f}ms "
             f"{1000 * r['tpot_p50']:>8.1f}ms {1000 * r['tpot_p99']:>6.1f}ms "
             f"{1000 * r['itl_p50']:>7.1f}ms {1000 * r['itl_p99']:>6.1f}ms"
+        )
+    base = {r["rate"]: r for r in rows if r["speculative"] == args.speculative[0]}
+    print()
+    for r in rows:
+        if r["speculative"] == args.speculative[0]:
+            continue
+        b = base[r["rate"]]
+        print(
+            f"{r['speculative']} / {args.speculative[0]} @ {r['rate']} req/s: TTFT p50 "
+            f"x{r['ttft_p50'] / b['ttft_p50']:.2f}, TPOT p50 x{r['tpot_p50'] / b['tpot_p50']:.2f}, "
+            f"output tok/s x{r['out_tok_s'] / b['out_tok_s']:.2f}"
         )
     write_json(args.json, {"conditions": vars(args), "rows": rows})
 
