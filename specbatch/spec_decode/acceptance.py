@@ -10,18 +10,20 @@ per outcome and, more slowly, per step without one, so a sequence that stopped d
 back to the population's rate and is tried again when that pays. Every estimate is a ratio of
 decayed counts with a prior: no rate is ever exactly 0 or 1.
 
-A plan uses an optimistic first-draft rate for a way the sequence has (almost) no recent
-outcomes of (:meth:`AcceptanceModel.optimistic`): the estimate plus ``EXPLORE`` standard
-errors. Without that, two unlucky verifies of a new sequence's draft model would rule the draft
-model out for good (no drafts, no outcomes, no correction); with it the way is probed again
-once its outcomes have decayed (~``1 / (1 - IDLE_DECAY)`` idle steps) if it could pay. A way in
-use has outcomes and gets no bonus (a permanent one would keep paying for drafts that lose);
-where a row is dear (big batches) even an optimistic rate does not pay, so probes cost nothing.
+The sequences a plan drafts are the ones whose estimates are highest, so their estimates are
+biased up (the winner's curse: measured at batch 32, 17% more accepted drafts expected than
+came). Per way, a calibration factor corrects it: the decayed sum of drafts accepted over the
+decayed sum the plans expected of them (``calibration``), applied to every gain of that way.
+
+There is no separate exploration: a way a sequence has not used for a while drifts back to the
+population's rate, and is tried again if that rate pays at the current batch size. The
+population's rate starts at 0.5 with the weight of ``SHARED_WEIGHT`` outcomes, so that two
+unlucky first verifies (a new engine, one sequence) do not rule a way out: at batch 1, where a
+draft is cheap, it is tried again; at batch 32, where only a likely draft pays, it is not.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,9 +32,11 @@ DECAY = 0.9  # a sequence keeps this much of its history per outcome
 IDLE_DECAY = 0.97  # ... and this much per step without an outcome
 SHARED_DECAY = 0.99  # the same for the rates shared by all sequences
 PRIOR_WEIGHT = 2.0  # pseudo-outcomes at the population's rate behind each sequence's own
-SHARED_PRIOR = 0.5  # the population's rate before any outcome (one pseudo-outcome)
-EXPLORE = 1.0  # standard errors added to the first-draft rate of a way being probed
-PROBE_BELOW = 1.0  # ... a way with fewer decayed outcomes than this for the sequence
+SHARED_PRIOR = 0.5  # the population's rate before any outcome
+SHARED_WEIGHT = 4.0  # ... its weight in pseudo-outcomes
+CALIBRATION_DECAY = 0.995  # per verified sequence, of the expected/accepted sums
+CALIBRATION_PRIOR = 4.0  # pseudo-drafts at a factor of 1
+CALIBRATION_RANGE = (0.5, 1.5)
 
 
 @dataclass
@@ -63,11 +67,12 @@ class AcceptanceModel:
         self._first: dict[tuple[int, str], _SequenceRate] = {}
         self._shared_first: dict[str, DecayedRate] = {}
         self._follow: dict[str, list[DecayedRate]] = {}
+        self._calibration: dict[str, tuple[float, float]] = {}  # way -> (accepted, expected)
         self.step = 0  # advanced by the controller once per planned step
 
     def population(self, way: str) -> float:
         shared = self._shared_first.get(way)
-        return SHARED_PRIOR if shared is None else shared.rate(SHARED_PRIOR, 1.0)
+        return SHARED_PRIOR if shared is None else shared.rate(SHARED_PRIOR, SHARED_WEIGHT)
 
     def first(self, seq_id: int, way: str) -> float:
         """The chance that the sequence's next first draft drafted ``way`` is accepted."""
@@ -77,20 +82,6 @@ class AcceptanceModel:
             return prior
         scale = IDLE_DECAY ** max(self.step - state.step, 0)
         return state.rate.rate(prior, PRIOR_WEIGHT, scale)
-
-    def optimistic(self, seq_id: int, way: str) -> float:
-        """:meth:`first`, plus ``EXPLORE`` standard errors (its effective outcomes: the
-        sequence's decayed count plus the prior's weight) while the sequence has fewer than
-        ``PROBE_BELOW`` decayed outcomes of the way."""
-        rate = self.first(seq_id, way)
-        state = self._first.get((seq_id, way))
-        seen = 0.0
-        if state is not None:
-            seen = state.rate.total * IDLE_DECAY ** max(self.step - state.step, 0)
-        if seen >= PROBE_BELOW:
-            return rate
-        bonus = EXPLORE * math.sqrt(rate * (1.0 - rate) / (seen + PRIOR_WEIGHT))
-        return min(rate + bonus, 1.0)
 
     def follow(self, way: str, count: int) -> np.ndarray:
         """Chance that draft ``j`` (1 .. count - 1) is accepted given draft ``j - 1`` was;
@@ -126,6 +117,22 @@ class AcceptanceModel:
             follow.append(DecayedRate())
         for position in range(1, min(num_accepted + 1, num_drafts)):
             follow[position].observe(position < num_accepted, SHARED_DECAY)
+
+    def calibration(self, way: str) -> float:
+        """Drafts of ``way`` accepted per draft the plans expected to be (decayed, with a
+        prior of 1), within ``CALIBRATION_RANGE``."""
+        accepted, expected = self._calibration.get(way, (0.0, 0.0))
+        factor = (accepted + CALIBRATION_PRIOR) / (expected + CALIBRATION_PRIOR)
+        return min(max(factor, CALIBRATION_RANGE[0]), CALIBRATION_RANGE[1])
+
+    def calibrate(self, way: str, expected: float, accepted: int) -> None:
+        """A verify of a plan's drafts: ``expected`` accepted by its estimates, ``accepted``
+        in fact."""
+        old_accepted, old_expected = self._calibration.get(way, (0.0, 0.0))
+        self._calibration[way] = (
+            CALIBRATION_DECAY * old_accepted + accepted,
+            CALIBRATION_DECAY * old_expected + expected,
+        )
 
     def forget(self, seq_id: int) -> None:
         for key in [key for key in self._first if key[0] == seq_id]:

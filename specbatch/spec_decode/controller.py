@@ -41,6 +41,10 @@ LOOKUP_WAYS = ("lookup1", "lookup2", "lookup3")  # by match length: 1, 2, 3 or m
 DRAFT = "draft"
 EXTERNAL = "external"
 MAX_ITERATIONS = 32
+# A plan with drafts must beat the plain step by this much by its own estimates: the
+# estimates err (acceptance is noisy, the sequences with the best estimates are the ones
+# drafted, so their estimates are biased up), and a plan within the error gains nothing sure.
+HURDLE = 0.03
 EPSILON = 1e-12
 
 
@@ -68,6 +72,7 @@ class Candidate:
 class Choice:
     way: str | None  # None: no drafts
     drafts: int
+    expected: float = 0.0  # drafts expected to be accepted, by the estimates it was chosen on
 
 
 @dataclass
@@ -86,8 +91,9 @@ class PlanReport:
 class GoodputController:
     """Chooses each step's drafts; learns step times and acceptance from the engine."""
 
-    def __init__(self, ways: tuple[str, ...]) -> None:
+    def __init__(self, ways: tuple[str, ...], hurdle: float = HURDLE) -> None:
         self.ways = ways
+        self.hurdle = hurdle
         self.times = StepTimes()
         self.draft_times = ForwardTimes()
         self.acceptance = AcceptanceModel()
@@ -118,7 +124,11 @@ class GoodputController:
             chosen, ratio = self._solve(gains, costs, valid, len(candidates), base)
             expected_gain = ratio * base / len(candidates)
         chosen = _within_budget(chosen, gains, costs, max(budget, 0))
-        choices = [Choice(self.ways[w], d + 1) if d >= 0 else Choice(None, 0) for w, d in chosen]
+        cum_gains = np.cumsum(gains, axis=2)
+        choices = [
+            Choice(self.ways[w], d + 1, float(cum_gains[i, w, d])) if d >= 0 else Choice(None, 0)
+            for i, (w, d) in enumerate(chosen)
+        ]
         self._report(candidates, choices, base_tokens, base_seqs, base_pairs, expected_gain)
         return choices
 
@@ -138,16 +148,18 @@ class GoodputController:
         for i, c in enumerate(candidates):
             for w, way in model_ways:
                 usable[i, w] = c.slots
-                first[i, w] = acceptance.optimistic(c.seq_id, way)
+                first[i, w] = acceptance.first(c.seq_id, way)
             if c.lookup and lookup_index:
                 way = lookup_way(c.lookup_n)
                 w = lookup_index[way]
                 usable[i, w] = min(c.slots, len(c.lookup))
-                first[i, w] = acceptance.optimistic(c.seq_id, way)
+                first[i, w] = acceptance.first(c.seq_id, way)
         follow = np.stack([np.cumprod(acceptance.follow(way, most)) for way in self.ways])
         positions = np.arange(most)
         valid = positions[None, None, :] < usable[:, :, None]
-        gains = np.where(valid, first[:, :, None] * follow[None], 0.0)
+        calibration = np.array([acceptance.calibration(way) for way in self.ways])
+        gains = np.where(valid, calibration[None, :, None] * first[:, :, None] * follow[None], 0.0)
+        gains = np.minimum(gains, 1.0)
         context = np.array([c.context for c in candidates], dtype=np.float64)
         row = cost.per_token + cost.per_pair * (context[:, None] + positions[None, :])
         # a draft-model draft adds a row to a draft forward (the first: one catch-up row, see
@@ -175,7 +187,8 @@ class GoodputController:
         draft = self.ways.index(DRAFT) if DRAFT in self.ways else None
         depths = range(gains.shape[2] + 1) if draft is not None else (0,)
         per_forward = self._draft_fit[0]
-        best: tuple[list[tuple[int, int]], float] = ([(0, -1)] * seqs, seqs / base)
+        plain = seqs / base
+        best: tuple[list[tuple[int, int]], float] = ([(0, -1)] * seqs, plain * (1 + self.hurdle))
         for depth in depths:
             allowed = valid
             if draft is not None:
@@ -184,10 +197,12 @@ class GoodputController:
             if depth and not allowed[:, draft].any():
                 break
             chosen, ratio = _dinkelbach(
-                cum_gains, cum_costs, allowed, seqs, base + per_forward * depth
+                cum_gains, cum_costs, allowed, seqs, base + per_forward * depth, best[1]
             )
             if ratio > best[1] * (1 + EPSILON):
                 best = chosen, ratio
+        if best[1] <= plain * (1 + self.hurdle):  # nothing cleared the hurdle: the plain step
+            return [(0, -1)] * seqs, plain
         return best
 
     def _report(
@@ -235,8 +250,19 @@ class GoodputController:
                 per_draft if not old else old + 0.2 * (per_draft - old)
             )
 
-    def observe_verify(self, seq_id: int, way: str, num_drafts: int, num_accepted: int) -> None:
+    def observe_verify(
+        self,
+        seq_id: int,
+        way: str,
+        num_drafts: int,
+        num_accepted: int,
+        expected: float | None = None,
+    ) -> None:
+        """Drafts judged: by a verify (``expected``: what the plan expected of them, for the
+        way's calibration) or by comparing an unused lookup with what the target emitted."""
         self.acceptance.observe(seq_id, way, num_drafts, num_accepted)
+        if expected is not None:
+            self.acceptance.calibrate(way, expected, num_accepted)
 
     def forget(self, seq_id: int) -> None:
         self.acceptance.forget(seq_id)
@@ -249,12 +275,18 @@ def _amortised_backlog(candidate: Candidate) -> float:
 
 
 def _dinkelbach(
-    cum_gains: np.ndarray, cum_costs: np.ndarray, allowed: np.ndarray, seqs: int, base: float
+    cum_gains: np.ndarray,
+    cum_costs: np.ndarray,
+    allowed: np.ndarray,
+    seqs: int,
+    base: float,
+    floor: float,
 ) -> tuple[list[tuple[int, int]], float]:
     """The exact maximum of (seqs + chosen gains) / (base + chosen costs) over one prefix of
-    one way per candidate (or none)."""
+    one way per candidate (or none), if it exceeds ``floor`` (else ``floor`` and no drafts:
+    starting the iteration at a higher ratio only skips plans that cannot beat it)."""
     count, _ways, depth = cum_gains.shape
-    ratio = seqs / base
+    ratio = max(seqs / base, floor)
     best_choice = np.full(count, -1)
     rows = np.arange(count)
     flat_gains = cum_gains.reshape(count, -1)

@@ -223,8 +223,11 @@ class Speculator:
         if num_drafts:
             seq.spec.record(num_drafts, num_accepted)
             way = self._used.get(seq.seq_id)
-            if self.controller is not None and way is not None:
-                self.controller.observe_verify(seq.seq_id, way, num_drafts, num_accepted)
+            choice = self._plan.get(seq.seq_id)
+            if self.controller is not None and way is not None and choice is not None:
+                self.controller.observe_verify(
+                    seq.seq_id, way, num_drafts, num_accepted, choice.expected
+                )
         shadow = self._shadows.pop(seq.seq_id, None)
         if shadow is not None and self.controller is not None:
             emitted = seq.token_ids[shadow.start : shadow.start + len(shadow.tokens)]

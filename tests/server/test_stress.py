@@ -163,8 +163,21 @@ def test_metrics_parse_and_move(server: RunningServer) -> None:
         "specbatch_kv_cache_usage_perc",
         "specbatch_spec_decode_num_draft_tokens_total",
         "specbatch_spec_decode_acceptance_rate",
+        "specbatch_spec_controller_drafting_steps_total",
+        "specbatch_spec_controller_drafts_allotted_total",
+        "specbatch_spec_controller_seqs_drafting",
+        "specbatch_spec_controller_candidates",
+        "specbatch_spec_controller_drafts",
+        "specbatch_spec_controller_expected_gain",
     ):
         assert name in after
+    # speculation is on by default: the controller planned the decode steps and says what a
+    # step and a verify row cost by its model
+    assert after["specbatch_spec_controller_planned_steps_total"] > before.get(
+        "specbatch_spec_controller_planned_steps_total", 0
+    )
+    assert after["specbatch_spec_controller_step_seconds"] > 0
+    assert after["specbatch_spec_controller_row_seconds"] >= 0
 
 
 def test_api_key(tiny_model_dir: Path) -> None:
