@@ -14,6 +14,8 @@ The sequences a plan drafts are the ones whose estimates are highest, so their e
 biased up (the winner's curse: measured at batch 32, 17% more accepted drafts expected than
 came). Per way, a calibration factor corrects it: the decayed sum of drafts accepted over the
 decayed sum the plans expected of them (``calibration``), applied to every gain of that way.
+The sums also decay per step, so that a way no plan uses (its factor frozen low: nothing to
+correct it) returns to a factor of 1 and is judged on its rates again.
 
 There is no separate exploration: a way a sequence has not used for a while drifts back to the
 population's rate, and is tried again if that rate pays at the current batch size. The
@@ -35,6 +37,7 @@ PRIOR_WEIGHT = 2.0  # pseudo-outcomes at the population's rate behind each seque
 SHARED_PRIOR = 0.5  # the population's rate before any outcome
 SHARED_WEIGHT = 4.0  # ... its weight in pseudo-outcomes
 CALIBRATION_DECAY = 0.995  # per verified sequence, of the expected/accepted sums
+CALIBRATION_IDLE_DECAY = 0.99  # ... and per step: an unused way's factor returns towards 1
 CALIBRATION_PRIOR = 4.0  # pseudo-drafts at a factor of 1
 CALIBRATION_RANGE = (0.5, 1.5)
 
@@ -67,7 +70,8 @@ class AcceptanceModel:
         self._first: dict[tuple[int, str], _SequenceRate] = {}
         self._shared_first: dict[str, DecayedRate] = {}
         self._follow: dict[str, list[DecayedRate]] = {}
-        self._calibration: dict[str, tuple[float, float]] = {}  # way -> (accepted, expected)
+        # way -> (accepted, expected, step of the last update)
+        self._calibration: dict[str, tuple[float, float, int]] = {}
         self.step = 0  # advanced by the controller once per planned step
 
     def population(self, way: str) -> float:
@@ -121,18 +125,24 @@ class AcceptanceModel:
     def calibration(self, way: str) -> float:
         """Drafts of ``way`` accepted per draft the plans expected to be (decayed, with a
         prior of 1), within ``CALIBRATION_RANGE``."""
-        accepted, expected = self._calibration.get(way, (0.0, 0.0))
+        accepted, expected = self._calibration_sums(way)
         factor = (accepted + CALIBRATION_PRIOR) / (expected + CALIBRATION_PRIOR)
         return min(max(factor, CALIBRATION_RANGE[0]), CALIBRATION_RANGE[1])
 
     def calibrate(self, way: str, expected: float, accepted: int) -> None:
         """A verify of a plan's drafts: ``expected`` accepted by its estimates, ``accepted``
         in fact."""
-        old_accepted, old_expected = self._calibration.get(way, (0.0, 0.0))
+        old_accepted, old_expected = self._calibration_sums(way)
         self._calibration[way] = (
             CALIBRATION_DECAY * old_accepted + accepted,
             CALIBRATION_DECAY * old_expected + expected,
+            self.step,
         )
+
+    def _calibration_sums(self, way: str) -> tuple[float, float]:
+        accepted, expected, step = self._calibration.get(way, (0.0, 0.0, self.step))
+        idle = CALIBRATION_IDLE_DECAY ** max(self.step - step, 0)
+        return accepted * idle, expected * idle
 
     def forget(self, seq_id: int) -> None:
         for key in [key for key in self._first if key[0] == seq_id]:

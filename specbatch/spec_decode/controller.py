@@ -72,7 +72,8 @@ class Candidate:
 class Choice:
     way: str | None  # None: no drafts
     drafts: int
-    expected: float = 0.0  # drafts expected to be accepted, by the estimates it was chosen on
+    # accepted drafts expected, by the estimates it was chosen on, if it gets 1, 2, ... drafts
+    expected: tuple[float, ...] = ()
 
 
 @dataclass
@@ -126,7 +127,9 @@ class GoodputController:
         chosen = _within_budget(chosen, gains, costs, max(budget, 0))
         cum_gains = np.cumsum(gains, axis=2)
         choices = [
-            Choice(self.ways[w], d + 1, float(cum_gains[i, w, d])) if d >= 0 else Choice(None, 0)
+            Choice(self.ways[w], d + 1, tuple(cum_gains[i, w, : d + 1].tolist()))
+            if d >= 0
+            else Choice(None, 0)
             for i, (w, d) in enumerate(chosen)
         ]
         self._report(candidates, choices, base_tokens, base_seqs, base_pairs, expected_gain)

@@ -225,9 +225,10 @@ class Speculator:
             way = self._used.get(seq.seq_id)
             choice = self._plan.get(seq.seq_id)
             if self.controller is not None and way is not None and choice is not None:
-                self.controller.observe_verify(
-                    seq.seq_id, way, num_drafts, num_accepted, choice.expected
-                )
+                # what the plan expected of the drafts the proposer did give (a draft model
+                # may stop early): an early stop is not a miss
+                expected = choice.expected[min(num_drafts, len(choice.expected)) - 1]
+                self.controller.observe_verify(seq.seq_id, way, num_drafts, num_accepted, expected)
         shadow = self._shadows.pop(seq.seq_id, None)
         if shadow is not None and self.controller is not None:
             emitted = seq.token_ids[shadow.start : shadow.start + len(shadow.tokens)]

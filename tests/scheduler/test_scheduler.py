@@ -6,7 +6,7 @@ import itertools
 
 from specbatch.cache.kv_cache_manager import KVCacheManager
 from specbatch.sampling_params import SamplingParams
-from specbatch.scheduler import Scheduler, SchedulerConfig
+from specbatch.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from specbatch.sequence import Sequence, SequenceStatus
 
 _ids = itertools.count()
@@ -144,3 +144,35 @@ def test_drafts_are_dropped_before_anyone_is_preempted() -> None:
     # block; without them the next position still fits in the first.
     assert run_step(sched) == [(a.seq_id, 1, 0), (b.seq_id, 1, 0)]
     assert a.num_preemptions == b.num_preemptions == 0
+
+
+def test_a_draft_planner_takes_budget_only_after_prompts_are_admitted() -> None:
+    """With the goodput controller, drafts never delay a prompt: a decode's slots are reserved
+    in the cache, prompts are admitted with the budget, and the planner's drafts get what is
+    left (here it asks for every slot)."""
+    asked: list[tuple[list[int], int]] = []
+
+    def every_slot(out: SchedulerOutput, budget: int) -> list[int]:
+        asked.append(([s.num_lookahead for s in out.scheduled], budget))
+        return [s.num_lookahead for s in out.scheduled]
+
+    sched = Scheduler(
+        SchedulerConfig(8, 10, max_model_len=64, num_speculative_tokens=4),
+        KVCacheManager(32, 4, False),
+        draft_planner=every_slot,
+    )
+    a = make_seq(3, 0.0)
+    sched.add(a)
+    assert run_step(sched) == [(a.seq_id, 3, 0)]  # a prefill: no slots
+    b = make_seq(20, 1.0)
+    sched.add(b)
+    # a decodes (1 token, 4 slots reserved); b's prompt takes the 9 tokens left; no draft fits
+    assert run_step(sched) == [(a.seq_id, 1, 0), (b.seq_id, 9, 0)]
+    assert asked[-1] == ([4, 0], 0)
+    # b's last 11 prompt tokens do not fit either: 1 + 9 again, still no drafts
+    assert run_step(sched) == [(a.seq_id, 1, 0), (b.seq_id, 9, 0)]
+    # b has 2 prompt tokens left: a gets 4 drafts, b's rest and then a 3 more tokens' worth
+    assert run_step(sched) == [(a.seq_id, 1, 4), (b.seq_id, 2, 0)]
+    assert asked[-1] == ([4, 0], 7)
+    # both decode: 2 tokens, 8 drafts asked, the budget leaves 8
+    assert run_step(sched) == [(a.seq_id, 1, 4), (b.seq_id, 1, 4)]

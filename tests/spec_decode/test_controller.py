@@ -330,3 +330,14 @@ def test_a_draft_models_backlog_is_charged_over_the_steps_left() -> None:
     ending = Candidate(0, 4, 500, [], catch_up=500, remaining=4)
     assert controller.plan([long_run], 1, 1, 500.0, 100)[0].drafts > 0
     assert controller.plan([ending], 1, 1, 500.0, 100)[0].drafts == 0
+
+
+def test_calibration_scales_a_ways_gains_and_recovers_when_unused() -> None:
+    model = AcceptanceModel()
+    assert model.calibration("draft") == 1.0
+    for _ in range(200):  # plans expected 1 accepted draft, half came
+        model.calibrate("draft", 1.0, 0 if model.step % 2 else 1)
+        model.step += 1
+    assert model.calibration("draft") == pytest.approx(0.5, abs=0.05)
+    model.step += 1000  # no plan used the way since: its factor is 1 again
+    assert model.calibration("draft") == pytest.approx(1.0, abs=0.01)
