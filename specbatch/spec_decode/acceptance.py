@@ -39,7 +39,7 @@ SHARED_WEIGHT = 4.0  # ... its weight in pseudo-outcomes
 CALIBRATION_DECAY = 0.995  # per verified sequence, of the expected/accepted sums
 CALIBRATION_IDLE_DECAY = 0.99  # ... and per step: an unused way's factor returns towards 1
 CALIBRATION_PRIOR = 4.0  # pseudo-drafts at a factor of 1
-CALIBRATION_RANGE = (0.5, 1.5)
+CALIBRATION_RANGE = (0.5, 1.1)  # it corrects optimism; little room the other way
 
 
 @dataclass

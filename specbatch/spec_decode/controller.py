@@ -45,6 +45,7 @@ MAX_ITERATIONS = 32
 # estimates err (acceptance is noisy, the sequences with the best estimates are the ones
 # drafted, so their estimates are biased up), and a plan within the error gains nothing sure.
 HURDLE = 0.03
+AMORTISE_STEPS = 16  # at most, over which a draft model's catch-up backlog is charged
 EPSILON = 1e-12
 
 
@@ -273,8 +274,10 @@ class GoodputController:
 
 def _amortised_backlog(candidate: Candidate) -> float:
     """Catch-up rows beyond the one a step costs anyway, spread over the steps left to the
-    sequence (about two tokens a step while it drafts)."""
-    return (max(candidate.catch_up, 1) - 1) / max(candidate.remaining / 2, 1.0)
+    sequence (about two tokens a step while it drafts), at most ``AMORTISE_STEPS``: a first
+    draft is a bet that drafting goes on, not that it lasts the whole sequence."""
+    steps = min(candidate.remaining / 2, AMORTISE_STEPS)
+    return (max(candidate.catch_up, 1) - 1) / max(steps, 1.0)
 
 
 def _dinkelbach(
