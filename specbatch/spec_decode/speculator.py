@@ -87,6 +87,11 @@ class Speculator:
         self._plan.clear()
         self._lookups.clear()
         candidates, index = [], []
+        if any(not s.completes_sequence or s.num_new_tokens > 1 for s in out.scheduled):
+            # a prompt is computed this step: its first token waits for the whole step, so
+            # the step carries no drafts (speculation must not cost time to first token)
+            self.controller.plan([], 0, 0, 0.0, 0)
+            return [0] * len(out.scheduled)
         for i, s in enumerate(out.scheduled):
             if s.num_lookahead and s.completes_sequence:
                 candidates.append(self._candidate(s.seq, s.num_lookahead))
