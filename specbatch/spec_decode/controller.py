@@ -30,12 +30,12 @@ steps it drafts every slot, so that it sees what drafts cost.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from specbatch.spec_decode.acceptance import AcceptanceModel
-from specbatch.spec_decode.step_times import ForwardTimes, StepCost, StepTimes
+from specbatch.spec_decode.step_times import ForwardTimes, StepTimes
 
 LOOKUP_WAYS = ("lookup1", "lookup2", "lookup3")  # by match length: 1, 2, 3 or more tokens
 DRAFT = "draft"
@@ -84,7 +84,7 @@ class PlanReport:
     candidates: int = 0
     seqs_drafting: int = 0
     drafts: int = 0
-    by_way: dict[str, int] | None = None
+    by_way: dict[str, int] = field(default_factory=dict)
     step_seconds: float = 0.0  # estimated, before drafts
     row_seconds: float = 0.0  # estimated target cost of one more row, mean over candidates
     expected_gain: float = 1.0  # planned goodput over the no-draft step's
@@ -234,10 +234,11 @@ class GoodputController:
             expected_gain=float(expected_gain),
         )
 
-    @property
-    def step_cost(self) -> StepCost:
-        """The step-time model fitted for the last plan."""
-        return self._cost
+    def plain_step(self) -> None:
+        """A step planned without drafts by rule (it computes a prompt): time still passes
+        for the acceptance estimates, and the report is empty."""
+        self.acceptance.step += 1
+        self.report = PlanReport()
 
     def observe_step(self, tokens: int, seqs: int, pairs: float, seconds: float) -> None:
         """A finished step: its forward's size and its time without a draft model's."""

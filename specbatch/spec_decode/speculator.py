@@ -90,7 +90,7 @@ class Speculator:
         if any(not s.completes_sequence or s.num_new_tokens > 1 for s in out.scheduled):
             # a prompt is computed this step: its first token waits for the whole step, so
             # the step carries no drafts (speculation must not cost time to first token)
-            self.controller.plan([], 0, 0, 0.0, 0)
+            self.controller.plain_step()
             return [0] * len(out.scheduled)
         for i, s in enumerate(out.scheduled):
             if s.num_lookahead and s.completes_sequence:
@@ -140,7 +140,7 @@ class Speculator:
         for i in wanted:
             seq = seqs[i]
             choice = self._plan.get(seq.seq_id)
-            if choice is None or not choice.drafts or choice.way is None:
+            if choice is None or choice.way is None:
                 continue
             self._used[seq.seq_id] = choice.way
             if choice.way in LOOKUP_WAYS:
