@@ -70,11 +70,9 @@ PROPOSER_OPTIONS = {"k": int, "min": int, "max": int, "conf": float, "adaptive":
 def proposer_config(spec: str, args: argparse.Namespace) -> dict[str, Any] | None:
     """``name[:key=value,...]`` (name default, ngram, draft or hybrid; keys k, min, max, conf,
     adaptive) as a speculative_config, the command-line defaults filling what the spec leaves
-    out; None for ``default``."""
+    out; None for a plain ``default`` (``default:k=8``: auto with that k)."""
     name, _, rest = spec.partition(":")
-    if name == "default":
-        return None
-    if name not in ("ngram", "draft", "hybrid"):
+    if name not in ("default", "ngram", "draft", "hybrid"):
         raise SystemExit(f"--proposers: unknown proposer {name!r} in {spec!r}")
     options: dict[str, Any] = {}
     for item in filter(None, rest.split(",")):
@@ -82,6 +80,10 @@ def proposer_config(spec: str, args: argparse.Namespace) -> dict[str, Any] | Non
         if key not in PROPOSER_OPTIONS:
             raise SystemExit(f"--proposers: unknown option {key!r} in {spec!r}")
         options[key] = PROPOSER_OPTIONS[key](value)
+    if name == "default":  # auto, with only what the spec names changed
+        if set(options) - {"k"}:
+            raise SystemExit(f"--proposers: default takes only k, got {spec!r}")
+        return {"num_speculative_tokens": options["k"]} if options else None
     config: dict[str, Any] = {
         "method": "draft_model" if name == "draft" else name,
         "num_speculative_tokens": options.get("k", args.k),

@@ -100,11 +100,11 @@ def test_speculative_flags() -> None:
     )
     given = ["generate", "x", "--draft-model", "d", "--ngram-min", "3"]
     assert resolved(given, shipped_draft_fits=False) == SpeculativeConfig(
-        "hybrid", 4, model="d", prompt_lookup_min=3, prompt_lookup_max=4
+        "hybrid", 8, model="d", prompt_lookup_min=3, prompt_lookup_max=4
     )
     draft = ["generate", "x", "--speculative", "draft", "--draft-model", "d"]
     assert resolved([*draft, "--draft-confidence", "0"]) == SpeculativeConfig(
-        "draft_model", 4, model="d", draft_confidence_threshold=0.0
+        "draft_model", 8, model="d", draft_confidence_threshold=0.0
     )
     fixed = ["serve", "--speculative", "ngram", "--fixed-k"]
     assert resolved(fixed) == SpeculativeConfig(
@@ -112,7 +112,7 @@ def test_speculative_flags() -> None:
     )
     long_lookup = ["generate", "x", "--speculative", "ngram", "--ngram-min", "6"]
     assert resolved(long_lookup) == SpeculativeConfig(
-        "ngram", 4, prompt_lookup_min=6, prompt_lookup_max=6
+        "ngram", 8, prompt_lookup_min=6, prompt_lookup_max=6
     )
     for flags, unused in (
         (["--speculative", "off", "--fixed-k"], "--fixed-k"),

@@ -28,6 +28,8 @@ FLOOR = 1e-6  # weight of a step however far: enough to fix a slope no close ste
 PAIR_SCALE = 1e-4  # attention pairs are counted in units of 10^4
 MIN_STEPS = 3
 REFIT_EVERY = 4  # steps a fit is reused for while the step's shape stays within ~10%
+# a draft forward's fit is trusted only near a measured row count (log distance: ~4x)
+EXTRAPOLATE = math.log(4.0)
 
 
 @dataclass(frozen=True)
@@ -130,6 +132,11 @@ class ForwardTimes:
         r, y = self._rows[used], self._y[used]
         if not len(y):
             return 0.0, 0.0
+        if np.abs(np.log(r / max(rows, 1.0))).min() > EXTRAPOLATE:
+            # nothing measured near: a fit would put a far forward's whole time (a prompt's
+            # catch-up) in its fixed part and a plan would never try a small forward, so
+            # never learn better; the optimistic reading (all of it per row) gets it tried
+            return 0.0, float((y / r).min())
         age = self._count - 1 - self._step[used]
         near = np.log(r / max(rows, 1.0)) ** 2
         weight = AGE_DECAY**age * (np.exp(-near / (2 * BANDWIDTH**2)) + FLOOR)

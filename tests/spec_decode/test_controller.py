@@ -142,6 +142,28 @@ def test_forward_times_fit_fixed_and_per_row() -> None:
     assert per_row == pytest.approx(0.0001, rel=1e-3)
 
 
+def test_a_far_draft_forward_does_not_rule_small_ones_out() -> None:
+    """Measured once on a prompt's catch-up (59 rows, 7 ms), the draft model is not taken to
+    cost 7 ms a forward at batch 1 (a plan would never draft, so never learn better): far from
+    any measurement the fit reads it all as per-row cost, and once small forwards are measured
+    the local fit holds."""
+    times = ForwardTimes()
+    times.observe(59, 0.007)
+    fixed, per_row = times.fit(1)
+    assert fixed == 0.0
+    assert per_row == pytest.approx(0.007 / 59)
+    clock = FakeClock(0.015, per_token=0.0005, per_seq=0.0)
+    controller = trained(clock, ("lookup1", "lookup2", "lookup3", "draft"))
+    controller.draft_times = times
+    with_rates(controller, {0: 0.6})
+    choices = controller.plan([Candidate(0, 4, 100, [])], 1, 1, 0.0, budget=8)
+    assert choices[0].way == "draft"
+    assert choices[0].drafts >= 1
+    for rows in (1, 2, 3, 1, 2):
+        times.observe(rows, 0.0018 + 0.00005 * rows)
+    fixed, per_row = times.fit(1)
+    assert fixed == pytest.approx(0.0018, rel=0.05)
+
 def test_no_drafts_when_rows_cost_more_than_they_return() -> None:
     # 16 sequences, every row as dear as a decode: a draft right 30% of the time adds 0.3
     # tokens for the price of one
