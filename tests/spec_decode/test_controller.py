@@ -164,6 +164,7 @@ def test_a_far_draft_forward_does_not_rule_small_ones_out() -> None:
     fixed, per_row = times.fit(1)
     assert fixed == pytest.approx(0.0018, rel=0.05)
 
+
 def test_no_drafts_when_rows_cost_more_than_they_return() -> None:
     # 16 sequences, every row as dear as a decode: a draft right 30% of the time adds 0.3
     # tokens for the price of one
