@@ -267,6 +267,56 @@ def _serve(args: argparse.Namespace) -> int:
     return serve(args, engine_config(args, max_num_seqs=args.max_num_seqs))
 
 
+def _add_run_batch(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "run-batch",
+        help="run a file of OpenAI batch requests (JSONL) into a file of results; resumable",
+    )
+    p.add_argument("-i", "--input", required=True, help="requests, one JSON object per line")
+    p.add_argument(
+        "-o",
+        "--output",
+        required=True,
+        help="results, appended as they finish; rerun to resume after a kill",
+    )
+    p.add_argument(
+        "--shard",
+        default="0/1",
+        help="i/n: take only the lines whose 0-based number is i modulo n (split one input "
+        "over n processes or machines, each with its own output)",
+    )
+    _add_engine_args(p)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the name a body's model must match (default: as specbatch serve lists it)",
+    )
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _add_speculative_args(p)
+    p.set_defaults(handler=_run_batch)
+
+
+def _run_batch(args: argparse.Namespace) -> int:
+    from specbatch.batch import BatchJob, Shard
+    from specbatch.batch.job import default_model_name
+    from specbatch.engine.llm_engine import LLMEngine
+
+    shard = Shard.parse(args.shard)
+    engine = LLMEngine(engine_config(args, max_num_seqs=args.max_num_seqs))
+    name = args.served_model_name or default_model_name(engine, args.model)
+    job = BatchJob(engine, name, shard, progress=not args.no_progress)
+    summary = job.run(args.input, args.output)
+    print(
+        f"run-batch: {summary.lines} requests in shard {shard.index}/{shard.count}: "
+        f"{summary.succeeded} succeeded, {summary.failed} failed, {summary.skipped} already "
+        f"done; {summary.completion_tokens} tokens in {summary.seconds:.1f} s "
+        f"({summary.completion_tokens / max(summary.seconds, 1e-9):.1f} tok/s)",
+        file=sys.stderr,
+    )
+    return 0
+
+
 def _add_distill(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("distill-draft", help="train a draft model for a target")
     p.add_argument("--target", default=None, help="target model (default: SmolLM2-135M)")
@@ -344,6 +394,7 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", required=True)
     _add_generate(subparsers)
     _add_serve(subparsers)
+    _add_run_batch(subparsers)
     _add_distill(subparsers)
     return parser
 

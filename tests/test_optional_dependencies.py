@@ -1,6 +1,6 @@
 """What a user gets from ``pip install specbatch`` on a CPU machine: the package imports and
-generates (speculation included) with every optional package missing, and ``serve`` says which
-extra it needs instead of failing with a traceback."""
+generates (speculation included) and runs batch files with every optional package missing, and
+``serve`` says which extra it needs instead of failing with a traceback."""
 
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ OPTIONAL = (
     "uvicorn",
     "uvloop",
     "starlette",
-    "pydantic",
     "prometheus_client",
     "scipy",
     "transformers",
@@ -40,6 +39,17 @@ for speculative in (None, {{"method": "ngram"}}, {{"method": "hybrid", "model": 
     assert len(out[0].outputs[0].token_ids) == 6, out
 assert main(["generate", "hello", "--model", model, "--max-tokens", "3", "--quiet"]) == 0
 assert main(["serve", "--model", model]) == 2
+# run-batch is part of the base install (pydantic checks its bodies; no server extra)
+import json, pathlib, tempfile
+folder = pathlib.Path(tempfile.mkdtemp())
+line = {{"custom_id": "a", "method": "POST", "url": "/v1/completions",
+         "body": {{"prompt": "hi", "max_tokens": 3}}}}
+(folder / "in.jsonl").write_text(json.dumps(line) + "\\n")
+batch = ["run-batch", "-i", str(folder / "in.jsonl"), "-o", str(folder / "out.jsonl"),
+         "--model", model, "--num-kv-blocks", "32", "--max-model-len", "128", "--no-progress"]
+assert main(batch) == 0
+result = json.loads((folder / "out.jsonl").read_text())
+assert result["response"]["status_code"] == 200, result
 print("ok")
 """
 

@@ -116,15 +116,8 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> RequestGuard:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         _check_common(body, settings)
-        if body.suffix is not None:
-            raise APIError(400, "suffix is not supported", "suffix")
-        if body.echo:
-            raise APIError(400, "echo is not supported", "echo")
-        if body.best_of not in (None, body.n):
-            raise APIError(400, "best_of must equal n (or be omitted)", "best_of")
         with _request_errors({}):
-            prompts = body.prompts()
-            params = body.sampling_params(body.max_tokens, body.logprobs, 16)
+            prompts, params = body.engine_inputs()
         streams = await _add_all(
             engine, settings, metrics, "cmpl", prompts, params, body.priority, {}
         )
@@ -162,19 +155,11 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> RequestGuard:
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         _check_common(body, settings)
         tokenizer = engine.tokenizer
-        # Field names as the client spelled them: the prompt is its messages.
-        renames = {"prompt": "messages"}
-        if body.max_completion_tokens is not None:
-            renames["max_tokens"] = "max_completion_tokens"
-        top = body.top_logprobs if body.logprobs else None
-        if body.logprobs and top is None:
-            top = 0
+        renames = body.field_names()  # as the client spelled them
+        top = body.top_logprobs_per_token()
         with _request_errors(renames):
             add_generation_prompt, options = body.template_options()
-            max_tokens = body.max_completion_tokens
-            if max_tokens is None:
-                max_tokens = body.max_tokens
-            params = body.sampling_params(max_tokens, top, None)
+            params = body.chat_params()
             ids = await engine.encode_chat(body.conversation(), add_generation_prompt, options)
         streams = await _add_all(
             engine, settings, metrics, "chatcmpl", [ids], params, body.priority, renames

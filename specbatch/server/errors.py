@@ -11,20 +11,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from specbatch.server.formatting import error_body
+from specbatch.server.protocol import describe_validation_errors
+
 logger = logging.getLogger("specbatch")
-
-_TYPES = {
-    400: "invalid_request_error",
-    401: "invalid_request_error",
-    404: "invalid_request_error",
-    413: "invalid_request_error",
-    429: "rate_limit_error",
-    500: "server_error",
-    503: "service_unavailable",
-}
-
-
-_UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 
 
 class APIError(Exception):
@@ -35,19 +25,6 @@ class APIError(Exception):
     ) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
-
-
-def error_body(
-    status: int, message: str, param: str | None = None, code: str | None = None
-) -> dict[str, Any]:
-    return {
-        "error": {
-            "message": message,
-            "type": _TYPES.get(status, "server_error"),
-            "param": param,
-            "code": code,
-        }
-    }
 
 
 class SafeJSONResponse(JSONResponse):
@@ -72,22 +49,9 @@ def install_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
         errors = exc.errors()
-        first = errors[0] if errors else {}
-        location = []
-        for part in first.get("loc", ()):
-            if part == "body":
-                continue
-            if isinstance(part, str) and (part in _UNION_TAGS or "[" in part or "-" in part):
-                break  # pydantic names the union member it tried: not part of the field path
-            location.append(str(part))
-        if first.get("type") == "json_invalid":
+        if errors and errors[0].get("type") == "json_invalid":
             return error_response(400, "the request body is not valid JSON", None, "json_invalid")
-        param = ".".join(location) or None
-        message = (
-            f"{param}: {first.get('msg', 'invalid value')}"
-            if param
-            else str(first.get("msg", "invalid request"))
-        )
+        message, param = describe_validation_errors(errors)
         return error_response(400, message, param)
 
     @app.exception_handler(StarletteHTTPException)

@@ -8,6 +8,29 @@ from typing import Any
 from specbatch.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from specbatch.tokenizer import Tokenizer
 
+_TYPES = {
+    400: "invalid_request_error",
+    401: "invalid_request_error",
+    404: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "service_unavailable",
+}
+
+
+def error_body(
+    status: int, message: str, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    return {
+        "error": {
+            "message": message,
+            "type": _TYPES.get(status, "server_error"),
+            "param": param,
+            "code": code,
+        }
+    }
+
 
 def sse(payload: dict[str, Any]) -> str:
     # Error events may echo client text: escaped like error bodies (see errors.SafeJSONResponse).

@@ -9,6 +9,7 @@ accepted.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -110,6 +111,17 @@ class CompletionRequest(_Request):
     suffix: StrictStr | None = None
     best_of: StrictInt | None = None
 
+    def engine_inputs(self) -> tuple[list[str | list[int]], SamplingParams]:
+        """The prompts and sampling parameters of the request; raises
+        ``InvalidRequestError`` naming the field for what specbatch does not do or allow."""
+        if self.suffix is not None:
+            raise InvalidRequestError("suffix is not supported", "suffix")
+        if self.echo:
+            raise InvalidRequestError("echo is not supported", "echo")
+        if self.best_of not in (None, self.n):
+            raise InvalidRequestError("best_of must equal n (or be omitted)", "best_of")
+        return self.prompts(), self.sampling_params(self.max_tokens, self.logprobs, 16)
+
     def prompts(self) -> list[str | list[int]]:
         """The prompts of the request (one string or token-id list each); raises
         ``InvalidRequestError`` for an empty list."""
@@ -172,3 +184,46 @@ class ChatCompletionRequest(_Request):
                 "chat_template_kwargs",
             )
         return add_generation_prompt, options
+
+    def field_names(self) -> dict[str, str]:
+        """The engine's name of a field -> the name this request used (its prompt is its
+        messages; ``max_completion_tokens`` when it set that)."""
+        renames = {"prompt": "messages"}
+        if self.max_completion_tokens is not None:
+            renames["max_tokens"] = "max_completion_tokens"
+        return renames
+
+    def top_logprobs_per_token(self) -> int | None:
+        """Alternatives per token to return: None without ``logprobs``."""
+        if not self.logprobs:
+            return None
+        return 0 if self.top_logprobs is None else self.top_logprobs
+
+    def chat_params(self) -> SamplingParams:
+        max_tokens = self.max_completion_tokens
+        if max_tokens is None:
+            max_tokens = self.max_tokens
+        return self.sampling_params(max_tokens, self.top_logprobs_per_token(), None)
+
+
+_UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+def describe_validation_errors(errors: Sequence[Mapping[str, Any]]) -> tuple[str, str | None]:
+    """A pydantic validation failure of a body as ``(message, field)``: the first error, its
+    field path as the client wrote it (pydantic's union-member tags left out)."""
+    first = errors[0] if errors else {}
+    location = []
+    for part in first.get("loc", ()):
+        if part == "body":
+            continue
+        if isinstance(part, str) and (part in _UNION_TAGS or "[" in part or "-" in part):
+            break  # pydantic names the union member it tried: not part of the field path
+        location.append(str(part))
+    param = ".".join(location) or None
+    message = (
+        f"{param}: {first.get('msg', 'invalid value')}"
+        if param
+        else str(first.get("msg", "invalid request"))
+    )
+    return message, param
