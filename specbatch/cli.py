@@ -111,6 +111,7 @@ def engine_config(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
         num_kv_blocks=args.num_kv_blocks,
         quantization=args.quantization,
         speculative_config=speculative_config(args),
+        tensor_parallel_size=args.tensor_parallel_size,
         **overrides,
     )
 
@@ -130,6 +131,13 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
+        help="split the model over this many processes (gloo on the CPU, one GPU each on CUDA)",
+    )
     cache = parser.add_mutually_exclusive_group()
     cache.add_argument(
         "--kv-cache-gib",

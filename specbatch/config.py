@@ -36,6 +36,9 @@ class EngineConfig:
     :class:`~specbatch.spec_decode.config.SpeculativeConfig`): None is ``"auto"`` (on, the
     goodput controller choosing each step's drafts; outputs are the same as without it),
     ``{"method": "off"}`` the plain path.
+    ``tensor_parallel_size`` N > 1 splits the target over N processes (Megatron-style, see
+    :mod:`specbatch.parallel`): this one and N - 1 workers it starts, over ``torch.distributed``
+    (gloo on the CPU, NCCL on CUDA, one GPU each).
     """
 
     model: str | None = None
@@ -57,6 +60,7 @@ class EngineConfig:
     quantization: str | None = None
     enforce_eager: bool = False
     speculative_config: SpeculativeConfig | Mapping[str, Any] | None = None
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         for name in ("model", "tokenizer", "attention_backend", "quantization"):
@@ -70,6 +74,11 @@ class EngineConfig:
         _positive("block_size", self.block_size, 1024)
         _positive("max_num_seqs", self.max_num_seqs)
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        _positive("tensor_parallel_size", self.tensor_parallel_size, 64)
+        if self.tensor_parallel_size > 1 and self.quantization is not None:
+            raise ConfigError(
+                "quantization='gguf' runs in one process; use tensor_parallel_size=1 with it"
+            )
         for name in ("max_model_len", "num_kv_blocks", "num_threads"):
             if getattr(self, name) is not None:
                 _positive(name, getattr(self, name))

@@ -30,3 +30,7 @@ class InvalidRequestError(SpecbatchError, ValueError):
 class ChatTemplateError(SpecbatchError, RuntimeError):
     """The model's chat template is broken (does not compile, or fails on a plain conversation):
     a fault of the model files, not of the request that used it."""
+
+
+class TensorParallelError(SpecbatchError, RuntimeError):
+    """A tensor-parallel worker died or a collective failed: the engine cannot go on."""

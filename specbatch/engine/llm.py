@@ -37,6 +37,11 @@ class LLM:
     def get_tokenizer(self) -> Tokenizer:
         return self.llm_engine.tokenizer
 
+    def shutdown(self) -> None:
+        """End a tensor-parallel engine's worker processes now (garbage collection does it
+        too); a one-process engine holds nothing to end."""
+        self.llm_engine.shutdown()
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],

@@ -13,8 +13,10 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+import weakref
 from collections.abc import Sequence as SequenceT
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -25,7 +27,7 @@ from specbatch.engine.intake import RequestIntake, check_priority
 from specbatch.engine.logprobs import ranked_logprobs
 from specbatch.engine.request_state import RequestState
 from specbatch.engine.setup import allocate_cache, capture_draft_graphs, capture_graphs, load_models
-from specbatch.errors import InvalidRequestError
+from specbatch.errors import InvalidRequestError, TensorParallelError
 from specbatch.outputs import RequestOutput
 from specbatch.runner.flat_batch import LogitRows, TokenRun
 from specbatch.runner.model_runner import ModelRunner
@@ -35,6 +37,9 @@ from specbatch.sequence import Sequence
 from specbatch.spec_decode.factory import build_speculator
 from specbatch.spec_decode.proposer import Proposal, Proposer
 from specbatch.spec_decode.rejection import VerifyResult
+
+if TYPE_CHECKING:
+    from specbatch.parallel.workers import TensorParallelGroup, TensorParallelRunner
 
 logger = logging.getLogger("specbatch")
 
@@ -78,7 +83,23 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, proposer: Proposer | None = None) -> None:
         self.config = config
+        self.dead: str | None = None  # why the engine cannot go on (a tensor-parallel worker died)
+        self._tp: TensorParallelGroup | None = None
+        if config.tensor_parallel_size > 1:  # the workers load their slices meanwhile
+            from specbatch.parallel.workers import TensorParallelGroup
+
+            self._tp = TensorParallelGroup(config)
+            weakref.finalize(self, self._tp.shutdown)
+        try:
+            self._build(config, proposer)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _build(self, config: EngineConfig, proposer: Proposer | None) -> None:
         models = load_models(config)
+        if self._tp is not None:
+            self._tp.wait_loaded()
         self.device, self.dtype = models.device, models.dtype
         self.model_path, self.model, self.tokenizer = (
             models.model_path,
@@ -91,7 +112,14 @@ class LLMEngine:
         self.cache = KVCacheManager(
             self.num_kv_blocks, config.block_size, config.enable_prefix_caching
         )
-        self.runner = ModelRunner(self.model, config.block_size, capture_graphs(config, models))
+        self.runner: ModelRunner | TensorParallelRunner = ModelRunner(
+            self.model, config.block_size, capture_graphs(config, models)
+        )
+        if self._tp is not None:
+            from specbatch.parallel.workers import TensorParallelRunner
+
+            self._tp.bind_cache(self.num_kv_blocks)
+            self.runner = TensorParallelRunner(self.runner, self._tp)
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.speculator = build_speculator(
             self.speculative_config,
@@ -140,6 +168,8 @@ class LLMEngine:
         ``prompt_token_ids``). Raises ``InvalidRequestError`` (a ``ValueError``) naming the
         field for a duplicate id, an empty or invalid prompt, one that does not fit the
         context, or parameters the model cannot honour."""
+        if self.dead is not None:
+            raise TensorParallelError(self.dead)
         if not isinstance(request_id, str) or request_id in self.requests:
             raise InvalidRequestError(f"request_id {request_id!r} is already in use", "request_id")
         params = params or SamplingParams()
@@ -197,6 +227,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule, draft, run one batched forward, verify/sample, update; return the outputs
         of requests that changed (and of those a failing step ended)."""
+        if self.dead is not None:
+            raise TensorParallelError(self.dead)
         started = time.perf_counter()
         try:
             plan = self.scheduler.schedule()
@@ -210,8 +242,19 @@ class LLMEngine:
             return []
         try:
             return self._run(plan, started)
+        except TensorParallelError as exc:  # a rank is gone: nothing more can run
+            self.dead = f"the engine is down: {exc}"
+            self._fail(set(self.requests), exc)
+            self.shutdown()
+            raise TensorParallelError(self.dead) from exc
         except Exception as exc:
             return self._fail({s.seq.request_id for s in plan.scheduled}, exc)
+
+    def shutdown(self) -> None:
+        """Stop a tensor-parallel engine's worker processes (garbage collection does it too);
+        nothing to do for one process."""
+        if self._tp is not None:
+            self._tp.shutdown()
 
     def _run(self, plan: SchedulerOutput, started: float) -> list[RequestOutput]:
         scheduled = plan.scheduled

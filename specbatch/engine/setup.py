@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -46,12 +47,23 @@ class Models:
 
 
 def load_models(config: EngineConfig) -> Models:
+    """The target (rank 0's slice under tensor parallelism), tokenizer and draft."""
+    world = config.tensor_parallel_size
     if config.num_threads is not None:
         torch.set_num_threads(config.num_threads)
+    elif world > 1:  # the ranks share the machine's cores
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     device = config.resolved_device()
     dtype = config.resolved_dtype(device)
     path = resolve_model_path(config.model)
-    model = load_model(path, dtype, device, config.attention_backend, config.quantization)
+    model = load_model(
+        path,
+        dtype,
+        device,
+        config.attention_backend,
+        config.quantization,
+        shard=(0, world) if world > 1 else None,
+    )
     if config.cpu_weight_packing and model.pack_for_cpu():
         release_freed_memory()  # the plain weights just dropped
     tokenizer = load_tokenizer(config.tokenizer or path)
@@ -91,15 +103,18 @@ def allocate_cache(config: EngineConfig, models: Models) -> int:
     draft_bytes = 0
     if models.draft is not None:
         draft_bytes = kv_bytes_per_block(models.draft.config, config.block_size, models.dtype)
-    reserved = profile_activation_bytes(
-        models.model,
-        config.max_num_batched_tokens,
-        config.max_num_seqs * (k + 1),
-        config.block_size,
-    )
+    reserved = 0
+    if models.model.tp is None:  # a sharded model's forward needs every rank
+        reserved = profile_activation_bytes(
+            models.model,
+            config.max_num_batched_tokens,
+            config.max_num_seqs * (k + 1),
+            config.block_size,
+        )
+    cache_config = models.model.local_config  # this rank's heads
     num_blocks = choose_num_kv_blocks(
         config,
-        models.model.config,
+        cache_config,
         models.dtype,
         models.device,
         models.max_model_len,
@@ -108,11 +123,9 @@ def allocate_cache(config: EngineConfig, models: Models) -> int:
         reserved_bytes=reserved,
     )
     models.model.bind_kv_caches(
-        allocate_kv_caches(
-            models.model.config, num_blocks, config.block_size, models.dtype, models.device
-        )
+        allocate_kv_caches(cache_config, num_blocks, config.block_size, models.dtype, models.device)
     )
-    per_block = kv_bytes_per_block(models.model.config, config.block_size, models.dtype)
+    per_block = kv_bytes_per_block(cache_config, config.block_size, models.dtype)
     logger.info(
         "KV cache: %d blocks of %d tokens (%d tokens), %.2f GiB reserved on %s%s",
         num_blocks,
@@ -152,6 +165,7 @@ def _graphable(model: LlamaForCausalLM, config: EngineConfig) -> bool:
     return (
         model.device.type == "cuda"
         and not config.enforce_eager
+        and config.tensor_parallel_size == 1
         and model.backend.supports_cuda_graphs
     )
 

@@ -8,7 +8,7 @@ the HF shards into them.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import torch
@@ -23,6 +23,9 @@ from specbatch.kernels.linear import Linear, cpu_packing_supported, pack_weight,
 from specbatch.models.config import ModelConfig
 from specbatch.models.fused_layers import FusedLayers
 from specbatch.models.rotary import RotaryEmbedding, apply_rotary
+
+if TYPE_CHECKING:
+    from specbatch.models.tensor_parallel import TensorParallel
 
 
 class RMSNorm(nn.Module):
@@ -166,6 +169,17 @@ class LlamaForCausalLM(nn.Module):
         self._quantized_tied_head: QuantizedWeight | None = None
         self.fused = FusedLayers(self)
         self._token_maps: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        # Under tensor parallelism (``specbatch.parallel``): the shapes this rank holds (``config``
+        # is then the whole model's) and the collectives joining the ranks' parts.
+        self.local_config = config
+        self.tp: TensorParallel | None = None
+
+    def shard_over(self, tp: TensorParallel) -> None:
+        """Make this rank's slice of a model (built with the slice's shapes, weights loaded)
+        compute the whole model with the other ranks: ``config`` becomes the whole model's."""
+        self.local_config, self.config = self.config, tp.plan.config
+        self.tp = tp
+        tp.install(self)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -194,9 +208,12 @@ class LlamaForCausalLM(nn.Module):
         """
         if self.config.token_map is not None:
             input_ids = self._maps(input_ids.device)[0][input_ids]
-        x = self.model.embed_tokens(input_ids)
+        if self.tp is not None:
+            x = self.tp.embed(self.model.embed_tokens, input_ids)
+        else:
+            x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
-        step = self.fused.step(metadata, cos, sin, x)
+        step = self.fused.step(metadata, cos, sin, x) if self.tp is None else None
         if step is not None:  # every layer in one C call each (same bits as the loop below)
             return self.model.norm(self.fused.run(step, x))
         for layer in self.model.layers:
@@ -205,12 +222,17 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Vocabulary logits for the given hidden-state rows only."""
+        logits = self._local_logits(hidden)
+        return logits if self.tp is None else self.tp.gather_vocab(logits)
+
+    def _local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is not None:
             return self.lm_head(hidden)
         if self._quantized_tied_head is not None:
             return quantized_linear(hidden, self._quantized_tied_head)
         if self._packed_tied_head is not None:
-            return packed_linear(hidden, self._packed_tied_head, None, self.config.vocab_size)
+            vocab = self.local_config.vocab_size
+            return packed_linear(hidden, self._packed_tied_head, None, vocab)
         return F.linear(hidden, self.model.embed_tokens.weight)
 
     def weight_bytes(self) -> int:

@@ -88,6 +88,7 @@ def load_model(
     device: str | torch.device = "cpu",
     attention_backend: str | None = None,
     quantization: str | None = None,
+    shard: ShardSpec | None = None,
 ) -> LlamaForCausalLM:
     """Load a model from a HF directory (safetensors) or a GGUF file, dequantised to ``dtype``.
 
@@ -96,6 +97,8 @@ def load_model(
     tensor directory are checked against each other before any weight memory is allocated.
     ``quantization="gguf"`` keeps a GGUF file's Q4_1 and Q8_0 matrices as they are stored and
     multiplies with them directly (CPU, float32 activations; see ``kernels.gguf_linear``).
+    ``shard=(rank, world_size)`` loads that rank's tensor-parallel slice only (see
+    :mod:`specbatch.models.tensor_parallel`; the process group must be up before its first forward).
     """
     path = resolve_model_path(model)
     torch_dtype = parse_dtype(dtype)
@@ -113,6 +116,7 @@ def load_model(
                 torch_device,
                 attention_backend,
                 iter_gguf_quantized(gguf_file, config) if quantization == "gguf" else None,
+                shard,
             )
             if quantization == "gguf":
                 _report_quantized(net, gguf_file)
@@ -127,9 +131,11 @@ def load_model(
         torch_dtype,
         torch_device,
         attention_backend,
+        shard=shard,
     )
 
 
+ShardSpec = tuple[int, int]  # (rank, world size)
 QUANTIZATIONS = ("gguf",)
 
 
@@ -191,23 +197,41 @@ def _build(
     torch_device: torch.device,
     attention_backend: str | None,
     quantized: Iterable[tuple[str, str, np.ndarray]] | None = None,
+    shard: ShardSpec | None = None,
 ) -> LlamaForCausalLM:
     """The model with ``weights(skip)`` loaded, where ``skip`` names the tensors kept as GGUF
-    blocks (``quantized``), which are neither allocated nor dequantised in plain form."""
+    blocks (``quantized``), which are neither allocated nor dequantised in plain form; with
+    ``shard``, a tensor-parallel rank's slice of it."""
     cls = model_class(config.architecture)
+    plan = None
+    built = config
+    if shard is not None and shard[1] > 1:
+        from specbatch.models.tensor_parallel import ShardPlan
+
+        if quantized is not None:
+            raise ConfigError("quantization='gguf' cannot be split over tensor-parallel ranks")
+        plan = ShardPlan(config, *shard)
+        built = plan.local_config()
     backend_cls = attention_backend_class(attention_backend, torch_device)
     backend = backend_cls(
-        config.num_attention_heads,
-        config.num_key_value_heads,
-        config.head_dim,
-        config.head_dim**-0.5,
+        built.num_attention_heads,
+        built.num_key_value_heads,
+        built.head_dim,
+        built.head_dim**-0.5,
     )
     with torch.device("meta"):
-        net = cls(config, backend)
+        net = cls(built, backend)
     skip = net.use_quantized_weights(quantized) if quantized is not None else set()
     net = net.to(dtype=torch_dtype).to_empty(device=torch_device)
+    tensors = weights(skip)
+    if plan is not None:
+        tensors = plan.shard_weights(tensors)
     with torch.no_grad():
-        net.load_weights(weights(skip), source=str(path))
+        net.load_weights(tensors, source=str(path))
+    if plan is not None:
+        from specbatch.models.tensor_parallel import TensorParallel
+
+        net.shard_over(TensorParallel(plan))
     net.eval()
     net.requires_grad_(False)
     return net

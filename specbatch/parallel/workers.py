@@ -1,0 +1,286 @@
+"""The processes of a tensor-parallel engine: rank 0 is the engine itself (scheduler, speculation,
+sampling: everything decided once), ranks 1..N-1 are workers it starts that each hold their
+slice of the target and its KV cache and compute what rank 0 tells them to.
+
+Each step rank 0 broadcasts the step's inputs (the token runs with their block tables, and the
+rows that need logits) and every rank runs the same :class:`ModelRunner` call on its slice; the
+model's collectives (an all-reduce after each row-parallel projection, an all-gather of the
+logits rows) join them, and rank 0 keeps the logits. Block tables are decided on rank 0 only,
+so prefix caching, chunked prefill, preemption and rollback need nothing else: every rank's
+cache holds its heads' K/V at the same block ids.
+
+Failure: a worker that exits is seen before the next step's broadcast (its process is
+checked), or by the collective it was in (gloo reports the closed connection); either way the
+step raises :class:`TensorParallelError` and the engine is down, never hung. Workers die with
+their parent (``PR_SET_PDEATHSIG`` on Linux) and on :meth:`TensorParallelGroup.shutdown`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import signal
+import sys
+import tempfile
+import time
+import traceback
+import weakref
+from collections.abc import Sequence
+from datetime import timedelta
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from specbatch.cache.kv_tensors import allocate_kv_caches
+from specbatch.config import EngineConfig
+from specbatch.errors import ConfigError, TensorParallelError
+from specbatch.models import load_model, resolve_model_path
+from specbatch.runner.flat_batch import LogitRows, TokenRun
+from specbatch.runner.model_runner import ModelRunner
+
+logger = logging.getLogger("specbatch")
+
+START_TIMEOUT_S = 600.0  # loading a shard
+COLLECTIVE_TIMEOUT = timedelta(minutes=10)  # a step; a dead peer is reported at once anyway
+# the tensor-parallel group of this process (one at a time: torch.distributed's default group)
+_active: weakref.ref[TensorParallelGroup] | None = None
+
+
+def rank_device(config: EngineConfig, rank: int) -> torch.device:
+    device = config.resolved_device()
+    if device.type == "cuda":
+        return torch.device("cuda", rank)
+    return device
+
+
+def threads_per_rank(config: EngineConfig) -> int:
+    if config.num_threads is not None:
+        return config.num_threads
+    return max(1, (os.cpu_count() or 1) // config.tensor_parallel_size)
+
+
+class TensorParallelGroup:
+    """Rank 0's handle on its workers and the process group."""
+
+    closed: bool
+
+    def __init__(self, config: EngineConfig) -> None:
+        global _active
+        running = _active() if _active is not None else None
+        if running is not None and not running.closed:
+            raise ConfigError(
+                "a tensor-parallel engine is already running in this process; shut it down "
+                "first (LLMEngine.shutdown)"
+            )
+        if dist.is_initialized():
+            raise ConfigError(
+                "torch.distributed is already initialised in this process; a tensor-parallel "
+                "engine starts its own process group"
+            )
+        world = config.tensor_parallel_size
+        device = rank_device(config, 0)
+        if device.type == "cuda" and torch.cuda.device_count() < world:
+            raise ConfigError(
+                f"tensor_parallel_size {world} needs {world} GPUs, found "
+                f"{torch.cuda.device_count()}"
+            )
+        self.world_size = world
+        self.closed = False
+        self.running = False  # every worker loaded and bound its cache: in the step loop
+        handle, self._store_path = tempfile.mkstemp(prefix="specbatch-tp-")
+        os.close(handle)
+        os.unlink(self._store_path)  # the FileStore creates it
+        init_method = f"file://{self._store_path}"
+        context = mp.get_context("spawn")
+        self._processes: list[Any] = []
+        self._pipes: list[Connection] = []
+        for rank in range(1, world):
+            parent, child = context.Pipe()
+            process = context.Process(
+                target=_worker_main,
+                args=(rank, config, init_method, child),
+                name=f"specbatch-tp-{rank}",
+                daemon=True,
+            )
+            process.start()
+            child.close()
+            self._processes.append(process)
+            self._pipes.append(parent)
+        self._finalizer = weakref.finalize(self, _stop, self._processes, self._store_path)
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group(
+            backend, init_method=init_method, rank=0, world_size=world, timeout=COLLECTIVE_TIMEOUT
+        )
+        _active = weakref.ref(self)
+
+    # ------------------------------------------------------------------ start-up
+
+    def wait_loaded(self) -> None:
+        """Wait for every worker's shard; a worker's load error is raised here as its own."""
+        deadline = time.monotonic() + START_TIMEOUT_S
+        for rank, (process, pipe) in enumerate(zip(self._processes, self._pipes, strict=True), 1):
+            while not pipe.poll(0.1):
+                if not process.is_alive():
+                    self.shutdown()
+                    raise TensorParallelError(
+                        f"tensor-parallel worker {rank} exited while loading "
+                        f"(exit code {process.exitcode})"
+                    )
+                if time.monotonic() > deadline:
+                    self.shutdown()
+                    raise TensorParallelError(f"tensor-parallel worker {rank} did not load")
+            status, message = pipe.recv()
+            if status != "loaded":
+                self.shutdown()
+                raise TensorParallelError(f"tensor-parallel worker {rank}: {message}")
+
+    def bind_cache(self, num_blocks: int) -> None:
+        """Every worker allocates the same ``num_blocks`` blocks rank 0 chose."""
+        self._send(("cache", num_blocks))
+        dist.barrier()
+        self.running = True
+
+    # ------------------------------------------------------------------ steps
+
+    def execute(self, runs: Sequence[TokenRun], rows: LogitRows) -> None:
+        """Tell every worker to run this step (rank 0 runs it right after)."""
+        self._send(("execute", list(runs), rows))
+
+    def check(self) -> None:
+        if self.closed:
+            raise TensorParallelError("the tensor-parallel engine is shut down")
+        for rank, process in enumerate(self._processes, 1):
+            if not process.is_alive():
+                raise TensorParallelError(
+                    f"tensor-parallel worker {rank} exited (exit code {process.exitcode}); the "
+                    "engine cannot go on without its slice of the model"
+                )
+
+    def _send(self, command: tuple[Any, ...]) -> None:
+        self.check()
+        dist.broadcast_object_list([command], src=0)
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self._processes]
+
+    # ------------------------------------------------------------------ shutdown
+
+    def shutdown(self) -> None:
+        """Stop the workers and the process group (idempotent)."""
+        global _active
+        if self.closed:
+            return
+        self.closed = True
+        if self.running and all(p.is_alive() for p in self._processes):
+            with contextlib.suppress(Exception):
+                dist.broadcast_object_list([("stop",)], src=0)
+        else:  # not (or no longer) in the step loop: nothing to say to them
+            _stop(self._processes, self._store_path)
+        for process in self._processes:
+            process.join(timeout=5)
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+        self._finalizer()
+        if _active is not None and _active() is self:
+            _active = None
+
+
+def _stop(processes: list[Any], store_path: str) -> None:
+    for process in processes:
+        if process.is_alive():
+            process.kill()
+            process.join(timeout=5)
+    with contextlib.suppress(OSError):
+        os.unlink(store_path)
+
+
+class TensorParallelRunner:
+    """Rank 0's model runner: each step goes to the workers, then runs here."""
+
+    def __init__(self, local: ModelRunner, group: TensorParallelGroup) -> None:
+        self.local = local
+        self.group = group
+        self.model = local.model
+        self.graphs = None
+        self.block_size = local.block_size
+        self.device = local.device
+
+    def execute(self, runs: Sequence[TokenRun], rows: LogitRows) -> torch.Tensor:
+        try:
+            self.group.execute(runs, rows)
+            return self.local.execute(runs, rows)
+        except TensorParallelError:
+            raise
+        except (RuntimeError, OSError) as exc:  # a collective that lost a peer
+            self.group.check()  # names the dead worker when it is one
+            raise TensorParallelError(f"a tensor-parallel collective failed: {exc}") from exc
+
+
+# ---------------------------------------------------------------------- the worker
+
+
+def _die_with_parent() -> None:
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(Exception):
+            libc = ctypes.CDLL("libc.so.6", use_errno=True)
+            libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() == 1:  # the parent is already gone
+        os._exit(1)
+
+
+def _worker_main(rank: int, config: EngineConfig, init_method: str, pipe: Connection) -> None:
+    _die_with_parent()
+    torch.set_num_threads(threads_per_rank(config))
+    device = rank_device(config, rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(
+        backend,
+        init_method=init_method,
+        rank=rank,
+        world_size=config.tensor_parallel_size,
+        timeout=COLLECTIVE_TIMEOUT,
+    )
+    try:
+        dtype = config.resolved_dtype(device)
+        model = load_model(
+            resolve_model_path(config.model),
+            dtype,
+            device,
+            config.attention_backend,
+            shard=(rank, config.tensor_parallel_size),
+        )
+        if config.cpu_weight_packing:
+            model.pack_for_cpu()
+    except Exception as exc:
+        pipe.send(("error", f"{type(exc).__name__}: {exc}"))
+        traceback.print_exc()
+        return
+    pipe.send(("loaded", ""))
+    runner: ModelRunner | None = None
+    while True:
+        box: list[Any] = [None]
+        dist.broadcast_object_list(box, src=0)
+        command = box[0]
+        if command[0] == "stop":
+            break
+        if command[0] == "cache":
+            model.bind_kv_caches(
+                allocate_kv_caches(model.local_config, command[1], config.block_size, dtype, device)
+            )
+            runner = ModelRunner(model, config.block_size)
+            dist.barrier()
+        elif command[0] == "execute":
+            assert runner is not None
+            runner.execute(command[1], command[2])
+    with contextlib.suppress(Exception):
+        dist.destroy_process_group()
