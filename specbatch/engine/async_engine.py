@@ -355,10 +355,14 @@ class AsyncEngine:
     def _step(self) -> None:
         """One engine step, its outputs delivered. A step that raises fails its own requests
         inside ``step()``; if something still escapes (a bug of that very handling), every
-        request is ended with the error rather than left waiting, and the loop goes on."""
+        request is ended with the error rather than left waiting, and the loop goes on (unless
+        the engine is dead: then the loop ends and every request gets ``EngineDeadError``)."""
         try:
             self._dispatch(self.engine.step())
         except Exception as exc:
+            if self.engine.dead is not None:  # a tensor-parallel rank is gone: the loop ends,
+                logger.error("%s", self.engine.dead)  # every stream gets EngineDeadError
+                raise
             logger.exception("the engine step failed outside its own error handling")
             for request_id in list(self.engine.requests):
                 with contextlib.suppress(Exception):

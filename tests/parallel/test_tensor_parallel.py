@@ -244,3 +244,40 @@ def test_the_default_model_over_three_ranks(default_gguf: Path) -> None:
         assert engine.stats.num_draft_tokens > 0
     finally:
         engine.shutdown()
+
+
+@pytest.mark.engine_errors
+def test_a_killed_worker_ends_an_async_engine(tiny_model_dir: Path) -> None:
+    """Behind the server: the open stream ends with EngineDeadError, the engine reports itself
+    errored (``/health`` answers 503) and refuses new requests; nothing hangs."""
+    import asyncio
+
+    from specbatch.engine.async_engine import AsyncEngine, EngineDeadError
+
+    engine = make_engine(tiny_model_dir, 2)
+    assert engine._tp is not None
+    (pid,) = engine._tp.pids
+
+    async def main() -> None:
+        served = AsyncEngine(engine=engine)
+        served.start()
+        params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+        stream = await served.add_request(PROMPTS[0], params)
+        outputs = 0
+        error: BaseException | None = None
+        try:
+            async for _ in stream:
+                outputs += 1
+                if outputs == 1:
+                    os.kill(pid, signal.SIGKILL)
+        except EngineDeadError as exc:
+            error = exc
+        assert error is not None
+        assert "worker 1 exited" in str(error)
+        assert outputs < 200
+        assert served.errored
+        with pytest.raises(EngineDeadError):
+            await served.add_request(PROMPTS[1], params)
+        await served.shutdown(1.0)
+
+    asyncio.run(asyncio.wait_for(main(), 60))
