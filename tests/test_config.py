@@ -71,7 +71,7 @@ def test_paths_and_defaults() -> None:
     assert config.model == "/some/model.gguf"
     spec = config.speculation  # on by default: "auto", the controller choosing drafts
     assert spec is not None
-    assert (spec.method, spec.adaptive_k, spec.k) == ("auto", True, 4)
+    assert (spec.method, spec.adaptive_k, spec.k) == ("auto", True, 8)  # k: a ceiling
     assert EngineConfig(speculative_config={"method": "off"}).speculation is None
     assert EngineConfig(speculative_config={"num_speculative_tokens": 6}).speculation == (
         SpeculativeConfig("auto", 6)
@@ -84,7 +84,7 @@ def test_paths_and_defaults() -> None:
 
 @pytest.mark.parametrize(
     ("method", "k", "threshold", "lookup_min"),
-    [("ngram", 4, 0.0, 1), ("draft_model", 4, 0.5, 1), ("hybrid", 4, 0.5, 2)],
+    [("ngram", 8, 0.0, 1), ("draft_model", 8, 0.5, 1), ("hybrid", 8, 0.5, 2)],
 )
 def test_speculation_defaults_per_method(
     method: str, k: int, threshold: float, lookup_min: int
@@ -94,3 +94,4 @@ def test_speculation_defaults_per_method(
     assert (spec.k, spec.confidence_threshold, spec.prompt_lookup_min) == (k, threshold, lookup_min)
     explicit = SpeculativeConfig(method, num_speculative_tokens=2, draft_confidence_threshold=0.0)
     assert (explicit.k, explicit.confidence_threshold) == (2, 0.0)
+    assert SpeculativeConfig(method, adaptive_k=False).k == 4  # fixed k: every step drafts k
