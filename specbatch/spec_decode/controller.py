@@ -179,7 +179,13 @@ class GoodputController:
         costs = np.where(valid, row[:, None, :] + np.array(extra)[None, :, None], 0.0)
         if DRAFT in self.ways:  # the backlog a draft model must catch up on, amortised
             backlog = np.array([_amortised_backlog(c) for c in candidates])
-            costs[:, self.ways.index(DRAFT), 0] += self._draft_fit[1] * backlog
+            # at the per-row cost of a forward of the catch-up's size, not of a one-row-per-
+            # sequence forward (whose slope, near one row, says little about 40 rows)
+            rows = sum(max(c.catch_up, 1) for c in candidates)
+            per_row = self._draft_fit[1]
+            if rows > len(candidates):
+                per_row = self.draft_times.fit(rows)[1]
+            costs[:, self.ways.index(DRAFT), 0] += per_row * backlog
         return gains, costs, valid
 
     def _solve(

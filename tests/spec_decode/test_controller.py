@@ -355,6 +355,25 @@ def test_a_draft_models_backlog_is_charged_over_the_steps_left() -> None:
     assert controller.plan([ending], 1, 1, 500.0, 100)[0].drafts == 0
 
 
+def test_a_backlog_costs_what_rows_cost_in_a_forward_of_its_size() -> None:
+    """Near one row a draft forward is flat (memory-bound: its slope there is ~0), but 40
+    catch-up rows cost 0.1 ms each: the backlog is charged at the slope of its own size."""
+    controller = GoodputController((DRAFT,))
+    for tokens in (1, 2, 4, 8, 16, 64, 256):
+        controller.observe_step(tokens, 1, 0.0, 0.02 + 0.0002 * tokens)
+    for rows in (1, 2, 3) * 4:
+        controller.observe_draft_forward(rows, 0.002)
+    for rows in (30, 40, 50) * 4:
+        controller.observe_draft_forward(rows, 0.002 + 0.0001 * rows)
+    with_rates(controller, {0: 0.5})
+    behind = Candidate(0, 4, 100, [], catch_up=41, remaining=20)  # 40 rows over 10 steps
+    _gains, costs, _valid = controller._options([behind], 1, 1)
+    local = controller._draft_fit[1]
+    assert local < 0.00002
+    first_row = controller._cost.row(100) + local
+    assert costs[0, 0, 0] - first_row == pytest.approx(0.0001 * 40 / 10, rel=0.1)
+
+
 def test_calibration_scales_a_ways_gains_and_recovers_when_unused() -> None:
     model = AcceptanceModel()
     assert model.calibration("draft") == 1.0
