@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import load_specbench, print_conditions
 from specbatch import LLM, SamplingParams
 from specbatch.batch import BatchJob
-from specbatch.batch.job import default_model_name
+from specbatch.models.default_model import served_model_name
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -63,9 +63,9 @@ def run_batch(
     engine = llm.llm_engine
     out = folder / f"results-{time.monotonic_ns()}.jsonl"
     start = time.perf_counter()
-    summary = BatchJob(engine, default_model_name(engine, args.model), progress=False).run(
-        source, out
-    )
+    summary = BatchJob(
+        engine, served_model_name(args.model, engine.model_path), progress=False
+    ).run(source, out)
     seconds = time.perf_counter() - start
     texts = {}
     for line in out.read_text().splitlines():

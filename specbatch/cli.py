@@ -307,12 +307,12 @@ def _add_run_batch(subparsers: argparse._SubParsersAction) -> None:
 
 def _run_batch(args: argparse.Namespace) -> int:
     from specbatch.batch import BatchJob, Shard
-    from specbatch.batch.job import default_model_name
     from specbatch.engine.llm_engine import LLMEngine
+    from specbatch.models.default_model import served_model_name
 
     shard = Shard.parse(args.shard)
     engine = LLMEngine(engine_config(args, max_num_seqs=args.max_num_seqs))
-    name = args.served_model_name or default_model_name(engine, args.model)
+    name = args.served_model_name or served_model_name(args.model, engine.model_path)
     job = BatchJob(engine, name, shard, progress=not args.no_progress)
     summary = job.run(args.input, args.output)
     print(

@@ -41,6 +41,7 @@ from specbatch.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     describe_validation_errors,
+    in_client_terms,
 )
 
 logger = logging.getLogger("specbatch")
@@ -374,10 +375,7 @@ class BatchJob:
                     self.engine.abort(request_id)
                 raise
         except InvalidRequestError as exc:
-            param = renames.get(exc.param or "", exc.param)
-            message = str(exc)
-            if exc.param and param and param != exc.param and message.startswith(exc.param):
-                message = param + message[len(exc.param) :]
+            message, param = in_client_terms(exc, renames)
             raise _LineError(message, 400, param) from None
         except ChatTemplateError as exc:
             raise _LineError(str(exc), 500, code="chat_template_error") from None
@@ -459,10 +457,3 @@ class BatchJob:
         while view:
             written = os.write(self._fd, view)
             view = view[written:]
-
-
-def default_model_name(engine: LLMEngine, given_model: str | None) -> str:
-    """The name a body's ``model`` must match: what ``serve`` lists at ``/v1/models``."""
-    from specbatch.models.default_model import DEFAULT_MODEL
-
-    return DEFAULT_MODEL if given_model is None else engine.model_path.name

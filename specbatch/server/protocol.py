@@ -206,6 +206,16 @@ class ChatCompletionRequest(_Request):
         return self.sampling_params(max_tokens, self.top_logprobs_per_token(), None)
 
 
+def in_client_terms(exc: InvalidRequestError, renames: Mapping[str, str]) -> tuple[str, str | None]:
+    """An engine error's ``(message, field)`` with the field as the client named it
+    (``renames``: the engine's name -> the request's)."""
+    param = renames.get(exc.param or "", exc.param)
+    message = str(exc)
+    if exc.param and param and param != exc.param and message.startswith(exc.param):
+        message = param + message[len(exc.param) :]
+    return message, param
+
+
 _UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 
 

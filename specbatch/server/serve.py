@@ -15,7 +15,7 @@ from specbatch.config import EngineConfig
 from specbatch.engine.async_engine import AsyncEngine
 from specbatch.engine.llm_engine import LLMEngine
 from specbatch.errors import ChatTemplateError
-from specbatch.models.default_model import DEFAULT_MODEL
+from specbatch.models.default_model import served_model_name
 from specbatch.server.app import ServerSettings, build_app
 
 logger = logging.getLogger("specbatch")
@@ -67,9 +67,7 @@ def serve(args: argparse.Namespace, config: EngineConfig) -> int:
         engine.tokenizer.compiled_chat_template()
     except ChatTemplateError as exc:
         logger.warning("%s: chat requests will get HTTP 500 (completions work)", exc)
-    name = args.served_model_name or (
-        DEFAULT_MODEL if args.model is None else engine.model_path.name
-    )
+    name = args.served_model_name or served_model_name(args.model, engine.model_path)
     settings = ServerSettings(
         served_model_name=name,
         api_key=args.api_key,
