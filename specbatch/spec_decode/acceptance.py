@@ -17,6 +17,12 @@ decayed sum the plans expected of them (``calibration``), applied to every gain 
 The sums also decay per step, so that a way no plan uses (its factor frozen low: nothing to
 correct it) returns to a factor of 1 and is judged on its rates again.
 
+A proposer may give fewer drafts than it was allotted (a draft model's confidence stop: it
+stops once its own probability that every draft so far is right falls below a threshold). Per
+(way, position) the chance that draft ``j`` is made given draft ``j - 1`` was is learned too
+(``made``): a draft that is not made costs nothing, and the drafts that are made are the
+confident ones, whose follow-on rates (learned from verifies of made drafts only) are higher.
+
 There is no separate exploration: a way a sequence has not used for a while drifts back to the
 population's rate, and is tried again if that rate pays at the current batch size. The
 population's rate starts at 0.5 with the weight of ``SHARED_WEIGHT`` outcomes, so that two
@@ -30,10 +36,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-DECAY = 0.9  # a sequence keeps this much of its history per outcome
+DECAY = 0.9  # a sequence keeps this much of its history per outcome (bursty ways) ...
+STEADY_DECAY = 0.97  # ... for a way whose rate is a property of the text, not of a span
 IDLE_DECAY = 0.97  # ... and this much per step without an outcome
 SHARED_DECAY = 0.99  # the same for the rates shared by all sequences
 PRIOR_WEIGHT = 2.0  # pseudo-outcomes at the population's rate behind each sequence's own
+STEADY_PRIOR_WEIGHT = 8.0  # ... for a steady way
 SHARED_PRIOR = 0.5  # the population's rate before any outcome
 SHARED_WEIGHT = 4.0  # ... its weight in pseudo-outcomes
 CALIBRATION_DECAY = 0.995  # per verified sequence, of the expected/accepted sums
@@ -66,10 +74,15 @@ class _SequenceRate:
 class AcceptanceModel:
     """Per (sequence, way) first-draft rates and per (way, position) follow-on rates."""
 
-    def __init__(self) -> None:
+    def __init__(self, steady: tuple[str, ...] = ()) -> None:
+        """``steady``: the ways whose acceptance holds over a text (a draft model), kept with
+        a longer memory than bursty ones (a lookup: right through a copied span, then not)."""
+        self._decay = {way: STEADY_DECAY for way in steady}
+        self._prior_weight = {way: STEADY_PRIOR_WEIGHT for way in steady}
         self._first: dict[tuple[int, str], _SequenceRate] = {}
         self._shared_first: dict[str, DecayedRate] = {}
         self._follow: dict[str, list[DecayedRate]] = {}
+        self._made: dict[str, list[DecayedRate]] = {}
         # way -> (accepted, expected, step of the last update)
         self._calibration: dict[str, tuple[float, float, int]] = {}
         self.step = 0  # advanced by the controller once per planned step
@@ -85,7 +98,7 @@ class AcceptanceModel:
         if state is None:
             return prior
         scale = IDLE_DECAY ** max(self.step - state.step, 0)
-        return state.rate.rate(prior, PRIOR_WEIGHT, scale)
+        return state.rate.rate(prior, self._prior_weight.get(way, PRIOR_WEIGHT), scale)
 
     def follow(self, way: str, count: int) -> np.ndarray:
         """Chance that draft ``j`` (1 .. count - 1) is accepted given draft ``j - 1`` was;
@@ -96,9 +109,27 @@ class AcceptanceModel:
             out[j] = rates[j].rate(SHARED_PRIOR, 1.0) if j < len(rates) else SHARED_PRIOR
         return out
 
+    def made(self, way: str, count: int) -> np.ndarray:
+        """Chance that draft ``j`` (0 .. count - 1) is made when ``count`` are allotted: the
+        proposer made every one before it and did not stop (1 until a proposer stops early:
+        a prior of one pseudo-outcome at "made")."""
+        rates = self._made.get(way, [])
+        going_on = np.ones(count)
+        for j in range(1, min(count, len(rates))):
+            going_on[j] = rates[j].rate(1.0, 1.0)
+        return np.cumprod(going_on)
+
+    def observe_made(self, way: str, allotted: int, made: int) -> None:
+        """The proposer made ``made`` of the ``allotted`` drafts of ``way``."""
+        rates = self._made.setdefault(way, [])
+        while len(rates) < allotted:
+            rates.append(DecayedRate())
+        for position in range(1, min(made + 1, allotted)):
+            rates[position].observe(position < made, SHARED_DECAY)
+
     def gains(self, seq_id: int, way: str, count: int) -> np.ndarray:
         """Chance that each of the next ``count`` drafts is emitted (it and every one before
-        it accepted)."""
+        it accepted), given that it is made."""
         return self.first(seq_id, way) * np.cumprod(self.follow(way, count))
 
     def observe(self, seq_id: int, way: str, num_drafts: int, num_accepted: int) -> None:
@@ -113,7 +144,7 @@ class AcceptanceModel:
         scale = IDLE_DECAY ** max(self.step - state.step, 0)
         state.rate.hits *= scale
         state.rate.total *= scale
-        state.rate.observe(first, DECAY)
+        state.rate.observe(first, self._decay.get(way, DECAY))
         state.step = self.step
         self._shared_first.setdefault(way, DecayedRate()).observe(first, SHARED_DECAY)
         follow = self._follow.setdefault(way, [])
@@ -123,15 +154,16 @@ class AcceptanceModel:
             follow[position].observe(position < num_accepted, SHARED_DECAY)
 
     def calibration(self, way: str) -> float:
-        """Drafts of ``way`` accepted per draft the plans expected to be (decayed, with a
-        prior of 1), within ``CALIBRATION_RANGE``."""
+        """Drafts of ``way`` accepted per draft the plans expected to be by the uncalibrated
+        estimates (decayed, with a prior of 1), within ``CALIBRATION_RANGE``."""
         accepted, expected = self._calibration_sums(way)
         factor = (accepted + CALIBRATION_PRIOR) / (expected + CALIBRATION_PRIOR)
         return min(max(factor, CALIBRATION_RANGE[0]), CALIBRATION_RANGE[1])
 
     def calibrate(self, way: str, expected: float, accepted: int) -> None:
-        """A verify of a plan's drafts: ``expected`` accepted by its estimates, ``accepted``
-        in fact."""
+        """A verify of a plan's drafts: ``expected`` accepted by its estimates before
+        calibration (against calibrated ones the factor would settle at the square root of
+        the bias), ``accepted`` in fact."""
         old_accepted, old_expected = self._calibration_sums(way)
         self._calibration[way] = (
             CALIBRATION_DECAY * old_accepted + accepted,

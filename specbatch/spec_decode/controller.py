@@ -73,7 +73,8 @@ class Candidate:
 class Choice:
     way: str | None  # None: no drafts
     drafts: int
-    # accepted drafts expected, by the estimates it was chosen on, if it gets 1, 2, ... drafts
+    # accepted drafts expected, by the uncalibrated estimates it was chosen on, if the
+    # proposer makes 1, 2, ... drafts
     expected: tuple[float, ...] = ()
 
 
@@ -98,7 +99,7 @@ class GoodputController:
         self.hurdle = hurdle
         self.times = StepTimes()
         self.draft_times = ForwardTimes()
-        self.acceptance = AcceptanceModel()
+        self.acceptance = AcceptanceModel(steady=(DRAFT, EXTERNAL))
         self.external_seconds_per_draft = 0.0
         self.report = PlanReport()
 
@@ -117,18 +118,19 @@ class GoodputController:
         if not candidates or not max(c.slots for c in candidates):
             self.report = PlanReport(candidates=len(candidates))
             return [Choice(None, 0) for _ in candidates]
-        gains, costs, valid = self._options(candidates, base_tokens, base_seqs)
+        options = self._options(candidates, base_tokens, base_seqs)
+        gains, costs, valid = options.gains, options.costs, options.valid
         expected_gain = 1.0
         if not self.times.ready:  # measure what drafts cost: every slot, the likeliest way
             chosen = _all_slots(gains, valid)
         else:
             base = self._cost.seconds(base_tokens, base_seqs, base_pairs)
-            chosen, ratio = self._solve(gains, costs, valid, len(candidates), base)
+            chosen, ratio = self._solve(options, len(candidates), base)
             expected_gain = ratio * base / len(candidates)
         chosen = _within_budget(chosen, gains, costs, max(budget, 0))
-        cum_gains = np.cumsum(gains, axis=2)
+        expected = np.cumsum(options.uncalibrated, axis=2)
         choices = [
-            Choice(self.ways[w], d + 1, tuple(cum_gains[i, w, : d + 1].tolist()))
+            Choice(self.ways[w], d + 1, tuple(expected[i, w, : d + 1].tolist()))
             if d >= 0
             else Choice(None, 0)
             for i, (w, d) in enumerate(chosen)
@@ -136,11 +138,10 @@ class GoodputController:
         self._report(candidates, choices, base_tokens, base_seqs, base_pairs, expected_gain)
         return choices
 
-    def _options(
-        self, candidates: list[Candidate], base_tokens: int, base_seqs: int
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _options(self, candidates: list[Candidate], base_tokens: int, base_seqs: int) -> _Options:
         """Per candidate, way and draft position: the chance it is emitted, the seconds it
-        adds (the draft model's per-forward cost aside), whether it may be drafted."""
+        adds (the draft model's per-forward cost aside), whether it may be drafted; each
+        weighted by the chance that the proposer makes it when allotted."""
         most = max(c.slots for c in candidates)
         self._cost = cost = self.times.fit(base_tokens + most / 2, base_seqs)
         self._draft_fit = self.draft_times.fit(len(candidates)) if DRAFT in self.ways else (0, 0)
@@ -162,8 +163,9 @@ class GoodputController:
         positions = np.arange(most)
         valid = positions[None, None, :] < usable[:, :, None]
         calibration = np.array([acceptance.calibration(way) for way in self.ways])
-        gains = np.where(valid, calibration[None, :, None] * first[:, :, None] * follow[None], 0.0)
-        gains = np.minimum(gains, 1.0)
+        uncalibrated = np.where(valid, first[:, :, None] * follow[None], 0.0)
+        made = np.stack([acceptance.made(way, most) for way in self.ways])[None]
+        gains = np.minimum(calibration[None, :, None] * uncalibrated, 1.0) * made
         context = np.array([c.context for c in candidates], dtype=np.float64)
         row = cost.per_token + cost.per_pair * (context[:, None] + positions[None, :])
         # a draft-model draft adds a row to a draft forward (the first: one catch-up row, see
@@ -176,7 +178,7 @@ class GoodputController:
             else 0.0
             for way in self.ways
         ]
-        costs = np.where(valid, row[:, None, :] + np.array(extra)[None, :, None], 0.0)
+        costs = np.where(valid, row[:, None, :] + np.array(extra)[None, :, None], 0.0) * made
         if DRAFT in self.ways:  # the backlog a draft model must catch up on, amortised
             backlog = np.array([_amortised_backlog(c) for c in candidates])
             # at the per-row cost of a forward of the catch-up's size, not of a one-row-per-
@@ -186,16 +188,24 @@ class GoodputController:
             if rows > len(candidates):
                 per_row = self.draft_times.fit(rows)[1]
             costs[:, self.ways.index(DRAFT), 0] += per_row * backlog
-        return gains, costs, valid
+        return _Options(gains, costs, valid, uncalibrated, made[0])
 
     def _solve(
-        self, gains: np.ndarray, costs: np.ndarray, valid: np.ndarray, seqs: int, base: float
+        self, options: _Options, seqs: int, base: float
     ) -> tuple[list[tuple[int, int]], float]:
         """The goodput-maximising (way, last draft index) per candidate (-1: none), and that
         goodput in tokens per second."""
-        cum_gains, cum_costs = np.cumsum(gains, axis=2), np.cumsum(costs, axis=2)
+        gains, valid = options.gains, options.valid
+        cum_gains, cum_costs = np.cumsum(gains, axis=2), np.cumsum(options.costs, axis=2)
         draft = self.ways.index(DRAFT) if DRAFT in self.ways else None
         depths = range(gains.shape[2] + 1) if draft is not None else (0,)
+        forwards = np.zeros(gains.shape[2] + 1)
+        if draft is not None:
+            # draft forward j runs when any sequence allotted more than j drafts made j of
+            # them: exact for one sequence, an upper bound (all of them allotted) for more
+            drafting = valid[:, draft].sum(axis=0)
+            runs = 1.0 - (1.0 - options.made[draft]) ** np.maximum(drafting, 1)
+            forwards[1:] = np.cumsum(runs)
         per_forward = self._draft_fit[0]
         plain = seqs / base
         best: tuple[list[tuple[int, int]], float] = ([(0, -1)] * seqs, plain * (1 + self.hurdle))
@@ -207,7 +217,7 @@ class GoodputController:
             if depth and not allowed[:, draft].any():
                 break
             chosen, ratio = _dinkelbach(
-                cum_gains, cum_costs, allowed, seqs, base + per_forward * depth, best[1]
+                cum_gains, cum_costs, allowed, seqs, base + per_forward * forwards[depth], best[1]
             )
             if ratio > best[1] * (1 + EPSILON):
                 best = chosen, ratio
@@ -275,8 +285,23 @@ class GoodputController:
         if expected is not None:
             self.acceptance.calibrate(way, expected, num_accepted)
 
+    def observe_made(self, way: str, allotted: int, made: int) -> None:
+        """The proposer of ``way`` made ``made`` of the ``allotted`` drafts a plan gave."""
+        self.acceptance.observe_made(way, allotted, made)
+
     def forget(self, seq_id: int) -> None:
         self.acceptance.forget(seq_id)
+
+
+@dataclass(frozen=True)
+class _Options:
+    """Per candidate, way and draft position (``made``: per way and position)."""
+
+    gains: np.ndarray  # chance the draft is emitted: made, accepted, calibrated
+    costs: np.ndarray  # seconds it adds if allotted (times the chance it is made)
+    valid: np.ndarray  # whether it may be drafted
+    uncalibrated: np.ndarray  # chance it is accepted once made, before calibration
+    made: np.ndarray  # chance the proposer makes it when allotted
 
 
 def _amortised_backlog(candidate: Candidate) -> float:

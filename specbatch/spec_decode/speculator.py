@@ -227,9 +227,11 @@ class Speculator:
         sequence's computed tokens cover them: proposers roll their own state back to it."""
         if num_drafts:
             seq.spec.record(num_drafts, num_accepted)
-            way = self._used.get(seq.seq_id)
-            choice = self._plan.get(seq.seq_id)
-            if self.controller is not None and way is not None and choice is not None:
+        way = self._used.get(seq.seq_id)
+        choice = self._plan.get(seq.seq_id)
+        if self.controller is not None and way is not None and choice is not None:
+            self.controller.observe_made(way, choice.drafts, num_drafts)
+            if num_drafts:
                 # what the plan expected of the drafts the proposer did give (a draft model
                 # may stop early): an early stop is not a miss
                 expected = choice.expected[min(num_drafts, len(choice.expected)) - 1]

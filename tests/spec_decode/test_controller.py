@@ -367,7 +367,7 @@ def test_a_backlog_costs_what_rows_cost_in_a_forward_of_its_size() -> None:
         controller.observe_draft_forward(rows, 0.002 + 0.0001 * rows)
     with_rates(controller, {0: 0.5})
     behind = Candidate(0, 4, 100, [], catch_up=41, remaining=20)  # 40 rows over 10 steps
-    _gains, costs, _valid = controller._options([behind], 1, 1)
+    costs = controller._options([behind], 1, 1).costs
     local = controller._draft_fit[1]
     assert local < 0.00002
     first_row = controller._cost.row(100) + local
@@ -383,3 +383,69 @@ def test_calibration_scales_a_ways_gains_and_recovers_when_unused() -> None:
     assert model.calibration("draft") == pytest.approx(0.5, abs=0.05)
     model.step += 1000  # no plan used the way since: its factor is 1 again
     assert model.calibration("draft") == pytest.approx(1.0, abs=0.01)
+
+
+def test_made_rates_follow_a_proposer_that_stops_early() -> None:
+    model = AcceptanceModel()
+    assert model.made("draft", 4).tolist() == [1.0, 1.0, 1.0, 1.0]  # until one stops early
+    for _ in range(300):  # allotted 4, the proposer stops after 2
+        model.observe_made("draft", 4, 2)
+    made = model.made("draft", 4)
+    assert made[:2].tolist() == [1.0, 1.0]
+    assert made[2] < 0.02
+    assert made[3] <= made[2]
+    for _ in range(300):  # now it makes the third half of the time
+        model.observe_made("draft", 4, 2)
+        model.observe_made("draft", 4, 3)
+    assert model.made("draft", 4)[2] == pytest.approx(0.5, abs=0.05)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_a_plan_counts_only_the_drafts_a_proposer_makes(seed: int) -> None:
+    """A draft model with a confidence stop makes draft j only with chance made_j: a draft
+    it does not make costs no forward and no row. At batch 1 the plan must be the exact
+    optimum of expected tokens over expected seconds (both weighted by made)."""
+    rng = np.random.default_rng(200 + seed)
+    controller = GoodputController((DRAFT,), hurdle=0.0)
+    fixed, per_token = float(rng.uniform(0.005, 0.03)), float(rng.choice([1e-5, 1e-4, 1e-3]))
+    for tokens in (1, 2, 4, 8, 16, 32):
+        controller.observe_step(tokens, 1, 0.0, fixed + per_token * tokens)
+    per_forward = float(rng.uniform(0.1, 0.5)) * fixed
+    for rows in (1, 2, 3):
+        controller.observe_draft_forward(rows, per_forward)
+    first, follow = float(rng.uniform(0.1, 0.6)), float(rng.uniform(0.3, 0.9))
+    with_rates(controller, {0: first}, follow=follow)
+    going_on = float(rng.uniform(0.1, 0.9))  # the proposer goes on past a draft this often
+    slots = 6
+    for _ in range(500):
+        made = 1
+        while made < slots and rng.random() < going_on:
+            made += 1
+        controller.observe_made(DRAFT, slots, made)
+    made = controller.acceptance.made(DRAFT, slots)
+    gains = controller.acceptance.gains(0, DRAFT, slots)
+
+    def ratio(count: int) -> float:
+        tokens = 1 + float((made[:count] * gains[:count]).sum())
+        seconds = fixed + per_token * (1 + float(made[:count].sum()))
+        return tokens / (seconds + per_forward * float(made[:count].sum()))
+
+    choice = controller.plan([Candidate(0, slots, 0, [])], 1, 1, 0.0, 100)[0]
+    assert ratio(choice.drafts) == pytest.approx(max(ratio(n) for n in range(slots + 1)), 1e-6)
+    # what the plan expects of the drafts made, for calibration: not weighted by made
+    assert choice.expected == pytest.approx(np.cumsum(gains)[: choice.drafts].tolist())
+
+
+def test_calibration_settles_at_the_true_bias() -> None:
+    """Estimates twice the truth: the factor goes to 0.5 (against calibrated expectations it
+    would settle at the square root, 0.71)."""
+    controller = GoodputController(("external",), hurdle=0.0)
+    for tokens in (1, 2, 4, 8):
+        controller.observe_step(tokens, 1, 0.0, 0.01 + 1e-6 * tokens)
+    with_rates(controller, {0: 0.8}, follow=0.0)  # one draft is all that may be right
+    rng = random.Random(0)
+    for _ in range(3000):
+        choice = controller.plan([Candidate(0, 1, 0, [])], 1, 1, 0.0, 10)[0]
+        assert choice.drafts == 1
+        controller.observe_verify(0, "external", 1, int(rng.random() < 0.4), choice.expected[0])
+    assert controller.acceptance.calibration("external") == pytest.approx(0.5, abs=0.05)
