@@ -50,3 +50,23 @@ def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     buffer = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     flat = torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes)
     return flat.view(dtype).view(shape)
+
+
+def move_slots(caches: list[LayerKVCache], sources: torch.Tensor, targets: torch.Tensor) -> None:
+    """Copy the K/V of cache slots ``sources`` to ``targets`` in every layer, in place.
+
+    A tree's accepted path was written at the slots of its nodes' indices in the tree; this
+    moves it to the sequence's contiguous positions (its K/V were computed at the rotary
+    positions of their depths, which are those positions). Every source is read before any
+    target is written, so moves that overlap (a path node moving onto a slot another node
+    leaves) are safe. Slots are ``block * block_size + offset``; a slot must not be both the
+    target of one move and the source of a later one that should see the old value.
+    """
+    if not len(sources):
+        return
+    if len(sources) != len(targets):
+        raise ValueError("move_slots needs one target slot per source slot")
+    for key_cache, value_cache in caches:
+        for cache in (key_cache, value_cache):
+            flat = cache.view(-1, *cache.shape[2:])
+            flat[targets.to(cache.device)] = flat[sources.to(cache.device)]

@@ -1,4 +1,11 @@
-"""Flattening a step's per-sequence token runs into one ragged batch (host arrays)."""
+"""Flattening a step's per-sequence token runs into one ragged batch (host arrays).
+
+A run's drafts may form a tree (``draft_parents``): each node is computed at the rotary
+position of its depth, written at the cache slot of its index in the run (so siblings do not
+overwrite each other), and attends to the sequence's cache and to its ancestors only (the
+step's tree mask). After verification the accepted path's K/V move to the sequence's
+contiguous positions (:func:`specbatch.cache.kv_tensors.move_slots`).
+"""
 
 from __future__ import annotations
 
@@ -23,6 +30,42 @@ class TokenRun:
     # Trailing filler tokens that get no cache slot (PAD_SLOT): computed only so that a step
     # keeps the uniform shape of a CUDA graph; nothing reads their K/V or their outputs.
     num_unslotted: int = 0
+    # The drafts as a tree: draft i follows draft ``draft_parents[i]`` (an earlier one), or
+    # the run's first token for -1. None: a chain.
+    draft_parents: Sequence[int] | None = None
+
+    def __post_init__(self) -> None:
+        parents = self.draft_parents
+        if parents is None:
+            return
+        if len(parents) != self.num_drafts or not self.is_decode:
+            raise ValueError("a draft tree needs one token, its drafts and a parent per draft")
+        if any(not -1 <= parent < i for i, parent in enumerate(parents)):
+            raise ValueError("a draft's parent must be -1 or an earlier draft")
+
+    def offsets(self) -> np.ndarray:
+        """Each token's position past ``start_position``: its index, or its depth in a tree
+        (fillers after a tree: their index)."""
+        offsets = np.arange(len(self.token_ids))
+        for i, parent in enumerate(self.draft_parents or ()):
+            offsets[1 + i] = offsets[parent + 1] + 1
+        return offsets
+
+    def tree_mask(self, width: int) -> np.ndarray:
+        """``[len(token_ids), width]``: which of the run's tokens each one attends to."""
+        count = len(self.token_ids)
+        mask = np.zeros((count, width), dtype=bool)
+        mask[:, :count] = np.tri(count, dtype=bool)  # causal (fillers too: nothing reads them)
+        if self.draft_parents is not None:
+            nodes = 1 + len(self.draft_parents)
+            mask[:nodes, :nodes] = False
+            for row in range(nodes):  # itself and its ancestors (draft i is token 1 + i)
+                token = row
+                while token > 0:
+                    mask[row, token] = True
+                    token = self.draft_parents[token - 1] + 1
+                mask[row, 0] = True
+        return mask
 
     @property
     def is_decode(self) -> bool:
@@ -41,6 +84,7 @@ class TokenRun:
             self.block_table,
             self.num_drafts,
             self.num_unslotted + fillers,
+            self.draft_parents,
         )
 
 
@@ -84,15 +128,25 @@ def flatten(runs: Sequence[TokenRun], block_size: int) -> FlatBatch:
         block_tables[b, : len(run.block_table)] = run.block_table
 
     run_of_token = np.repeat(np.arange(len(runs)), query_lens)
-    offsets = np.arange(total) - query_start[:-1][run_of_token]
+    offsets = np.arange(total) - query_start[:-1][run_of_token]  # index in the run: the slot
     positions = starts[run_of_token] + offsets
+    trees = [b for b, r in enumerate(runs) if r.draft_parents is not None]
+    tree_mask = None
+    if trees:  # the rotary position is the depth; every run gets its row of the mask
+        width = int(query_lens.max())
+        tree_mask = np.concatenate([r.tree_mask(width) for r in runs])
+        for b in trees:
+            rows = slice(int(query_start[b]), int(query_start[b + 1]))
+            positions[rows] = starts[b] + runs[b].offsets()
+    slot_positions = starts[run_of_token] + offsets
     slots = (
-        block_tables[run_of_token, positions // block_size] * block_size + positions % block_size
+        block_tables[run_of_token, slot_positions // block_size] * block_size
+        + slot_positions % block_size
     )
     unslotted = np.fromiter((r.num_unslotted for r in runs), dtype=np.int64, count=len(runs))
     filler = offsets >= (query_lens - unslotted)[run_of_token]
     held = np.fromiter((len(r.block_table) for r in runs), dtype=np.int64, count=len(runs))
-    if np.any(~filler & (positions // block_size >= held[run_of_token])):
+    if np.any(~filler & (slot_positions // block_size >= held[run_of_token])):
         raise ValueError("a token to compute lies past its sequence's blocks")
     slots[filler] = PAD_SLOT
     input_ids = np.fromiter((t for r in runs for t in r.token_ids), dtype=np.int64, count=total)
@@ -102,6 +156,7 @@ def flatten(runs: Sequence[TokenRun], block_size: int) -> FlatBatch:
         block_tables=block_tables,
         slot_mapping=slots,
         block_size=block_size,
+        tree_mask=tree_mask,
         kv_lens=starts + query_lens - unslotted if unslotted.any() else None,
     )
     return FlatBatch(input_ids, positions, attention, query_start)
