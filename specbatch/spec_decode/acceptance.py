@@ -36,9 +36,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-DECAY = 0.9  # a sequence keeps this much of its history per outcome (bursty ways) ...
-STEADY_DECAY = 0.97  # ... for a way whose rate is a property of the text, not of a span
+DECAY = 0.9  # a sequence keeps this much of its history per outcome ...
 IDLE_DECAY = 0.97  # ... and this much per step without an outcome
+STEADY_DECAY = 0.97  # per outcome, for a way whose rate is the text's, not a span's (a draft model)
 SHARED_DECAY = 0.99  # the same for the rates shared by all sequences
 PRIOR_WEIGHT = 2.0  # pseudo-outcomes at the population's rate behind each sequence's own
 STEADY_PRIOR_WEIGHT = 8.0  # ... for a steady way
