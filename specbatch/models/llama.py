@@ -19,7 +19,13 @@ from specbatch.errors import ModelLoadError
 from specbatch.kernels import cpu_ops
 from specbatch.kernels.attention import AttentionBackend, LayerKVCache
 from specbatch.kernels.gguf_linear import QuantizedWeight, quantized_linear
-from specbatch.kernels.linear import Linear, cpu_packing_supported, pack_weight, packed_linear
+from specbatch.kernels.linear import (
+    Linear,
+    cpu_packing_supported,
+    measure_row_padding,
+    pack_weight,
+    packed_linear,
+)
 from specbatch.models.config import ModelConfig
 from specbatch.models.fused_layers import FusedLayers
 from specbatch.models.rotary import RotaryEmbedding, apply_rotary
@@ -166,6 +172,7 @@ class LlamaForCausalLM(nn.Module):
         if not config.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self._packed_tied_head: torch.Tensor | None = None
+        self._row_padding: tuple[int, ...] = ()  # of the packed products (pack_for_cpu)
         self._quantized_tied_head: QuantizedWeight | None = None
         self.fused = FusedLayers(self)
         self._token_maps: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -232,7 +239,7 @@ class LlamaForCausalLM(nn.Module):
             return quantized_linear(hidden, self._quantized_tied_head)
         if self._packed_tied_head is not None:
             vocab = self.local_config.vocab_size
-            return packed_linear(hidden, self._packed_tied_head, None, vocab)
+            return packed_linear(hidden, self._packed_tied_head, None, vocab, self._row_padding)
         return F.linear(hidden, self.model.embed_tokens.weight)
 
     def weight_bytes(self) -> int:
@@ -284,7 +291,23 @@ class LlamaForCausalLM(nn.Module):
                 module.pack()
         if self.lm_head is None and self._quantized_tied_head is None:
             self._packed_tied_head = pack_weight(self.model.embed_tokens.weight.detach())
+        self._measure_row_padding()
         return True
+
+    def _measure_row_padding(self) -> None:
+        """Give every packed product the row padding measured on this model's own layers."""
+        linears = [m for m in self.modules() if isinstance(m, Linear) and m.packed is not None]
+        if not linears:
+            return
+        for module in linears:  # measured as they are, unpadded
+            module.row_padding = ()
+        with torch.no_grad():
+            padding = measure_row_padding(
+                [m.forward for m in linears], [m.in_features for m in linears], self.dtype
+            )
+        for module in linears:
+            module.row_padding = padding
+        self._row_padding = padding
 
     def use_quantized_weights(self, weights: Iterable[tuple[str, str, np.ndarray]]) -> set[str]:
         """Keep the matrices given as GGUF blocks (``(hf_name, kind, raw rows)``, see
