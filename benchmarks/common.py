@@ -70,6 +70,18 @@ def median_and_spread(values: Sequence[float]) -> tuple[float, float]:
     return statistics.median(values), (max(values) - min(values)) / 2
 
 
+def median_seconds(fn: Callable[[], object], repeats: int, warmup: int = 3) -> float:
+    """The median wall time of ``fn`` over ``repeats`` calls, after ``warmup`` untimed ones."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
 def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
     start = time.perf_counter()
     result = fn()

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -37,7 +36,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
 
-from benchmarks.common import load_specbench, print_conditions, rss_bytes, write_json
+from benchmarks.common import (
+    load_specbench,
+    median_seconds,
+    print_conditions,
+    rss_bytes,
+    write_json,
+)
 from specbatch import LLMEngine, SamplingParams
 from specbatch.config import EngineConfig
 from specbatch.engine.kv_sizing import release_freed_memory
@@ -188,14 +193,7 @@ def linear_floor(engine: LLMEngine, repeats: int = 20) -> float:
             module(inputs[id(module)])
         model.compute_logits(hidden)
 
-    for _ in range(3):
-        step()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    return 1.0 / statistics.median(times)
+    return 1.0 / median_seconds(step, repeats)
 
 
 def generate(

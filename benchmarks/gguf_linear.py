@@ -21,9 +21,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import print_conditions, write_json
+from benchmarks.common import median_seconds, print_conditions, write_json
 from specbatch.kernels.gguf_linear import BLOCK_BYTES, QuantizedWeight, quantized_linear
 from specbatch.kernels.linear import cpu_packing_supported, pack_weight, packed_linear
 
@@ -69,14 +67,7 @@ def random_blocks(rng: np.random.Generator, kind: str, n: int, k: int) -> np.nda
 
 
 def median_us(calls: Callable[[], object], repeats: int) -> float:
-    for _ in range(3):
-        calls()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        calls()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e6
+    return median_seconds(calls, repeats) * 1e6
 
 
 @dataclass

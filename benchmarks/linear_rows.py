@@ -13,33 +13,18 @@ that); this prints what this machine does.
 
 from __future__ import annotations
 
-import statistics
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import print_conditions
+from benchmarks.common import median_seconds, print_conditions
 from specbatch.kernels.linear import cpu_packing_supported, pack_weight, packed_linear
 
 SHAPES = [(960, 576), (3072, 576), (576, 576), (576, 1536)]  # (out, in)
 LAYERS = 30
-
-
-def timed(fn: Callable[[], object], repeats: int) -> float:
-    """Median milliseconds of ``fn`` over ``repeats`` runs, after a warm-up."""
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return 1000 * statistics.median(times)
 
 
 def main() -> None:
@@ -72,7 +57,7 @@ def main() -> None:
             return [x[t.shape[0]] @ t for t in transposed]
 
         ms = [
-            timed(fn, 15) if packed or fn is not model_path else float("nan")
+            1000 * median_seconds(fn, 15) if packed or fn is not model_path else float("nan")
             for fn in (model_path, linear, matmul)
         ]
         print(f"{m:>4} {ms[0]:>10.2f} {ms[1]:>12.2f} {ms[2]:>11.2f}")

@@ -432,6 +432,11 @@ def test_a_plan_counts_only_the_drafts_a_proposer_makes(seed: int) -> None:
 
     choice = controller.plan([Candidate(0, slots, 0, [])], 1, 1, 0.0, 100)[0]
     assert ratio(choice.drafts) == pytest.approx(max(ratio(n) for n in range(slots + 1)), 1e-6)
+    # the choice is the same whatever made is (gain and cost carry the same factor); what the
+    # plan expects of it is not: its goodput over the plain step's
+    assert controller.report.expected_gain == pytest.approx(
+        ratio(choice.drafts) * (fixed + per_token), rel=1e-5
+    )
     # what the plan expects of the drafts made, for calibration: not weighted by made
     assert choice.expected == pytest.approx(np.cumsum(gains)[: choice.drafts].tolist())
 
