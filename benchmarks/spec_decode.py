@@ -64,13 +64,21 @@ class Timer:
         return self.seconds / self.calls if self.calls else 0.0
 
 
-PROPOSER_OPTIONS = {"k": int, "min": int, "max": int, "conf": float, "adaptive": int}
+PROPOSER_OPTIONS = {
+    "k": int,
+    "min": int,
+    "max": int,
+    "conf": float,
+    "adaptive": int,
+    "tree": int,
+}
 
 
 def proposer_config(spec: str, args: argparse.Namespace) -> dict[str, Any] | None:
     """``name[:key=value,...]`` (name default, ngram, draft or hybrid; keys k, min, max, conf,
-    adaptive) as a speculative_config, the command-line defaults filling what the spec leaves
-    out; None for a plain ``default`` (``default:k=8``: auto with that k)."""
+    adaptive, tree: lookup trees) as a speculative_config, the command-line defaults filling
+    what the spec leaves out; None for a plain ``default`` (``default:k=8``: auto with that
+    k; ``default:tree=1``: auto with lookup trees)."""
     name, _, rest = spec.partition(":")
     if name not in ("default", "ngram", "draft", "hybrid"):
         raise SystemExit(f"--proposers: unknown proposer {name!r} in {spec!r}")
@@ -81,9 +89,14 @@ def proposer_config(spec: str, args: argparse.Namespace) -> dict[str, Any] | Non
             raise SystemExit(f"--proposers: unknown option {key!r} in {spec!r}")
         options[key] = PROPOSER_OPTIONS[key](value)
     if name == "default":  # auto, with only what the spec names changed
-        if set(options) - {"k"}:
-            raise SystemExit(f"--proposers: default takes only k, got {spec!r}")
-        return {"num_speculative_tokens": options["k"]} if options else None
+        if set(options) - {"k", "tree"}:
+            raise SystemExit(f"--proposers: default takes only k and tree, got {spec!r}")
+        auto: dict[str, Any] = {}
+        if "k" in options:
+            auto["num_speculative_tokens"] = options["k"]
+        if "tree" in options:
+            auto["lookup_tree"] = bool(options["tree"])
+        return auto or None
     config: dict[str, Any] = {
         "method": "draft_model" if name == "draft" else name,
         "num_speculative_tokens": options.get("k", args.k),
@@ -92,6 +105,7 @@ def proposer_config(spec: str, args: argparse.Namespace) -> dict[str, Any] | Non
     if name != "draft":
         config["prompt_lookup_min"] = options.get("min", args.ngram_min)
         config["prompt_lookup_max"] = options.get("max", args.ngram_max)
+        config["lookup_tree"] = bool(options.get("tree", 0))
     if name != "ngram":
         config["model"] = args.draft_model
         config["draft_confidence_threshold"] = options.get("conf", args.draft_confidence)
@@ -182,7 +196,7 @@ def main() -> None:
         default=["ngram"],
         help="ngram, draft or hybrid, each optionally with options: 'hybrid:min=2,conf=0.3' "
         "(k, min and max n-gram length, conf: draft confidence threshold, adaptive=1: "
-        "adaptive_k)",
+        "adaptive_k, tree=1: lookup trees); 'default:tree=1' is auto with lookup trees",
     )
     parser.add_argument("--draft-model", default=None)
     parser.add_argument("-k", type=int, default=4)

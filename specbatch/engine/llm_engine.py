@@ -37,6 +37,7 @@ from specbatch.sequence import Sequence
 from specbatch.spec_decode.factory import build_speculator
 from specbatch.spec_decode.proposer import Proposal, Proposer
 from specbatch.spec_decode.rejection import VerifyResult
+from specbatch.spec_decode.tree_verify import node_depths
 
 if TYPE_CHECKING:
     from specbatch.parallel.workers import TensorParallelGroup, TensorParallelRunner
@@ -58,6 +59,8 @@ class EngineStats:
     num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    num_tree_drafts: int = 0  # sequence-steps whose drafts were a tree (of num_drafts)
+    num_tree_moves: int = 0  # accepted tree nodes whose K/V moved to their position
     num_running: int = 0
     num_waiting: int = 0
     kv_cache_usage: float = 0.0
@@ -263,12 +266,18 @@ class LLMEngine:
             [s.seq for s in sampling], [s.num_lookahead for s in sampling]
         )
         drafts = dict(zip((s.seq.seq_id for s in sampling), proposal.tokens, strict=True))
-        runs = [_token_run(s, drafts.get(s.seq.seq_id, [])) for s in scheduled]
+        parents = {s.seq.seq_id: proposal.parents_of(i) for i, s in enumerate(sampling)}
+        runs = [
+            _token_run(s, drafts.get(s.seq.seq_id, []), parents.get(s.seq.seq_id))
+            for s in scheduled
+        ]
         rows, prompt_rows = _logit_rows(scheduled, drafts)
         logits = self.runner.execute(runs, rows)
         num_sampling_rows = len(rows.run) - len(prompt_rows)
         target_logits = logits[:num_sampling_rows]
         result = self.speculator.verify(target_logits, [s.seq for s in sampling], proposal)
+        if result.accepted_nodes is not None:  # before the cache commits a block of the path
+            self._move_accepted_paths(sampling, result)
         if prompt_rows:
             self._record_prompt_logprobs(prompt_rows, logits[num_sampling_rows:])
         for s in scheduled:
@@ -279,8 +288,12 @@ class LLMEngine:
         touched = self._append(sampling, proposal, result, target_logits)
         accepted = {s.seq.seq_id: n for s, n in zip(sampling, result.num_accepted, strict=True)}
         finished = self.scheduler.update_from_output(plan, accepted)
-        for s, drafted, n in zip(sampling, proposal.tokens, result.num_accepted, strict=True):
-            self.speculator.on_verified(s.seq, len(drafted), n)
+        for i, (s, drafted, n) in enumerate(
+            zip(sampling, proposal.tokens, result.num_accepted, strict=True)
+        ):
+            tree = proposal.parents_of(i)
+            depth = None if tree is None else max(node_depths(tree), default=0)
+            self.speculator.on_verified(s.seq, len(drafted), n, depth)
         for seq in finished:
             self.speculator.forget(seq)
         self.speculator.observe_step(
@@ -292,6 +305,24 @@ class LLMEngine:
         self._record_plan()
         self._update_gauges()
         return self._outputs(touched)
+
+    def _move_accepted_paths(self, sampling: list[ScheduledSequence], result: VerifyResult) -> None:
+        """A tree's accepted path was computed at the cache slots of its nodes' indices: its
+        K/V move to the sequence's next positions (in every cache the step wrote)."""
+        block_size = self.config.block_size
+        sources: list[int] = []
+        targets: list[int] = []
+        for s, nodes in zip(sampling, result.accepted_nodes or (), strict=True):
+            seq = s.seq
+            first = seq.num_computed_tokens + s.num_new_tokens  # where draft 0 was written
+            for depth, node in enumerate(nodes):
+                if node != depth:
+                    for position, out in ((first + node, sources), (first + depth, targets)):
+                        block = seq.block_table[position // block_size]
+                        out.append(block * block_size + position % block_size)
+        self.stats.num_tree_moves += len(sources)
+        if sources:
+            self.runner.move_slots(sources, targets)
 
     def _record_plan(self) -> None:
         controller = self.speculator.controller
@@ -319,8 +350,8 @@ class LLMEngine:
         bonus token) through its request's stop rules, with their logprobs."""
         touched: dict[str, RequestState] = {}
         first_row = 0
-        for s, drafted, accepted, new_tokens in zip(
-            sampling, proposal.tokens, result.num_accepted, result.tokens, strict=True
+        for i, (s, drafted, accepted, new_tokens) in enumerate(
+            zip(sampling, proposal.tokens, result.num_accepted, result.tokens, strict=True)
         ):
             seq = s.seq
             state = self.requests[seq.request_id]
@@ -328,9 +359,11 @@ class LLMEngine:
                 self.stats.num_drafts += 1
                 self.stats.num_draft_tokens += len(drafted)
                 self.stats.num_accepted_tokens += accepted
+                self.stats.num_tree_drafts += proposal.parents_of(i) is not None
             positions = None
-            if seq.params.logprobs is not None:  # row j of the step emitted token j
-                rows = logits[first_row : first_row + len(new_tokens)]
+            if seq.params.logprobs is not None:  # the root's row, then the path's nodes' rows
+                emitted = [first_row] + [first_row + 1 + node for node in result.path(i)]
+                rows = logits[emitted[: len(new_tokens)]]
                 entries = ranked_logprobs(rows, new_tokens, seq.params.logprobs)
                 positions = [state.decode_logprobs(e) for e in entries]
             self.stats.num_generation_tokens += state.append_tokens(
@@ -416,11 +449,16 @@ class LLMEngine:
         self.stats.kv_cache_usage = self.scheduler.kv_cache_usage
 
 
-def _token_run(s: ScheduledSequence, drafted: list[int]) -> TokenRun:
-    """A scheduled sequence's tokens to compute this step, then its drafts."""
+def _token_run(
+    s: ScheduledSequence, drafted: list[int], parents: list[int] | None = None
+) -> TokenRun:
+    """A scheduled sequence's tokens to compute this step, then its drafts (a tree's: in node
+    order, with their parents)."""
     seq = s.seq
     tokens = seq.token_ids[seq.num_computed_tokens :][: s.num_new_tokens]
-    return TokenRun(tokens + drafted, seq.num_computed_tokens, seq.block_table, len(drafted))
+    return TokenRun(
+        tokens + drafted, seq.num_computed_tokens, seq.block_table, len(drafted), 0, parents
+    )
 
 
 def _logit_rows(

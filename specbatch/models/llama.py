@@ -206,6 +206,13 @@ class LlamaForCausalLM(nn.Module):
             cast(LlamaDecoderLayer, layer).self_attn.kv_cache = cache
         self.fused.forget_layers()  # they point into the caches
 
+    def kv_caches(self) -> list[LayerKVCache]:
+        """Each layer's bound ``(key_cache, value_cache)``."""
+        caches = [cast(LlamaDecoderLayer, layer).self_attn.kv_cache for layer in self.model.layers]
+        if any(cache is None for cache in caches):
+            raise RuntimeError("the model has no KV cache bound")
+        return [cache for cache in caches if cache is not None]
+
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: object
     ) -> torch.Tensor:

@@ -153,6 +153,10 @@ class TensorParallelGroup:
         """Tell every worker to run this step (rank 0 runs it right after)."""
         self._send(("execute", list(runs), rows))
 
+    def move_slots(self, sources: Sequence[int], targets: Sequence[int]) -> None:
+        """Tell every worker to move these cache slots (rank 0 moves them right after)."""
+        self._send(("move", list(sources), list(targets)))
+
     def check(self) -> None:
         if self.closed:
             raise TensorParallelError("the tensor-parallel engine is shut down")
@@ -223,6 +227,16 @@ class TensorParallelRunner:
             self.group.check()  # names the dead worker when it is one
             raise TensorParallelError(f"a tensor-parallel collective failed: {exc}") from exc
 
+    def move_slots(self, sources: Sequence[int], targets: Sequence[int]) -> None:
+        try:
+            self.group.move_slots(sources, targets)
+            self.local.move_slots(sources, targets)
+        except TensorParallelError:
+            raise
+        except (RuntimeError, OSError) as exc:
+            self.group.check()
+            raise TensorParallelError(f"a tensor-parallel collective failed: {exc}") from exc
+
 
 # ---------------------------------------------------------------------- the worker
 
@@ -282,5 +296,8 @@ def _worker_main(rank: int, config: EngineConfig, init_method: str, pipe: Connec
         elif command[0] == "execute":
             assert runner is not None
             runner.execute(command[1], command[2])
+        elif command[0] == "move":
+            assert runner is not None
+            runner.move_slots(command[1], command[2])
     with contextlib.suppress(Exception):
         dist.destroy_process_group()

@@ -129,7 +129,8 @@ class CudaGraphRunner:
             return False
         q = int(lens[0])
         return (
-            q in self.query_lens
+            batch.attention.tree_mask is None
+            and q in self.query_lens
             and bool((lens == q).all())
             and (batch.attention.block_tables.shape[1] <= self.max_blocks)
         )

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from specbatch.cache.kv_tensors import move_slots
 from specbatch.models.llama import LlamaForCausalLM
 from specbatch.runner.flat_batch import FlatBatch, LogitRows, TokenRun, flatten
 
@@ -32,6 +33,14 @@ class ModelRunner:
         batch = flatten(self._shaped(runs), self.block_size)
         return self.forward(batch, rows.flat(batch.query_start))
 
+    def move_slots(self, sources: Sequence[int], targets: Sequence[int]) -> None:
+        """Copy the K/V of cache slots ``sources`` to ``targets`` in every layer."""
+        move_slots(
+            self.model.kv_caches(),
+            torch.tensor(sources, dtype=torch.long),
+            torch.tensor(targets, dtype=torch.long),
+        )
+
     def _shaped(self, runs: Sequence[TokenRun]) -> Sequence[TokenRun]:
         """Under CUDA graphs a decode-only step with any draft pads every decode to k drafts
         (one graph shape, q = k + 1); a step without drafts stays at q = 1. Steps that cannot
@@ -42,6 +51,7 @@ class ModelRunner:
             or len(runs) > graphs.batch_sizes[-1]
             or not any(r.num_drafts for r in runs)
             or not all(r.is_decode for r in runs)
+            or any(r.draft_parents is not None for r in runs)  # graphs have no tree mask
         ):
             return runs
         k = max(graphs.query_lens) - 1

@@ -51,6 +51,10 @@ class SpeculativeConfig:
     tokens per second of the whole step, from measured step times and each sequence's
     acceptance so far; with many sequences or poor acceptance that is none, the plain step.
     ``adaptive_k=False`` verifies k drafts for every sequence every step.
+    ``lookup_tree`` (``"ngram"`` and ``"hybrid"``): where the matched suffix occurred several
+    times earlier with different continuations, prompt lookup proposes them as a tree (up to
+    the same number of drafts, the likeliest nodes first) checked in one verify under a tree
+    attention mask, instead of the latest occurrence's continuation alone.
     None of these change what is generated: greedy and seeded outputs are token for token the
     same, unseeded sampling keeps the target's distribution (its draws differ).
     """
@@ -62,6 +66,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     draft_confidence_threshold: float | None = None  # 0.5 for draft models, else 0
     adaptive_k: bool = True
+    lookup_tree: bool = False
 
     MAX_TOKENS = 16
 
@@ -91,6 +96,7 @@ class SpeculativeConfig:
             object.__setattr__(self, "num_speculative_tokens", default_k)
         if self.method == "auto":
             self._check_k()
+            self._check_lookup_tree()
             return  # the rest depends on the method auto resolves to (``resolved``)
         if self.draft_confidence_threshold is None:
             default_threshold = DEFAULT_DRAFT_CONFIDENCE if self.method in DRAFT_METHODS else 0.0
@@ -118,9 +124,18 @@ class SpeculativeConfig:
                     "prompt_lookup_min and prompt_lookup_max must be integers with "
                     f"1 <= prompt_lookup_min <= prompt_lookup_max, got {low!r}, {high!r}"
                 )
+        self._check_lookup_tree()
         if self.model is not None and self.method not in DRAFT_METHODS:
             raise ConfigError(
                 f"speculative_config 'model' is for methods {DRAFT_METHODS}, not {self.method!r}"
+            )
+
+    def _check_lookup_tree(self) -> None:
+        if not isinstance(self.lookup_tree, bool):
+            raise ConfigError(f"lookup_tree must be true or false, got {self.lookup_tree!r}")
+        if self.lookup_tree and self.method not in ("auto", "ngram", "hybrid"):
+            raise ConfigError(
+                f"lookup_tree is for methods auto, ngram and hybrid, not {self.method!r}"
             )
 
     def _check_k(self) -> None:

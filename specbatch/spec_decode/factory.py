@@ -125,7 +125,9 @@ def build_proposer(
     assert spec.prompt_lookup_min is not None  # set by SpeculativeConfig.__post_init__
     # the hybrid weighs short matches against the draft model: its lookup goes down to 1 token
     shortest = 1 if spec.method == "hybrid" else spec.prompt_lookup_min
-    lookup = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max, shortest)
+    lookup = NgramProposer(
+        spec.prompt_lookup_min, spec.prompt_lookup_max, shortest, trees=spec.lookup_tree
+    )
     if spec.method == "ngram":
         return lookup
     assert draft is not None

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from specbatch.sequence import Sequence
 from specbatch.spec_decode.draft_model import DraftModelProposer
-from specbatch.spec_decode.ngram import NgramProposer
+from specbatch.spec_decode.ngram import NgramProposer, is_chain
 from specbatch.spec_decode.proposer import DraftRequest, Proposal, Proposer, with_point_masses
 
 EXPLORE_STEPS = 2  # tries of each way before values are compared
@@ -102,6 +102,7 @@ class HybridProposer(Proposer):
             self._rest_s = _smooth(self._rest_s, rest)
         self._last_start, self._last_draft_s = start, 0.0
         tokens: list[list[int]] = []
+        parents: list[list[int] | None] = [None] * len(requests)
         to_draft = []
         for i, r in enumerate(requests):
             state = self._choices.setdefault(r.seq.seq_id, _SequenceChoice())
@@ -110,6 +111,7 @@ class HybridProposer(Proposer):
             found, length = self.lookup.match(r.seq, r.max_drafts, min_n=1)
             if length >= self.lookup.min_n:
                 tokens.append(found)  # a long match: taken as it is
+                self._lookup_tree(i, r, length, tokens, parents)
                 continue
             tokens.append([])
             way = DRAFT
@@ -118,11 +120,13 @@ class HybridProposer(Proposer):
                 state.choices += 1
             if way == LOOKUP:
                 tokens[i] = found
+                self._lookup_tree(i, r, length, tokens, parents)
             else:
                 to_draft.append(i)
             state.pending = (way, r.seq.spec.num_accepted_tokens, 0)
+        trees = parents if any(p is not None for p in parents) else None
         if not to_draft:
-            return Proposal(tokens)
+            return Proposal(tokens, parents=trees)
         forwards_before = self.drafter.num_forwards
         drafted = self.drafter.propose([requests[i] for i in to_draft])
         self._last_draft_s = self.clock() - start
@@ -135,8 +139,23 @@ class HybridProposer(Proposer):
             if state.pending is not None:
                 state.pending = (DRAFT, state.pending[1], len(row))
         if drafted.draft_probs is None:
-            return Proposal(tokens)
-        return Proposal(tokens, with_point_masses(tokens, to_draft, drafted.draft_probs))
+            return Proposal(tokens, parents=trees)
+        return Proposal(tokens, with_point_masses(tokens, to_draft, drafted.draft_probs), trees)
+
+    def _lookup_tree(
+        self,
+        i: int,
+        request: DraftRequest,
+        length: int,
+        tokens: list[list[int]],
+        parents: list[list[int] | None],
+    ) -> None:
+        """With ``lookup_tree``: request ``i``'s lookup as the tree of its occurrences."""
+        if not self.lookup.trees or request.max_drafts < 2:
+            return
+        tree = self.lookup.tree(request.seq, request.max_drafts, length)
+        tokens[i] = tree.tokens
+        parents[i] = None if is_chain(tree.parents) else tree.parents
 
     def on_verified(self, seq: Sequence) -> None:
         self.drafter.on_verified(seq)

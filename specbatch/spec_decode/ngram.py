@@ -1,11 +1,29 @@
-"""Prompt lookup: propose what followed the latest earlier occurrence of the sequence's suffix."""
+"""Prompt lookup: propose what followed the latest earlier occurrence of the sequence's suffix.
+
+With trees (``lookup_tree``) the lookup proposes what followed each of the latest
+``MAX_ENDS`` earlier occurrences, merged into a trie where they agree: text that repeats a
+phrase with different continuations (a variable name, a list's items) gets each of them
+checked in the same verify.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Sequence as SequenceT
 
 import numpy as np
 
 from specbatch.sequence import Sequence
 from specbatch.spec_decode.proposer import DraftRequest, Proposal, Proposer
+from specbatch.spec_decode.tree_verify import DraftTree
+
+MAX_ENDS = 4  # earlier occurrences of an n-gram remembered (the latest ones)
+# A tree node's score: the recency-weighted share of the occurrences whose continuation
+# passes through it (the latest weighs 1, the one before RECENCY, ...), times DEPTH_DECAY per
+# level below the first (a copied span's next token is right less often the further it is
+# from the match). The best-scoring nodes are kept; a child never outscores its parent, so
+# they form a tree.
+RECENCY = 0.5
+DEPTH_DECAY = 0.75
 
 
 def ngram_propose(tokens: np.ndarray, min_n: int, max_n: int, max_drafts: int) -> list[int]:
@@ -35,6 +53,50 @@ def ngram_match(
     return [], 0
 
 
+def ngram_ends(tokens: np.ndarray, n: int, limit: int = MAX_ENDS) -> list[int]:
+    """Where the latest ``limit`` earlier occurrences of the sequence's last ``n`` tokens end
+    (the index just past each), latest first; the slow reference of
+    :meth:`NgramIndex.ends`."""
+    length = len(tokens)
+    if not 1 <= n < length:
+        return []
+    windows = np.lib.stride_tricks.sliding_window_view(tokens[: length - 1], n)
+    hits = np.flatnonzero((windows == tokens[length - n :]).all(axis=1))
+    return [int(h) + n for h in hits[::-1][:limit]]
+
+
+def continuation_tree(tokens: SequenceT[int], ends: SequenceT[int], max_nodes: int) -> DraftTree:
+    """The trie of what followed each occurrence (``ends``, latest first), cut to the
+    ``max_nodes`` nodes of best score (see ``RECENCY``); nodes in creation order (topological:
+    the latest occurrence's continuation first, so one occurrence gives its chain)."""
+    total = sum(RECENCY**j for j in range(len(ends)))
+    index: dict[tuple[int, int], int] = {}  # (parent, token) -> node
+    node_tokens: list[int] = []
+    parents: list[int] = []
+    scores: list[float] = []
+    for j, end in enumerate(ends):
+        parent = -1
+        for depth, token in enumerate(tokens[end : end + max_nodes]):
+            node = index.get((parent, token))
+            if node is None:
+                node = index[(parent, token)] = len(node_tokens)
+                node_tokens.append(token)
+                parents.append(parent)
+                scores.append(0.0)
+            scores[node] += RECENCY**j / total * DEPTH_DECAY**depth
+            parent = node
+    keep = sorted(sorted(range(len(node_tokens)), key=lambda i: (-scores[i], i))[:max_nodes])
+    renumber = {old: new for new, old in enumerate(keep)}
+    return DraftTree(
+        [node_tokens[i] for i in keep],
+        [-1 if parents[i] < 0 else renumber[parents[i]] for i in keep],
+    )
+
+
+def is_chain(parents: SequenceT[int]) -> bool:
+    return all(parent == i - 1 for i, parent in enumerate(parents))
+
+
 class NgramIndex:
     """Where every n-gram (``min_n`` to ``max_n`` tokens) of one growing token list last ended.
 
@@ -45,7 +107,8 @@ class NgramIndex:
 
     def __init__(self, min_n: int, max_n: int) -> None:
         self.min_n, self.max_n = min_n, max_n
-        self._ends: dict[tuple[int, ...], int] = {}  # n-gram -> the index just past its latest end
+        # n-gram -> the index just past each of its latest MAX_ENDS ends, oldest first
+        self._ends: dict[tuple[int, ...], list[int]] = {}
         self._next_end = 0  # n-grams ending before this index are in _ends
 
     def match(self, tokens: list[int], max_drafts: int) -> tuple[list[int], int]:
@@ -56,24 +119,38 @@ class NgramIndex:
         # an n-gram may end at length - 1 at most (the suffix itself is not a match)
         for end in range(max(self._next_end, 1), length):
             for n in range(self.min_n, min(self.max_n, end) + 1):
-                self._ends[tuple(tokens[end - n : end])] = end
+                ends = self._ends.setdefault(tuple(tokens[end - n : end]), [])
+                ends.append(end)
+                if len(ends) > MAX_ENDS:
+                    del ends[0]
         self._next_end = max(self._next_end, length)
         for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
             found = self._ends.get(tuple(tokens[length - n :]))
             if found is not None:
-                return tokens[found : found + max_drafts], n
+                return tokens[found[-1] : found[-1] + max_drafts], n
         return [], 0
+
+    def ends(self, tokens: list[int], n: int) -> list[int]:
+        """Where the latest earlier occurrences of the last ``n`` tokens end, latest first
+        (``tokens`` as of the last :meth:`match`)."""
+        if not self.min_n <= n < len(tokens) or len(tokens) != self._next_end:
+            return []
+        return self._ends.get(tuple(tokens[len(tokens) - n :]), [])[::-1]
 
 
 class NgramProposer(Proposer):
     """Draft tokens copied from the sequence's own prompt and output (no draft model)."""
 
-    def __init__(self, min_n: int, max_n: int, shortest: int | None = None) -> None:
+    def __init__(
+        self, min_n: int, max_n: int, shortest: int | None = None, trees: bool = False
+    ) -> None:
         """``shortest`` (at most ``min_n``): the shortest match :meth:`match` may be asked
-        for (the hybrid asks down to 1 token)."""
+        for (the hybrid asks down to 1 token). ``trees``: propose the continuations of
+        several earlier occurrences as a tree (:meth:`tree`)."""
         self.min_n = min_n
         self.max_n = max_n
         self.shortest = min_n if shortest is None else min(shortest, min_n)
+        self.trees = trees
         self._indices: dict[int, NgramIndex] = {}
 
     def match(
@@ -91,8 +168,25 @@ class NgramProposer(Proposer):
         found, n = index.match(seq.token_ids, max_drafts)
         return (found, n) if n >= floor else ([], 0)
 
+    def tree(self, seq: Sequence, max_nodes: int, n: int) -> DraftTree:
+        """Up to ``max_nodes`` drafts after the latest occurrences of the last ``n`` tokens
+        (``n`` as :meth:`match` found it, in this step)."""
+        index = self._indices.get(seq.seq_id)
+        if n >= self.shortest and index is not None:
+            ends = index.ends(seq.token_ids, n)
+        else:
+            ends = ngram_ends(np.asarray(seq.token_ids, dtype=np.int64), n)
+        return continuation_tree(seq.token_ids, ends, max_nodes)
+
     def propose(self, requests: list[DraftRequest]) -> Proposal:
-        return Proposal(tokens=[self.match(r.seq, r.max_drafts)[0] for r in requests])
+        tokens: list[list[int]] = []
+        parents: list[list[int] | None] = []
+        for r in requests:
+            found, n = self.match(r.seq, r.max_drafts)
+            tree = self.tree(r.seq, r.max_drafts, n) if self.trees and found else None
+            tokens.append(found if tree is None else tree.tokens)
+            parents.append(None if tree is None or is_chain(tree.parents) else tree.parents)
+        return Proposal(tokens, parents=parents if any(p is not None for p in parents) else None)
 
     def forget(self, seq: Sequence) -> None:
         self._indices.pop(seq.seq_id, None)

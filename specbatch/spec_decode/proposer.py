@@ -25,10 +25,24 @@ class Proposal:
     ``draft_probs`` holds, for proposers that sample from a distribution, the processed draft
     distribution q of every proposed token, ``[sum of len(tokens), vocab]`` in request order;
     ``None`` marks a proposer without one (each draft is a point mass).
+
+    ``parents`` makes a sequence's drafts a tree: draft i follows draft ``parents[s][i]`` (an
+    earlier one; -1: the sequence's last token), siblings distinct; None (for the proposal or
+    a sequence) is a chain. A draft model's siblings share the q row they were drawn from
+    (without replacement).
     """
 
     tokens: list[list[int]]
     draft_probs: torch.Tensor | None = None
+    parents: list[list[int] | None] | None = None
+
+    def parents_of(self, s: int) -> list[int] | None:
+        """Sequence ``s``'s tree (None: a chain)."""
+        return None if self.parents is None else self.parents[s]
+
+    @property
+    def has_trees(self) -> bool:
+        return self.parents is not None and any(p is not None for p in self.parents)
 
 
 class Proposer(ABC):

@@ -43,6 +43,15 @@ from specbatch.kernels.sampling import (
 class VerifyResult:
     num_accepted: list[int]  # drafts accepted per sequence
     tokens: list[list[int]]  # accepted drafts plus the correction or bonus token
+    # For a step with trees: the accepted path's draft indices per sequence, root-most first
+    # (None: chains, whose first num_accepted drafts are the path).
+    accepted_nodes: list[list[int]] | None = None
+
+    def path(self, s: int) -> list[int]:
+        """Sequence ``s``'s accepted drafts as indices into its drafts."""
+        if self.accepted_nodes is None:
+            return list(range(self.num_accepted[s]))
+        return self.accepted_nodes[s]
 
 
 @dataclass

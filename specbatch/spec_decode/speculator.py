@@ -33,9 +33,10 @@ from specbatch.spec_decode.controller import (
 )
 from specbatch.spec_decode.draft_model import DraftModelProposer
 from specbatch.spec_decode.hybrid import HybridProposer
-from specbatch.spec_decode.ngram import NgramProposer
+from specbatch.spec_decode.ngram import NgramProposer, is_chain
 from specbatch.spec_decode.proposer import DraftRequest, Proposal, Proposer, with_point_masses
 from specbatch.spec_decode.rejection import VerifyResult, verify
+from specbatch.spec_decode.tree_verify import DraftTree, tree_rows, verify_tree
 
 UNBOUNDED_HORIZON = 256  # remaining tokens assumed for a request without max_tokens
 
@@ -137,6 +138,7 @@ class Speculator:
             requests = [DraftRequest(seqs[i], slots[i]) for i in wanted]
             return self._timed(self.proposer, requests, wanted, tokens)
         by_model, external = [], []
+        parents: list[list[int] | None] = [None] * len(seqs)
         for i in wanted:
             seq = seqs[i]
             choice = self._plan.get(seq.seq_id)
@@ -144,20 +146,30 @@ class Speculator:
                 continue
             self._used[seq.seq_id] = choice.way
             if choice.way in LOOKUP_WAYS:
-                tokens[i] = self._lookups[seq.seq_id][0][: slots[i]]
+                found, n = self._lookups[seq.seq_id]
+                tokens[i] = found[: slots[i]]
+                assert self.lookup is not None
+                if self.lookup.trees and slots[i] > 1:
+                    tree = self.lookup.tree(seq, slots[i], n)
+                    tokens[i] = tree.tokens
+                    parents[i] = None if is_chain(tree.parents) else tree.parents
             elif choice.way == DRAFT:
                 by_model.append(i)
             else:
                 external.append(i)
+        trees = parents if any(p is not None for p in parents) else None
         if external:
             assert self.proposer is not None
             requests = [DraftRequest(seqs[i], slots[i]) for i in external]
-            return self._timed(self.proposer, requests, external, tokens)
-        if by_model:
+            proposal = self._timed(self.proposer, requests, external, tokens)
+        elif by_model:
             assert self.drafter is not None
             requests = [DraftRequest(seqs[i], slots[i]) for i in by_model]
-            return self._timed(self.drafter, requests, by_model, tokens)
-        return Proposal(tokens)
+            proposal = self._timed(self.drafter, requests, by_model, tokens)
+        else:
+            proposal = Proposal(tokens)
+        proposal.parents = _merged_parents(trees, proposal.parents)
+        return proposal
 
     def _timed(
         self,
@@ -173,18 +185,24 @@ class Speculator:
         self._draft_seconds = time.perf_counter() - started
         probs, row = proposal.draft_probs, 0
         q_rows: list[int] = []
-        for i, drafted, r in zip(rows, proposal.tokens, requests, strict=True):
+        parents: list[list[int] | None] = [None] * len(tokens)
+        for s, (i, drafted, r) in enumerate(zip(rows, proposal.tokens, requests, strict=True)):
             tokens[i] = drafted[: r.max_drafts]  # a proposer may not exceed its slots
+            tree = proposal.parents_of(s)
+            if tree is not None and len(tree) != len(drafted):
+                raise ValueError(f"the proposer gave {len(drafted)} drafts but {len(tree)} parents")
+            parents[i] = None if tree is None else tree[: r.max_drafts]
             q_rows += range(row, row + len(tokens[i]))
             row += len(drafted)
+        trees = parents if any(p is not None for p in parents) else None
         if probs is None:
-            return Proposal(tokens)
+            return Proposal(tokens, parents=trees)
         if len(q_rows) < row:
             probs = probs[q_rows]
         drafted_rows = set(rows)
         if any(t for i, t in enumerate(tokens) if i not in drafted_rows):
             probs = with_point_masses(tokens, rows, probs)
-        return Proposal(tokens, probs)
+        return Proposal(tokens, probs, trees)
 
     # ------------------------------------------------------------------ verifying
 
@@ -197,12 +215,34 @@ class Speculator:
             rows = [seq.sampling_row() for seq in seqs]
             sampled = sample(logits, rows, self.generator).tolist()
             return VerifyResult([0] * len(seqs), [[t] for t in sampled])
+        if proposal.has_trees:
+            return self._verify_trees(logits, seqs, proposal)
         rows = [
             seq.sampling_row(drafted[:j])
             for seq, drafted in zip(seqs, proposal.tokens, strict=True)
             for j in range(len(drafted) + 1)
         ]
         return verify(logits, rows, proposal.tokens, proposal.draft_probs, self.generator)
+
+    def _verify_trees(
+        self, logits: torch.Tensor, seqs: SequenceT[Sequence], proposal: Proposal
+    ) -> VerifyResult:
+        """A step where some sequence's drafts form a tree: every sequence's drafts (chains
+        are one-branch trees) through the tree verifier. Each draft's q row is what it was
+        drawn from (a looked-up token's is one-hot: exactly a point mass there)."""
+        trees, rows = [], []
+        q, first = proposal.draft_probs, 0
+        for s, (seq, drafted) in enumerate(zip(seqs, proposal.tokens, strict=True)):
+            parents = proposal.parents_of(s)
+            if parents is None:
+                parents = list(range(-1, len(drafted) - 1))
+            q_rows = None if q is None else q[first : first + len(drafted)]
+            first += len(drafted)
+            tree = DraftTree(list(drafted), parents, q_rows)
+            trees.append(tree)
+            rows += tree_rows(seq, tree)
+        result = verify_tree(logits, rows, trees, self.generator)
+        return VerifyResult(result.num_accepted, result.tokens, result.accepted_nodes)
 
     # ------------------------------------------------------------------ learning
 
@@ -222,11 +262,17 @@ class Speculator:
             self.controller.observe_external(num_drafts, drafter_seconds)
         self.controller.observe_step(tokens, len(runs), pairs, seconds - drafter_seconds)
 
-    def on_verified(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
+    def on_verified(
+        self, seq: Sequence, num_drafts: int, num_accepted: int, depth: int | None = None
+    ) -> None:
         """The target accepted ``num_accepted`` of the sequence's ``num_drafts`` drafts and the
-        sequence's computed tokens cover them: proposers roll their own state back to it."""
+        sequence's computed tokens cover them: proposers roll their own state back to it.
+        ``depth``: a tree's deepest level (the positions that had a draft; a chain's is
+        ``num_drafts``), which is what the controller learns acceptance by."""
         if num_drafts:
             seq.spec.record(num_drafts, num_accepted)
+        if depth is not None:
+            num_drafts = depth
         way = self._used.get(seq.seq_id)
         choice = self._plan.get(seq.seq_id)
         if self.controller is not None and way is not None and choice is not None:
@@ -266,6 +312,15 @@ def _parts(proposer: Proposer | None) -> tuple[NgramProposer | None, DraftModelP
     if isinstance(proposer, DraftModelProposer):
         return None, proposer
     return None, None
+
+
+def _merged_parents(
+    lookups: list[list[int] | None] | None, drafted: list[list[int] | None] | None
+) -> list[list[int] | None] | None:
+    """The trees of a step: the lookups' and a proposer's (each sequence has one way)."""
+    if lookups is None or drafted is None:
+        return lookups if drafted is None else drafted
+    return [a if a is not None else b for a, b in zip(lookups, drafted, strict=True)]
 
 
 def _remaining(seq: Sequence) -> int:

@@ -108,10 +108,7 @@ class DraftTree:
 
     def depths(self) -> list[int]:
         """Each node's depth (1 for a child of the root)."""
-        depths: list[int] = []
-        for parent in self.parents:
-            depths.append(1 if parent < 0 else depths[parent] + 1)
-        return depths
+        return node_depths(self.parents)
 
     def path(self, node: int) -> list[int]:
         """The nodes from the root's child down to ``node``, root-most first."""
@@ -123,6 +120,14 @@ class DraftTree:
 
     def path_tokens(self, node: int) -> list[int]:
         return [self.tokens[i] for i in self.path(node)]
+
+
+def node_depths(parents: SequenceT[int]) -> list[int]:
+    """Each node's depth (1 for a child of the root) from a topological parent array."""
+    depths: list[int] = []
+    for parent in parents:
+        depths.append(1 if parent < 0 else depths[parent] + 1)
+    return depths
 
 
 def tree_rows(seq: Sequence, tree: DraftTree) -> list[SamplingRow]:

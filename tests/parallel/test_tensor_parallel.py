@@ -137,6 +137,34 @@ def test_three_ranks_with_speculation_caching_chunks_and_preemption(
             engine.shutdown()
 
 
+def test_tree_steps_move_the_accepted_path_on_every_rank(tiny_model_dir: Path) -> None:
+    """Draft trees whose accepted path is not the first branch: every rank moves its slice of
+    the path's K/V, so the sharded text equals one process's without speculation."""
+    from tests.spec_decode.test_tree_engine import VOCAB, SiblingOracle, prompts_with_variants
+
+    prompts = prompts_with_variants(3)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=3)
+    reference = generate(make_engine(tiny_model_dir, 1), prompts, params)
+    oracle = SiblingOracle(
+        {f"r{i}": r.outputs[0].token_ids for i, r in enumerate(reference)}, VOCAB
+    )
+    config = EngineConfig(
+        model=str(tiny_model_dir),
+        num_kv_blocks=96,
+        max_model_len=256,
+        block_size=8,
+        max_num_seqs=4,
+        tensor_parallel_size=2,
+        speculative_config={"method": "external", "num_speculative_tokens": 6},
+    )
+    engine = LLMEngine(config, proposer=oracle)
+    try:
+        compare(reference, generate(engine, prompts, params))
+        assert engine.stats.num_tree_moves > 0
+    finally:
+        engine.shutdown()
+
+
 def test_splits_that_cannot_be_made_are_refused(tmp_path: Path) -> None:
     model = write_tiny_model(tmp_path / "a")  # 4 heads, 2 KV heads, intermediate 128
     with pytest.raises(ConfigError, match="does not divide the model's 4 attention heads"):

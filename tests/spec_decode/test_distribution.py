@@ -23,6 +23,7 @@ from specbatch.models import load_model
 from specbatch.sequence import Sequence
 from specbatch.spec_decode import hybrid
 from specbatch.spec_decode.hybrid import HybridProposer
+from specbatch.spec_decode.proposer import DraftRequest, Proposal, Proposer
 from tests.helpers import PagedHarness, write_tiny_model
 
 V = 32
@@ -84,6 +85,7 @@ def sample_engine(
     params: SamplingParams,
     seeded: bool = False,
     prompt: list[int] = PROMPT,
+    proposer: Proposer | None = None,
 ) -> np.ndarray:
     engine = LLMEngine(
         EngineConfig(
@@ -98,7 +100,8 @@ def sample_engine(
                 {"method": "off"} if speculative is None else {**speculative, "adaptive_k": False}
             ),
             seed=123,
-        )
+        ),
+        proposer=proposer,
     )
     looked_up: list[bool] = []
     if isinstance(engine.proposer, HybridProposer):
@@ -196,3 +199,88 @@ def test_plain_sampling_matches_target(models: tuple[Path, Path]) -> None:
     target, _ = models
     joint12, marginal3 = exact_distribution(target, PARAMS["penalties"])
     assert_matches(sample_engine(target, None, PARAMS["penalties"]), joint12, marginal3)
+
+
+# Two drafts after the last token, two after the first of them, one after the second: siblings
+# at two depths.
+TREE_PARENTS = [-1, -1, 0, 0, 1]
+
+
+class TreeProposer(Proposer):
+    """Trees of shape ``TREE_PARENTS``. ``likely`` (point masses): at each node the two most
+    likely next tokens under the target where the exact distribution knows them (the first two
+    positions), else random ones, so that every depth is accepted often. Otherwise each
+    node's siblings are drawn without replacement from a random q of the node (one per
+    parent path), given as every node's q row."""
+
+    def __init__(self, joint12: np.ndarray | None, seed: int = 0) -> None:
+        self.generator = torch.Generator().manual_seed(seed)
+        self.random = random.Random(seed)
+        self.p1 = None if joint12 is None else joint12.sum(1)
+        self.p2 = None if joint12 is None else joint12 / np.maximum(joint12.sum(1), 1e-30)[:, None]
+
+    def _likely(self, history: list[int]) -> list[int]:
+        p = None
+        if self.p1 is not None and self.p2 is not None:
+            p = self.p1 if not history else self.p2[history[0]] if len(history) == 1 else None
+        if p is None:
+            return self.random.sample(range(V), 2)
+        return [int(t) for t in np.argsort(-p, kind="stable")[:2]]
+
+    def propose(self, requests: list[DraftRequest]) -> Proposal:
+        tokens, parents = [], []
+        rows: list[torch.Tensor] = []  # q row of every node, request after request
+        for r in requests:
+            history = r.seq.token_ids[r.seq.num_prompt_tokens :]
+            nodes: list[int] = []
+            first_row = len(rows)
+            for parent in TREE_PARENTS[: r.max_drafts]:
+                siblings = [n for n, q in enumerate(TREE_PARENTS[: len(nodes)]) if q == parent]
+                if self.p1 is not None:
+                    nodes.append(self._likely(history + self._path(nodes, parent))[len(siblings)])
+                    continue
+                if siblings:  # the sibling's q: drawn from it without replacement
+                    q = rows[first_row + siblings[0]]
+                else:
+                    q = torch.softmax(torch.randn(V, generator=self.generator), 0).double()
+                rest = q.clone()
+                rest[[nodes[n] for n in siblings]] = 0.0
+                nodes.append(int(torch.multinomial(rest, 1, generator=self.generator)))
+                rows.append(q)
+            tokens.append(nodes)
+            parents.append(TREE_PARENTS[: len(nodes)])
+        probs = torch.stack(rows).float() if rows else None
+        return Proposal(tokens, probs, parents)
+
+    @staticmethod
+    def _path(nodes: list[int], node: int) -> list[int]:
+        """The tokens from the root's child down to ``node``."""
+        path = []
+        while node >= 0:
+            path.append(nodes[node])
+            node = TREE_PARENTS[node]
+        return path[::-1]
+
+
+@pytest.mark.parametrize("params_name", ["plain", "top-k-top-p"])
+@pytest.mark.parametrize("kind", ["point-masses", "q-rows"])
+def test_tree_speculative_sampling_matches_target(
+    models: tuple[Path, Path], params_name: str, kind: str
+) -> None:
+    target, _ = models
+    params = PARAMS[params_name]
+    joint12, marginal3 = exact_distribution(target, params)
+    proposer = TreeProposer(joint12 if kind == "point-masses" else None)
+    spec = {"method": "external", "num_speculative_tokens": len(TREE_PARENTS)}
+    tokens = sample_engine(target, spec, params, proposer=proposer)
+    assert_matches(tokens, joint12, marginal3)
+
+
+def test_seeded_tree_sampling_matches_target(models: tuple[Path, Path]) -> None:
+    target, _ = models
+    joint12, marginal3 = exact_distribution(target, PARAMS["plain"])
+    spec = {"method": "external", "num_speculative_tokens": len(TREE_PARENTS)}
+    tokens = sample_engine(
+        target, spec, PARAMS["plain"], seeded=True, proposer=TreeProposer(joint12)
+    )
+    assert_matches(tokens, joint12, marginal3)
