@@ -60,14 +60,14 @@ def instrument(engine: LLMEngine, totals: dict[str, float], verdicts: list[tuple
     timed(engine.runner, "forward", totals)
     on_verified = speculator.on_verified
 
-    def record(seq: Any, num_drafts: int, num_accepted: int) -> None:
+    def record(seq: Any, num_drafts: int, num_accepted: int, depth: int | None = None) -> None:
         choice = speculator._plan.get(seq.seq_id)
         if speculator.controller is None:
             verdicts.append(("fixed" if num_drafts else None, num_drafts, num_accepted))
         else:
             way = choice.way if choice is not None else None
             verdicts.append((way, choice.drafts if choice else 0, num_accepted))
-        on_verified(seq, num_drafts, num_accepted)
+        on_verified(seq, num_drafts, num_accepted, depth)
 
     speculator.on_verified = record  # type: ignore[method-assign]
 
