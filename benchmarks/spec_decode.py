@@ -71,14 +71,15 @@ PROPOSER_OPTIONS = {
     "conf": float,
     "adaptive": int,
     "tree": int,
+    "dtree": int,
 }
 
 
 def proposer_config(spec: str, args: argparse.Namespace) -> dict[str, Any] | None:
     """``name[:key=value,...]`` (name default, ngram, draft or hybrid; keys k, min, max, conf,
-    adaptive, tree: lookup trees) as a speculative_config, the command-line defaults filling
-    what the spec leaves out; None for a plain ``default`` (``default:k=8``: auto with that
-    k; ``default:tree=1``: auto with lookup trees)."""
+    adaptive, tree: lookup trees, dtree: draft-model siblings) as a speculative_config, the
+    command-line defaults filling what the spec leaves out; None for a plain ``default``
+    (``default:k=8``: auto with that k; ``default:tree=1,dtree=1``: auto with both trees)."""
     name, _, rest = spec.partition(":")
     if name not in ("default", "ngram", "draft", "hybrid"):
         raise SystemExit(f"--proposers: unknown proposer {name!r} in {spec!r}")
@@ -89,13 +90,15 @@ def proposer_config(spec: str, args: argparse.Namespace) -> dict[str, Any] | Non
             raise SystemExit(f"--proposers: unknown option {key!r} in {spec!r}")
         options[key] = PROPOSER_OPTIONS[key](value)
     if name == "default":  # auto, with only what the spec names changed
-        if set(options) - {"k", "tree"}:
-            raise SystemExit(f"--proposers: default takes only k and tree, got {spec!r}")
+        if set(options) - {"k", "tree", "dtree"}:
+            raise SystemExit(f"--proposers: default takes only k, tree and dtree, got {spec!r}")
         auto: dict[str, Any] = {}
         if "k" in options:
             auto["num_speculative_tokens"] = options["k"]
         if "tree" in options:
             auto["lookup_tree"] = bool(options["tree"])
+        if "dtree" in options:
+            auto["draft_tree"] = bool(options["dtree"])
         return auto or None
     config: dict[str, Any] = {
         "method": "draft_model" if name == "draft" else name,
@@ -109,6 +112,7 @@ def proposer_config(spec: str, args: argparse.Namespace) -> dict[str, Any] | Non
     if name != "ngram":
         config["model"] = args.draft_model
         config["draft_confidence_threshold"] = options.get("conf", args.draft_confidence)
+        config["draft_tree"] = bool(options.get("dtree", 0))
     return config
 
 
@@ -196,7 +200,8 @@ def main() -> None:
         default=["ngram"],
         help="ngram, draft or hybrid, each optionally with options: 'hybrid:min=2,conf=0.3' "
         "(k, min and max n-gram length, conf: draft confidence threshold, adaptive=1: "
-        "adaptive_k, tree=1: lookup trees); 'default:tree=1' is auto with lookup trees",
+        "adaptive_k, tree=1: lookup trees, dtree=1: draft-model siblings); "
+        "'default:tree=1,dtree=1' is auto with both",
     )
     parser.add_argument("--draft-model", default=None)
     parser.add_argument("-k", type=int, default=4)

@@ -54,7 +54,10 @@ class SpeculativeConfig:
     ``lookup_tree`` (``"ngram"`` and ``"hybrid"``): where the matched suffix occurred several
     times earlier with different continuations, prompt lookup proposes them as a tree (up to
     the same number of drafts, the likeliest nodes first) checked in one verify under a tree
-    attention mask, instead of the latest occurrence's continuation alone.
+    attention mask, instead of the latest occurrence's continuation alone. ``draft_tree``
+    (draft models, under the controller): beside its chain the draft model proposes its next
+    likeliest tokens as siblings where the controller's price of a verify row says they pay
+    (greedy and seeded requests; they cost no draft forward).
     None of these change what is generated: greedy and seeded outputs are token for token the
     same, unseeded sampling keeps the target's distribution (its draws differ).
     """
@@ -67,6 +70,7 @@ class SpeculativeConfig:
     draft_confidence_threshold: float | None = None  # 0.5 for draft models, else 0
     adaptive_k: bool = True
     lookup_tree: bool = False
+    draft_tree: bool = False
 
     MAX_TOKENS = 16
 
@@ -131,12 +135,17 @@ class SpeculativeConfig:
             )
 
     def _check_lookup_tree(self) -> None:
-        if not isinstance(self.lookup_tree, bool):
-            raise ConfigError(f"lookup_tree must be true or false, got {self.lookup_tree!r}")
-        if self.lookup_tree and self.method not in ("auto", "ngram", "hybrid"):
-            raise ConfigError(
-                f"lookup_tree is for methods auto, ngram and hybrid, not {self.method!r}"
-            )
+        for key, methods in (
+            ("lookup_tree", ("auto", "ngram", "hybrid")),
+            ("draft_tree", ("auto", *DRAFT_METHODS)),
+        ):
+            value = getattr(self, key)
+            if not isinstance(value, bool):
+                raise ConfigError(f"{key} must be true or false, got {value!r}")
+            if value and self.method not in methods:
+                raise ConfigError(f"{key} is for methods {methods}, not {self.method!r}")
+        if self.draft_tree and self.adaptive_k is False:
+            raise ConfigError("draft_tree needs the goodput controller (adaptive_k=true)")
 
     def _check_k(self) -> None:
         k = self.num_speculative_tokens
@@ -154,6 +163,8 @@ class SpeculativeConfig:
             return self
         method = "hybrid" if self.model is not None or shipped_draft_fits else "ngram"
         values = {f.name: getattr(self, f.name) for f in fields(self)}
+        if method == "ngram":  # no draft model to branch
+            values["draft_tree"] = False
         return SpeculativeConfig(**{**values, "method": method})
 
     @property

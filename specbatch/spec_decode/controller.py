@@ -89,6 +89,7 @@ class PlanReport:
     step_seconds: float = 0.0  # estimated, before drafts
     row_seconds: float = 0.0  # estimated target cost of one more row, mean over candidates
     expected_gain: float = 1.0  # planned goodput over the no-draft step's
+    tokens_per_second: float = 0.0  # the planned goodput (0: not planned on measured times)
 
 
 class GoodputController:
@@ -120,7 +121,7 @@ class GoodputController:
             return [Choice(None, 0) for _ in candidates]
         options = self._options(candidates, base_tokens, base_seqs)
         gains, costs, valid = options.gains, options.costs, options.valid
-        expected_gain = 1.0
+        expected_gain, ratio = 1.0, 0.0
         if not self.times.ready:  # measure what drafts cost: every slot, the likeliest way
             chosen = _all_slots(gains, valid)
         else:
@@ -136,6 +137,7 @@ class GoodputController:
             for i, (w, d) in enumerate(chosen)
         ]
         self._report(candidates, choices, base_tokens, base_seqs, base_pairs, expected_gain)
+        self.report.tokens_per_second = ratio
         return choices
 
     def _options(self, candidates: list[Candidate], base_tokens: int, base_seqs: int) -> _Options:
@@ -249,6 +251,10 @@ class GoodputController:
             row_seconds=float(cost.row(mean_context)),
             expected_gain=float(expected_gain),
         )
+
+    def row_seconds(self, context: float) -> float:
+        """The last plan's estimate of one more verify row attending ``context`` keys."""
+        return float(self._cost.row(context))
 
     def plain_step(self) -> None:
         """A step planned without drafts by rule (it computes a prompt): time still passes

@@ -10,8 +10,19 @@ threshold a sequence stops early, after the draft that brings the draft's probab
 its drafts so far are right (the product of its probabilities of the tokens it drafted) below
 it: one more would probably be rejected and cost a draft forward and a verify slot. (The draft
 that crossed it is kept: its forward is paid, and a verify slot is cheap.) After
-verification the valid prefix shrinks to the accepted tokens (``on_verified``): that is the
-draft's rollback.
+verification the valid prefix shrinks to the accepted tokens the cache holds
+(``on_verified``): that is the draft's rollback.
+
+Trees (``siblings``, under the goodput controller): beside the chain, a greedy or seeded
+sequence may get *leaf* siblings, the draft's next likeliest tokens at a chain position (its
+top ``SIBLING_CANDIDATES`` after the chain's own), scored by the draft's probability that the
+chain up to there is right times the sibling's probability. They cost no draft forward (their
+distributions were computed for the chain) and one verify row each, so they are added best
+first while the score beats the request's ``node_price`` and slots remain. A sibling never
+enters the draft's cache (the cache holds the chain's tokens at their positions): when the
+target accepts one, the draft's valid prefix ends before it and the next step catches up on
+it. Unseeded random rows keep the sampled chain alone (sibling point masses would replace the
+draft's q, which accepts more).
 """
 
 from __future__ import annotations
@@ -41,6 +52,7 @@ if TYPE_CHECKING:  # triton is optional: only CUDA engines build graphs
     from specbatch.runner.cuda_graphs import CudaGraphRunner
 
 MAX_FORWARD_TIMES = 64
+SIBLING_CANDIDATES = 3  # per chain position, the likeliest tokens besides the chain's
 
 
 class DraftModelProposer(Proposer):
@@ -54,6 +66,7 @@ class DraftModelProposer(Proposer):
         generator: torch.Generator,
         confidence_threshold: float = 0.0,
         capture_graphs: Callable[[], CudaGraphRunner | None] | None = None,
+        siblings: bool = False,
     ) -> None:
         """``capture_graphs`` builds CUDA graphs for the single-token draft forwards; it is
         called once the draft's KV cache is bound (graphs capture the cache's addresses)."""
@@ -61,11 +74,15 @@ class DraftModelProposer(Proposer):
         self.confidence_threshold = confidence_threshold
         self.block_size = block_size
         self.generator = generator
+        self.siblings = siblings
         model.bind_kv_caches(
             allocate_kv_caches(model.config, num_blocks, block_size, model.dtype, model.device)
         )
         self.runner = ModelRunner(model, block_size, capture_graphs() if capture_graphs else None)
         self._computed: dict[int, int] = {}  # seq_id -> leading tokens held by the draft cache
+        # seq_id -> (position of the first draft, the chain): what the cache holds past the
+        # sequence's tokens, checked against what the target accepted
+        self._chains: dict[int, tuple[int, list[int]]] = {}
         self.num_forwards = 0  # batched draft forwards run so far (for cost accounting)
         self._forward_times: list[tuple[int, float]] = []  # (rows, seconds) not yet taken
 
@@ -80,6 +97,9 @@ class DraftModelProposer(Proposer):
         confidence = [1.0] * len(requests)  # the draft's P(every draft so far is accepted)
         # q for every draft once any row samples: the verify needs a row per draft token
         keep_probs = any(not r.seq.params.greedy for r in requests)
+        # (score, chain index, token) of each request's possible siblings
+        siblings: list[list[tuple[float, int, int]]] = [[] for _ in requests]
+        branching = {i for i, r in enumerate(requests) if self._may_branch(r)}
         for step in range(max(r.max_drafts for r in requests)):
             started = time.perf_counter()
             batch = flatten(runs, self.block_size)
@@ -90,8 +110,12 @@ class DraftModelProposer(Proposer):
             for i, run in zip(active, runs, strict=True):
                 self._computed[requests[i].seq.seq_id] = run.start_position + len(run.token_ids)
             rows = [requests[i].seq.sampling_row(tokens[i]) for i in active]
-            drafted, q, chosen = self._sample(logits, rows, keep_probs)
+            want = [row for row, i in enumerate(active) if i in branching]
+            drafted, q, chosen, likeliest = self._sample(logits, rows, keep_probs, want)
             for row, i in enumerate(active):
+                for p, token in likeliest.get(row, ()):
+                    if token != drafted[row]:
+                        siblings[i].append((confidence[i] * p, step, token))
                 tokens[i].append(drafted[row])
                 confidence[i] *= chosen[row]
                 if q is not None:
@@ -111,29 +135,54 @@ class DraftModelProposer(Proposer):
             ]
             if not active:
                 break
+        for r, chain in zip(requests, tokens, strict=True):
+            self._chains[r.seq.seq_id] = (r.seq.num_tokens, list(chain))
+        parents: list[list[int] | None] = [None] * len(requests)
+        for i in branching:
+            parents[i] = _with_siblings(tokens[i], probs[i], siblings[i], requests[i])
         draft_probs = None
         if keep_probs:
             draft_probs = torch.stack([row for per_request in probs for row in per_request])
-        return Proposal(tokens, draft_probs)
+        trees = parents if any(p is not None for p in parents) else None
+        return Proposal(tokens, draft_probs, trees)
+
+    def _may_branch(self, r: DraftRequest) -> bool:
+        params = r.seq.params
+        return (
+            self.siblings
+            and r.max_nodes > r.max_drafts
+            and r.node_price < 1.0
+            and (params.greedy or params.seed is not None)
+        )
 
     def _sample(
-        self, logits: torch.Tensor, rows: list[SamplingRow], need_q: bool
-    ) -> tuple[list[int], torch.Tensor | None, list[float]]:
+        self, logits: torch.Tensor, rows: list[SamplingRow], need_q: bool, likeliest: list[int]
+    ) -> tuple[list[int], torch.Tensor | None, list[float], dict[int, list[tuple[float, int]]]]:
         """Draft tokens (drawn exactly as the target's sampler would draw from q), their
-        distributions q (when ``need_q``: one-hot on greedy rows), and, with a confidence
-        threshold, the draft's probability of each drafted token (for greedy rows: under its
-        unscaled softmax; 1 without a threshold)."""
+        distributions q (when ``need_q``: one-hot on greedy rows), the draft's probability of
+        each drafted token (for greedy rows: under its unscaled softmax; 1 without a threshold
+        or siblings), and for the rows ``likeliest`` the draft's ``SIBLING_CANDIDATES + 1``
+        likeliest tokens with their probabilities (unscaled softmax)."""
         t = SamplingTensors.build(rows, logits.shape[1], logits.device)
         q = target_probs(logits, t) if need_q or not t.all_greedy else None
         drafted = greedy_tokens(logits, t) if q is None else sample_rows(q, rows, t, self.generator)
-        if not self.confidence_threshold:
-            return drafted.tolist(), q, [1.0] * len(rows)
+        if not (self.confidence_threshold or likeliest):
+            return drafted.tolist(), q, [1.0] * len(rows), {}
         chosen = None if q is None else q.gather(1, drafted[:, None])[:, 0]
-        if t.any_greedy:  # q is one-hot there: take the softmax's confidence instead
-            natural = torch.softmax(apply_penalties(logits.float(), t), dim=-1).amax(-1)
-            chosen = natural if chosen is None else torch.where(t.greedy, natural, chosen)
+        natural = None
+        if t.any_greedy or likeliest:  # q is one-hot on greedy rows: the softmax's instead
+            natural = torch.softmax(apply_penalties(logits.float(), t), dim=-1)
+            at = natural.gather(1, drafted[:, None])[:, 0]
+            chosen = at if chosen is None else torch.where(t.greedy, at, chosen)
         assert chosen is not None
-        return drafted.tolist(), q, chosen.tolist()
+        top: dict[int, list[tuple[float, int]]] = {}
+        if likeliest:
+            assert natural is not None
+            index = torch.tensor(likeliest, dtype=torch.long, device=logits.device)
+            values, ids = natural.index_select(0, index).topk(SIBLING_CANDIDATES + 1, dim=-1)
+            for row, v, i in zip(likeliest, values.tolist(), ids.tolist(), strict=True):
+                top[row] = list(zip(v, i, strict=True))
+        return drafted.tolist(), q, chosen.tolist(), top
 
     def catch_up(self, seq: Sequence) -> int:
         """Rows the draft computes for ``seq`` before its first draft: 1 or 2 after a
@@ -147,8 +196,43 @@ class DraftModelProposer(Proposer):
 
     def on_verified(self, seq: Sequence) -> None:
         held = self._computed.get(seq.seq_id)
-        if held is not None:
-            self._computed[seq.seq_id] = min(held, seq.num_computed_tokens)
+        if held is None:
+            return
+        held = min(held, seq.num_computed_tokens)
+        chain = self._chains.pop(seq.seq_id, None)
+        if chain is not None:  # the cache holds the chain: valid where the target agreed
+            first, drafted = chain
+            agreed = 0
+            emitted = seq.token_ids[first : first + len(drafted)]
+            while agreed < len(emitted) and emitted[agreed] == drafted[agreed]:
+                agreed += 1
+            held = min(held, first + agreed)
+        self._computed[seq.seq_id] = held
 
     def forget(self, seq: Sequence) -> None:
         self._computed.pop(seq.seq_id, None)
+        self._chains.pop(seq.seq_id, None)
+
+
+def _with_siblings(
+    chain: list[int],
+    q_rows: list[torch.Tensor],
+    candidates: list[tuple[float, int, int]],
+    request: DraftRequest,
+) -> list[int] | None:
+    """Add to ``chain`` (in place, with q rows) the best-scored siblings that beat the
+    request's node price, within its slots; the tree's parents, or None when none paid."""
+    room = request.max_nodes - len(chain)
+    paying = sorted(
+        (c for c in candidates if c[0] > request.node_price and c[1] < len(chain)),
+        key=lambda c: -c[0],
+    )[: max(room, 0)]
+    if not paying:
+        return None
+    parents = list(range(-1, len(chain) - 1))
+    for _, index, token in paying:
+        chain.append(token)
+        parents.append(index - 1)  # beside chain draft ``index``: under the same parent
+        if q_rows:
+            q_rows.append(q_rows[index])  # not read: siblings are on greedy or seeded rows
+    return parents

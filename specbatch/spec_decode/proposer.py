@@ -12,10 +12,16 @@ from specbatch.sequence import Sequence
 
 @dataclass
 class DraftRequest:
-    """One decoding sequence and how many draft tokens it may get this step (>= 1)."""
+    """One decoding sequence and how many draft tokens it may get this step (>= 1).
+
+    A proposer that can draft trees may add nodes beside its ``max_drafts``-deep chain, up to
+    ``max_nodes`` in all (slots the step reserved), each when it expects it to be accepted
+    with a chance above ``node_price`` (what the verify row it adds costs, in tokens)."""
 
     seq: Sequence
     max_drafts: int
+    max_nodes: int = 0  # 0: max_drafts (no nodes beside the chain)
+    node_price: float = float("inf")
 
 
 @dataclass

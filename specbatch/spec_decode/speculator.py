@@ -39,6 +39,7 @@ from specbatch.spec_decode.rejection import VerifyResult, verify
 from specbatch.spec_decode.tree_verify import DraftTree, tree_rows, verify_tree
 
 UNBOUNDED_HORIZON = 256  # remaining tokens assumed for a request without max_tokens
+SIBLING_SLOTS = 4  # draft-model siblings a chain may get beside it (draft_tree)
 
 
 @dataclass
@@ -68,6 +69,7 @@ class Speculator:
         self._lookups: dict[int, tuple[list[int], int]] = {}  # seq_id -> (drafts, match n)
         self._shadows: dict[int, _Shadow] = {}
         self._used: dict[int, str] = {}  # seq_id -> way of this step's drafts
+        self._node_prices: dict[int, float] = {}  # seq_id -> price of a sibling, in tokens
         self._draft_seconds = 0.0  # of the current step: draft model or external proposer
 
     @staticmethod
@@ -101,14 +103,30 @@ class Speculator:
         pairs = sum(_pairs(s.seq.num_computed_tokens, s.num_new_tokens) for s in out.scheduled)
         choices = self.controller.plan(candidates, tokens, len(out.scheduled), pairs, budget)
         drafts = [0] * len(out.scheduled)
+        self._node_prices.clear()
         for i, candidate, choice in zip(index, candidates, choices, strict=True):
             drafts[i] = choice.drafts
             self._plan[candidate.seq_id] = choice
+            price = self._node_price(choice, candidate)
+            if price < 1.0:  # slots for siblings beside the chain (used only where they pay)
+                drafts[i] = min(candidate.slots, choice.drafts + SIBLING_SLOTS)
+                self._node_prices[candidate.seq_id] = price
             found, n = self._lookups.get(candidate.seq_id, ([], 0))
             if found and not (choice.way in LOOKUP_WAYS and choice.drafts):
                 seq = out.scheduled[i].seq
                 self._shadows[seq.seq_id] = _Shadow(lookup_way(n), found, seq.num_tokens)
         return drafts
+
+    def _node_price(self, choice: Choice, candidate: Candidate) -> float:
+        """What one more verify row for ``candidate`` costs, in tokens at the plan's goodput
+        (inf where no draft-model siblings may be added)."""
+        drafter, controller = self.drafter, self.controller
+        if drafter is None or not drafter.siblings or choice.way != DRAFT or controller is None:
+            return float("inf")
+        rate = controller.report.tokens_per_second
+        if rate <= 0.0:  # not planned on measured times yet
+            return float("inf")
+        return rate * controller.row_seconds(candidate.context)
 
     def _candidate(self, seq: Sequence, slots: int) -> Candidate:
         found: list[int] = []
@@ -164,12 +182,20 @@ class Speculator:
             proposal = self._timed(self.proposer, requests, external, tokens)
         elif by_model:
             assert self.drafter is not None
-            requests = [DraftRequest(seqs[i], slots[i]) for i in by_model]
+            requests = [self._draft_request(seqs[i], slots[i]) for i in by_model]
             proposal = self._timed(self.drafter, requests, by_model, tokens)
         else:
             proposal = Proposal(tokens)
         proposal.parents = _merged_parents(trees, proposal.parents)
         return proposal
+
+    def _draft_request(self, seq: Sequence, slots: int) -> DraftRequest:
+        """The draft model's request: the planned chain, and the slots and price of siblings."""
+        price = self._node_prices.get(seq.seq_id)
+        if price is None:
+            return DraftRequest(seq, slots)
+        chain = min(self._plan[seq.seq_id].drafts, slots)
+        return DraftRequest(seq, chain, max_nodes=slots, node_price=price)
 
     def _timed(
         self,
@@ -187,11 +213,13 @@ class Speculator:
         q_rows: list[int] = []
         parents: list[list[int] | None] = [None] * len(tokens)
         for s, (i, drafted, r) in enumerate(zip(rows, proposal.tokens, requests, strict=True)):
-            tokens[i] = drafted[: r.max_drafts]  # a proposer may not exceed its slots
             tree = proposal.parents_of(s)
             if tree is not None and len(tree) != len(drafted):
                 raise ValueError(f"the proposer gave {len(drafted)} drafts but {len(tree)} parents")
-            parents[i] = None if tree is None else tree[: r.max_drafts]
+            # a proposer may not exceed its slots (a tree's first nodes are a tree)
+            slots = max(r.max_drafts, r.max_nodes) if tree is not None else r.max_drafts
+            tokens[i] = drafted[:slots]
+            parents[i] = None if tree is None else tree[:slots]
             q_rows += range(row, row + len(tokens[i]))
             row += len(drafted)
         trees = parents if any(p is not None for p in parents) else None

@@ -4,6 +4,7 @@ path's K/V end up at the sequence's positions, logprobs, blocks under abort and 
 from __future__ import annotations
 
 import random
+import shutil
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,9 @@ import torch
 
 from specbatch import LLM, LLMEngine, SamplingParams
 from specbatch.config import EngineConfig
+from specbatch.sequence import Sequence as EngineSequence
+from specbatch.spec_decode.controller import DRAFT, Candidate, Choice, PlanReport
+from specbatch.spec_decode.draft_model import DraftModelProposer, _with_siblings
 from specbatch.spec_decode.proposer import DraftRequest, Proposal, Proposer
 from tests.engine.test_block_accounting import check_blocks
 from tests.spec_decode.test_spec_engine import greedy_tokens, prompts_with_repeats
@@ -307,3 +311,132 @@ def test_a_cached_prefix_after_tree_steps_gives_the_same_text(
             outputs += [o for o in engine.step() if o.finished]
         assert outputs[0].outputs[0].token_ids == expected
     assert engine.stats.num_tree_moves > 0
+
+
+@pytest.fixture(scope="module")
+def noisy_draft_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The target with a little noise on every weight: its first choice often differs from the
+    target's, its second or third often is the target's (siblings get accepted)."""
+    from safetensors.torch import load_file, save_file
+
+    directory = tmp_path_factory.mktemp("noisy-draft")
+    for item in tiny_model_dir.iterdir():
+        shutil.copy(item, directory / item.name)
+    generator = torch.Generator().manual_seed(5)
+    weights = load_file(str(tiny_model_dir / "model.safetensors"))
+    noisy = {
+        name: w + 0.006 * torch.randn(w.shape, generator=generator) for name, w in weights.items()
+    }
+    save_file(noisy, str(directory / "model.safetensors"))
+    return directory
+
+
+def sibling_engine(model: Path, draft: Path, threshold: float = 0.5) -> LLMEngine:
+    spec = {
+        "method": "draft_model",
+        "model": str(draft),
+        "draft_tree": True,
+        "draft_confidence_threshold": threshold,
+    }
+    return LLMEngine(EngineConfig(model=str(model), speculative_config=spec, **engine_kwargs()))
+
+
+def force_draft_chains(engine: LLMEngine, depth: int) -> None:
+    """The controller's plan replaced: every sequence gets a draft-model chain of ``depth``
+    and verify rows cost 0.01 tokens (so the draft's likelier siblings are added), whatever
+    the measured times say (this draft is as large as the target: it rarely pays)."""
+    controller = engine.speculator.controller
+    assert controller is not None
+
+    def plan(candidates: list[Candidate], *_: Any) -> list[Choice]:
+        controller.report = PlanReport(len(candidates), tokens_per_second=100.0)
+        return [Choice(DRAFT, min(depth, c.slots), (0.5, 0.8, 1.0)[:depth]) for c in candidates]
+
+    controller.plan = plan  # type: ignore[method-assign]
+    controller.row_seconds = lambda context: 1e-4  # type: ignore[method-assign]
+
+
+@pytest.mark.parametrize(("batch", "forced"), [(1, True), (8, True), (8, False)])
+def test_draft_siblings_give_the_output_of_speculation_off(
+    tiny_model_dir: Path,
+    noisy_draft_dir: Path,
+    prompts: list[list[int]],
+    reference: list[list[int]],
+    batch: int,
+    forced: bool,
+) -> None:
+    engine = sibling_engine(tiny_model_dir, noisy_draft_dir)
+    if forced:
+        force_draft_chains(engine, 2)
+    assert run_engine(engine, prompts, GREEDY, batch) == reference
+    assert not forced or engine.stats.num_tree_moves > 0, engine.stats  # siblings accepted
+
+
+def test_seeded_sampling_with_draft_siblings_equals_speculation_off(
+    tiny_model_dir: Path, noisy_draft_dir: Path, prompts: list[list[int]]
+) -> None:
+    params = SamplingParams(temperature=0.8, max_tokens=32, seed=3, ignore_eos=True)
+    llm = LLM(str(tiny_model_dir), speculative_config={"method": "off"}, **engine_kwargs())
+    plain = greedy_tokens(llm, prompts, params)
+    engine = sibling_engine(tiny_model_dir, noisy_draft_dir)
+    force_draft_chains(engine, 2)
+    assert run_engine(engine, prompts, params, 4) == plain
+    assert engine.stats.num_tree_moves > 0, engine.stats
+
+
+def test_the_draft_cache_holds_what_it_claims_after_sibling_steps(
+    tiny_model_dir: Path, noisy_draft_dir: Path, prompts: list[list[int]]
+) -> None:
+    """Where the target took a sibling, the draft's cache (which holds the chain) is valid
+    only before it: every position the draft claims equals a plain prefill of the text."""
+    engine = sibling_engine(tiny_model_dir, noisy_draft_dir, threshold=0.0)
+    force_draft_chains(engine, 3)
+    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    engine.add_request("0", prompt_token_ids=prompts[0], params=params)
+    drafter = engine.proposer
+    assert isinstance(drafter, DraftModelProposer)
+    sibling_accepted = 0
+    verified = drafter.on_verified
+
+    def watch(seq: Any) -> None:  # did the path leave the chain before its last draft?
+        nonlocal sibling_accepted
+        plain_rule = min(drafter._computed.get(seq.seq_id, 0), seq.num_computed_tokens)
+        verified(seq)
+        sibling_accepted += drafter._computed.get(seq.seq_id, 0) < plain_rule
+
+    drafter.on_verified = watch  # type: ignore[method-assign]
+    for _ in range(150):
+        if sibling_accepted >= 3:
+            break
+        for out in engine.step():
+            assert out.error is None
+    assert sibling_accepted >= 3
+    (seq,) = engine.scheduler.running
+    held = drafter._computed[seq.seq_id]
+    plain = LLMEngine(EngineConfig(model=str(noisy_draft_dir), **engine_kwargs()))
+    plain.add_request(
+        "x", prompt_token_ids=seq.token_ids[:held], params=SamplingParams(max_tokens=2)
+    )
+    plain.step()
+    (computed,) = plain.scheduler.running
+    for (k, v), (k_ref, v_ref) in zip(
+        drafter.model.kv_caches(), plain.model.kv_caches(), strict=True
+    ):
+        for cache, cache_ref in ((k, k_ref), (v, v_ref)):
+            torch.testing.assert_close(
+                gather(cache, seq.block_table, held),
+                gather(cache_ref, computed.block_table, held),
+                rtol=1e-4,
+                atol=1e-5,
+            )
+
+
+def test_siblings_are_added_best_first_within_price_and_slots() -> None:
+    seq = EngineSequence(0, "r", 0, [1, 2, 3], SamplingParams(temperature=0.0), 0.0)
+    chain = [10, 11]
+    candidates = [(0.30, 0, 20), (0.05, 0, 21), (0.20, 1, 22), (0.25, 1, 23)]
+    request = DraftRequest(seq, 2, max_nodes=4, node_price=0.1)
+    parents = _with_siblings(chain, [], candidates, request)
+    assert chain == [10, 11, 20, 23]  # the two best of those above 0.1: two slots left
+    assert parents == [-1, 0, -1, 0]  # 20 beside draft 0 (under the root), 23 beside draft 1
+    assert _with_siblings([10], [], [(0.05, 0, 21)], request) is None  # none pays
