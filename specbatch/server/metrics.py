@@ -44,6 +44,16 @@ class _EngineCollector(Collector):
                 stats.num_accepted_tokens,
             ),
             (
+                "specbatch_spec_decode_num_tree_drafts",
+                "Verify steps of a sequence whose drafts were a tree.",
+                stats.num_tree_drafts,
+            ),
+            (
+                "specbatch_spec_decode_num_tree_moves",
+                "Accepted tree nodes whose K/V moved to their position.",
+                stats.num_tree_moves,
+            ),
+            (
                 "specbatch_spec_controller_planned_steps",
                 "Steps whose drafts the goodput controller chose.",
                 stats.num_planned_steps,
@@ -72,6 +82,11 @@ class _EngineCollector(Collector):
                 stats.kv_cache_usage,
             ),
             ("specbatch_spec_decode_acceptance_rate", "Accepted / proposed draft tokens.", rate),
+            (
+                "specbatch_spec_decode_mean_accepted_length",
+                "Tokens emitted per verify step with drafts (accepted drafts + 1).",
+                1.0 + stats.num_accepted_tokens / stats.num_drafts if stats.num_drafts else 0.0,
+            ),
             (
                 "specbatch_spec_controller_seqs_drafting",
                 "Sequences given drafts in the last planned step.",

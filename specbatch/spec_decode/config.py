@@ -55,9 +55,9 @@ class SpeculativeConfig:
     times earlier with different continuations, prompt lookup proposes them as a tree (up to
     the same number of drafts, the likeliest nodes first) checked in one verify under a tree
     attention mask, instead of the latest occurrence's continuation alone. ``draft_tree``
-    (draft models, under the controller): beside its chain the draft model proposes its next
-    likeliest tokens as siblings where the controller's price of a verify row says they pay
-    (greedy and seeded requests; they cost no draft forward).
+    (draft models, under the controller; on by default there): beside its chain the draft
+    model proposes its next likeliest tokens as siblings where the controller's price of a
+    verify row says they pay (greedy and seeded requests; they cost no draft forward).
     None of these change what is generated: greedy and seeded outputs are token for token the
     same, unseeded sampling keeps the target's distribution (its draws differ).
     """
@@ -70,7 +70,7 @@ class SpeculativeConfig:
     draft_confidence_threshold: float | None = None  # 0.5 for draft models, else 0
     adaptive_k: bool = True
     lookup_tree: bool = False
-    draft_tree: bool = False
+    draft_tree: bool | None = None  # on under the controller for draft methods
 
     MAX_TOKENS = 16
 
@@ -135,6 +135,9 @@ class SpeculativeConfig:
             )
 
     def _check_lookup_tree(self) -> None:
+        if self.draft_tree is None:  # the default: siblings wherever a controller prices them
+            on = self.adaptive_k is True and self.method in ("auto", *DRAFT_METHODS)
+            object.__setattr__(self, "draft_tree", on)
         for key, methods in (
             ("lookup_tree", ("auto", "ngram", "hybrid")),
             ("draft_tree", ("auto", *DRAFT_METHODS)),

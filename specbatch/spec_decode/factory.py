@@ -138,7 +138,7 @@ def build_proposer(
         generator,
         confidence_threshold=spec.confidence_threshold,
         capture_graphs=draft_graphs,
-        siblings=spec.draft_tree,
+        siblings=bool(spec.draft_tree),
     )
     if spec.method == "hybrid":
         return HybridProposer(lookup, drafter)

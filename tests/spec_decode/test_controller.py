@@ -454,3 +454,27 @@ def test_calibration_settles_at_the_true_bias() -> None:
         assert choice.drafts == 1
         controller.observe_verify(0, "external", 1, int(rng.random() < 0.4), choice.expected[0])
     assert controller.acceptance.calibration("external") == pytest.approx(0.5, abs=0.05)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_the_price_of_a_row_is_the_plans_goodput_times_its_seconds(seed: int) -> None:
+    """What a draft-model sibling must beat (``Speculator._node_price``): the plan's goodput,
+    reported, is the true expected goodput of the chosen plan, and one more row's seconds are
+    the clock's."""
+    rng = np.random.default_rng(100 + seed)
+    clock = FakeClock(
+        float(rng.uniform(0.005, 0.05)), float(rng.choice([1e-4, 1e-3])), 1e-4, 1e-6
+    )
+    controller = trained(clock)
+    seqs = int(rng.integers(1, 5))
+    with_rates(controller, {i: float(rng.uniform(0.2, 0.9)) for i in range(seqs)})
+    cands = candidates([4] * seqs, context=int(rng.integers(0, 300)))
+    base_pairs = float(sum(c.context + 1 for c in cands))
+    choices = controller.plan(cands, seqs, seqs, base_pairs, 1000)
+    plan = [(c.way, c.drafts) for c in choices]
+    true = goodput(clock, controller, plan, cands, seqs, base_pairs)
+    assert controller.report.tokens_per_second == pytest.approx(true, rel=1e-3)
+    context = cands[0].context
+    assert controller.row_seconds(context) == pytest.approx(
+        clock.per_token + clock.per_pair * context, rel=1e-3, abs=1e-7
+    )

@@ -42,6 +42,7 @@ def test_greedy_identity_k_1_3_5_batch_16_and_1(
                 "method": "draft_model",
                 "model": str(default_gguf),
                 "num_speculative_tokens": k,
+                "draft_tree": False,  # the chain only: a sibling of a right draft is wrong
             }
         llm = LLM(speculative_config=spec, **ENGINE, max_num_seqs=16)
         batched = [o.outputs[0].token_ids for o in llm.generate(prompts, PARAMS, use_tqdm=False)]
