@@ -462,9 +462,7 @@ def test_the_price_of_a_row_is_the_plans_goodput_times_its_seconds(seed: int) ->
     reported, is the true expected goodput of the chosen plan, and one more row's seconds are
     the clock's."""
     rng = np.random.default_rng(100 + seed)
-    clock = FakeClock(
-        float(rng.uniform(0.005, 0.05)), float(rng.choice([1e-4, 1e-3])), 1e-4, 1e-6
-    )
+    clock = FakeClock(float(rng.uniform(0.005, 0.05)), float(rng.choice([1e-4, 1e-3])), 1e-4, 1e-6)
     controller = trained(clock)
     seqs = int(rng.integers(1, 5))
     with_rates(controller, {i: float(rng.uniform(0.2, 0.9)) for i in range(seqs)})
