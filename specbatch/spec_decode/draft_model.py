@@ -13,16 +13,17 @@ that crossed it is kept: its forward is paid, and a verify slot is cheap.) After
 verification the valid prefix shrinks to the accepted tokens the cache holds
 (``on_verified``): that is the draft's rollback.
 
-Trees (``siblings``, under the goodput controller): beside the chain, a greedy or seeded
-sequence may get *leaf* siblings, the draft's next likeliest tokens at a chain position (its
-top ``SIBLING_CANDIDATES`` after the chain's own), scored by the draft's probability that the
-chain up to there is right times the sibling's probability. They cost no draft forward (their
-distributions were computed for the chain) and one verify row each, so they are added best
-first while the score beats the request's ``node_price`` and slots remain. A sibling never
-enters the draft's cache (the cache holds the chain's tokens at their positions): when the
-target accepts one, the draft's valid prefix ends before it and the next step catches up on
-it. Unseeded random rows keep the sampled chain alone (sibling point masses would replace the
-draft's q, which accepts more).
+Trees (``siblings``, under the goodput controller): beside the chain a sequence may get *leaf*
+siblings at each chain position, scored by the draft's probability that the chain up to there
+is right times the sibling's probability. On greedy and seeded rows they are the draft's next
+likeliest tokens (its top ``SIBLING_CANDIDATES`` after the chain's own), taken best first; on
+unseeded random rows they are further draws from the same q without replacement (what the
+recursive rejection sampler needs to stay exact), taken in draw order, each position's a
+prefix that stops at the first draw that does not pay. They cost no draft forward (their
+distributions were computed for the chain) and one verify row each, so they are added while
+the score beats the request's ``node_price`` and slots remain. A sibling never enters the
+draft's cache (the cache holds the chain's tokens at their positions): when the target
+accepts one, the draft's valid prefix ends before it and the next step catches up on it.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from specbatch.kernels.sampling import (
 from specbatch.models.llama import LlamaForCausalLM
 from specbatch.runner.flat_batch import TokenRun, flatten
 from specbatch.runner.model_runner import ModelRunner
+from specbatch.sampling_params import SamplingParams
 from specbatch.sequence import Sequence
 from specbatch.spec_decode.proposer import DraftRequest, Proposal, Proposer
 
@@ -139,7 +141,8 @@ class DraftModelProposer(Proposer):
             self._chains[r.seq.seq_id] = (r.seq.num_tokens, list(chain))
         parents: list[list[int] | None] = [None] * len(requests)
         for i in branching:
-            parents[i] = _with_siblings(tokens[i], probs[i], siblings[i], requests[i])
+            drawn = _samples_unseeded(requests[i].seq.params)
+            parents[i] = _with_siblings(tokens[i], probs[i], siblings[i], requests[i], drawn)
         draft_probs = None
         if keep_probs:
             draft_probs = torch.stack([row for per_request in probs for row in per_request])
@@ -147,13 +150,7 @@ class DraftModelProposer(Proposer):
         return Proposal(tokens, draft_probs, trees)
 
     def _may_branch(self, r: DraftRequest) -> bool:
-        params = r.seq.params
-        return (
-            self.siblings
-            and r.max_nodes > r.max_drafts
-            and r.node_price < 1.0
-            and (params.greedy or params.seed is not None)
-        )
+        return self.siblings and r.max_nodes > r.max_drafts and r.node_price < 1.0
 
     def _sample(
         self, logits: torch.Tensor, rows: list[SamplingRow], need_q: bool, likeliest: list[int]
@@ -161,8 +158,11 @@ class DraftModelProposer(Proposer):
         """Draft tokens (drawn exactly as the target's sampler would draw from q), their
         distributions q (when ``need_q``: one-hot on greedy rows), the draft's probability of
         each drafted token (for greedy rows: under its unscaled softmax; 1 without a threshold
-        or siblings), and for the rows ``likeliest`` the draft's ``SIBLING_CANDIDATES + 1``
-        likeliest tokens with their probabilities (unscaled softmax)."""
+        or siblings), and for the rows ``likeliest`` sibling candidates with their
+        probabilities: on greedy and seeded rows the draft's ``SIBLING_CANDIDATES + 1``
+        likeliest tokens (unscaled softmax), on unseeded random rows ``SIBLING_CANDIDATES``
+        further draws from q without replacement (the drafted token excluded), in draw order,
+        with q at each."""
         t = SamplingTensors.build(rows, logits.shape[1], logits.device)
         q = target_probs(logits, t) if need_q or not t.all_greedy else None
         drafted = greedy_tokens(logits, t) if q is None else sample_rows(q, rows, t, self.generator)
@@ -176,13 +176,29 @@ class DraftModelProposer(Proposer):
             chosen = at if chosen is None else torch.where(t.greedy, at, chosen)
         assert chosen is not None
         top: dict[int, list[tuple[float, int]]] = {}
-        if likeliest:
+        ranked = [row for row in likeliest if not _samples_unseeded(rows[row].params)]
+        if ranked:
             assert natural is not None
-            index = torch.tensor(likeliest, dtype=torch.long, device=logits.device)
+            index = torch.tensor(ranked, dtype=torch.long, device=logits.device)
             values, ids = natural.index_select(0, index).topk(SIBLING_CANDIDATES + 1, dim=-1)
-            for row, v, i in zip(likeliest, values.tolist(), ids.tolist(), strict=True):
+            for row, v, i in zip(ranked, values.tolist(), ids.tolist(), strict=True):
                 top[row] = list(zip(v, i, strict=True))
+        for row in likeliest:
+            if row not in top:  # an unseeded row: siblings drawn from q, without replacement
+                assert q is not None
+                top[row] = self._draws(q[row], int(drafted[row]))
         return drafted.tolist(), q, chosen.tolist(), top
+
+    def _draws(self, q: torch.Tensor, drafted: int) -> list[tuple[float, int]]:
+        """Up to ``SIBLING_CANDIDATES`` draws from ``q`` without ``drafted`` and without
+        replacement, in draw order, with q at each."""
+        rest = q.clone()
+        rest[drafted] = 0.0
+        count = min(SIBLING_CANDIDATES, int((rest > 0).sum()))
+        if count == 0:
+            return []
+        ids = torch.multinomial(rest, count, replacement=False, generator=self.generator)
+        return list(zip(q[ids].tolist(), ids.tolist(), strict=True))
 
     def catch_up(self, seq: Sequence) -> int:
         """Rows the draft computes for ``seq`` before its first draft: 1 or 2 after a
@@ -214,25 +230,46 @@ class DraftModelProposer(Proposer):
         self._chains.pop(seq.seq_id, None)
 
 
+def _samples_unseeded(params: SamplingParams) -> bool:
+    return not params.greedy and params.seed is None
+
+
 def _with_siblings(
     chain: list[int],
     q_rows: list[torch.Tensor],
     candidates: list[tuple[float, int, int]],
     request: DraftRequest,
+    drawn: bool = False,
 ) -> list[int] | None:
-    """Add to ``chain`` (in place, with q rows) the best-scored siblings that beat the
-    request's node price, within its slots; the tree's parents, or None when none paid."""
-    room = request.max_nodes - len(chain)
-    paying = sorted(
-        (c for c in candidates if c[0] > request.node_price and c[1] < len(chain)),
-        key=lambda c: -c[0],
-    )[: max(room, 0)]
+    """Add to ``chain`` (in place, with q rows) the siblings that beat the request's node
+    price, within its slots; the tree's parents, or None when none paid.
+
+    Ranked candidates (greedy, seeded) are taken best first. ``drawn`` ones (an unseeded
+    row's draws without replacement, in draw order) are taken position by position as a
+    prefix of each position's draws, stopping at the first that does not pay: the verifier's
+    exactness needs a node's children to be successive draws from q, which dropping or
+    reordering by value would break."""
+    room = max(request.max_nodes - len(chain), 0)
+    usable = [c for c in candidates if c[1] < len(chain)]
+    if drawn:
+        paying: list[tuple[float, int, int]] = []
+        stopped: set[int] = set()
+        for c in usable:  # in draw order within each position
+            if c[1] in stopped or len(paying) == room:
+                continue
+            if c[0] > request.node_price:
+                paying.append(c)
+            else:
+                stopped.add(c[1])
+    else:
+        paying = sorted((c for c in usable if c[0] > request.node_price), key=lambda c: -c[0])
+        paying = paying[:room]
     if not paying:
         return None
     parents = list(range(-1, len(chain) - 1))
     for _, index, token in paying:
         chain.append(token)
         parents.append(index - 1)  # beside chain draft ``index``: under the same parent
-        if q_rows:
-            q_rows.append(q_rows[index])  # not read: siblings are on greedy or seeded rows
+        if q_rows:  # what it was drawn from (not read on greedy or seeded rows)
+            q_rows.append(q_rows[index])
     return parents

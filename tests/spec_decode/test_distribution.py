@@ -8,6 +8,7 @@ from the target model with the same sampling processing.
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +87,7 @@ def sample_engine(
     seeded: bool = False,
     prompt: list[int] = PROMPT,
     proposer: Proposer | None = None,
+    hook: Callable[[LLMEngine], None] | None = None,
 ) -> np.ndarray:
     engine = LLMEngine(
         EngineConfig(
@@ -95,14 +97,17 @@ def sample_engine(
             max_model_len=64,
             max_num_seqs=256,
             max_num_batched_tokens=4096,
-            # fixed k: every step verifies (the controller would draft only where it pays)
+            # fixed k: every step verifies (the controller would draft only where it pays),
+            # unless the config asks for the controller (then ``hook`` fixes its plan)
             speculative_config=(
-                {"method": "off"} if speculative is None else {**speculative, "adaptive_k": False}
+                {"method": "off"} if speculative is None else {"adaptive_k": False, **speculative}
             ),
             seed=123,
         ),
         proposer=proposer,
     )
+    if hook is not None:
+        hook(engine)
     looked_up: list[bool] = []
     if isinstance(engine.proposer, HybridProposer):
         lookup = engine.proposer.lookup
@@ -119,7 +124,9 @@ def sample_engine(
     tokens = np.zeros((N, 3), dtype=np.int64)
     pending = list(range(N))
     while pending or engine.has_unfinished_requests():
-        while pending and engine.num_unfinished_requests() < 256:
+        # under the controller a step that computes a prompt carries no drafts: in waves
+        wave = hook is None or not engine.has_unfinished_requests()
+        while wave and pending and engine.num_unfinished_requests() < 256:
             i = pending.pop()
             engine.add_request(str(i), prompt, params.clone(seed=i) if seeded else params)
         for out in engine.step():
@@ -283,4 +290,36 @@ def test_seeded_tree_sampling_matches_target(models: tuple[Path, Path]) -> None:
     tokens = sample_engine(
         target, spec, PARAMS["plain"], seeded=True, proposer=TreeProposer(joint12)
     )
+    assert_matches(tokens, joint12, marginal3)
+
+
+@pytest.mark.parametrize("params_name", ["plain", "top-k-top-p"])
+def test_draft_siblings_drawn_without_replacement_match_target(
+    models: tuple[Path, Path], params_name: str
+) -> None:
+    """Unseeded rows: the draft model's siblings are further draws from its q without
+    replacement, verified by recursive rejection sampling (every chain of 2 drafts gets up to
+    3 siblings per position: the plan is fixed, rows nearly free)."""
+    from tests.spec_decode.test_tree_engine import force_draft_chains
+
+    target, draft = models
+    # room for drafts past the first three tokens (lookahead stops at max_tokens)
+    params = PARAMS[params_name].clone(max_tokens=8)
+    spec = {
+        "method": "draft_model",
+        "model": str(draft),
+        "num_speculative_tokens": 6,
+        "adaptive_k": True,
+        "draft_tree": True,
+        "draft_confidence_threshold": 0.0,
+    }
+    trees = []
+
+    def hook(engine: LLMEngine) -> None:
+        force_draft_chains(engine, 2, row_seconds=1e-7)
+        trees.append(engine)
+
+    joint12, marginal3 = exact_distribution(target, params)
+    tokens = sample_engine(target, spec, params, hook=hook)
+    assert trees[0].stats.num_tree_drafts > N // 2  # siblings were verified
     assert_matches(tokens, joint12, marginal3)

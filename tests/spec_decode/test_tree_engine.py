@@ -341,9 +341,10 @@ def sibling_engine(model: Path, draft: Path, threshold: float = 0.5) -> LLMEngin
     return LLMEngine(EngineConfig(model=str(model), speculative_config=spec, **engine_kwargs()))
 
 
-def force_draft_chains(engine: LLMEngine, depth: int) -> None:
+def force_draft_chains(engine: LLMEngine, depth: int, row_seconds: float = 1e-4) -> None:
     """The controller's plan replaced: every sequence gets a draft-model chain of ``depth``
-    and verify rows cost 0.01 tokens (so the draft's likelier siblings are added), whatever
+    and a verify row costs ``row_seconds`` x 100 tokens (0.01 by default: the draft's likelier
+    siblings are added), whatever
     the measured times say (this draft is as large as the target: it rarely pays)."""
     controller = engine.speculator.controller
     assert controller is not None
@@ -353,7 +354,7 @@ def force_draft_chains(engine: LLMEngine, depth: int) -> None:
         return [Choice(DRAFT, min(depth, c.slots), (0.5, 0.8, 1.0)[:depth]) for c in candidates]
 
     controller.plan = plan  # type: ignore[method-assign]
-    controller.row_seconds = lambda context: 1e-4  # type: ignore[method-assign]
+    controller.row_seconds = lambda context: row_seconds  # type: ignore[method-assign]
 
 
 @pytest.mark.parametrize(("batch", "forced"), [(1, True), (8, True), (8, False)])
