@@ -32,15 +32,18 @@ class SpecStats:
     num_accepted_tokens: int = 0
     num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
 
-    def record(self, num_proposed: int, num_accepted: int) -> None:
+    def record(self, num_proposed: int, num_accepted: int, depth: int | None = None) -> None:
+        """A verify of ``num_proposed`` drafts (a tree's nodes, of ``depth`` levels; a chain's
+        depth is its length) that accepted ``num_accepted``."""
         if num_proposed == 0:
             return
         self.num_drafts += 1
         self.num_draft_tokens += num_proposed
         self.num_accepted_tokens += num_accepted
-        if len(self.num_accepted_tokens_per_pos) < num_proposed:
+        positions = num_proposed if depth is None else depth
+        if len(self.num_accepted_tokens_per_pos) < positions:
             self.num_accepted_tokens_per_pos.extend(
-                [0] * (num_proposed - len(self.num_accepted_tokens_per_pos))
+                [0] * (positions - len(self.num_accepted_tokens_per_pos))
             )
         for pos in range(num_accepted):
             self.num_accepted_tokens_per_pos[pos] += 1

@@ -298,7 +298,7 @@ class Speculator:
         ``depth``: a tree's deepest level (the positions that had a draft; a chain's is
         ``num_drafts``), which is what the controller learns acceptance by."""
         if num_drafts:
-            seq.spec.record(num_drafts, num_accepted)
+            seq.spec.record(num_drafts, num_accepted, depth)
         if depth is not None:
             num_drafts = depth
         way = self._used.get(seq.seq_id)

@@ -441,3 +441,23 @@ def test_siblings_are_added_best_first_within_price_and_slots() -> None:
     assert chain == [10, 11, 20, 23]  # the two best of those above 0.1: two slots left
     assert parents == [-1, 0, -1, 0]  # 20 beside draft 0 (under the root), 23 beside draft 1
     assert _with_siblings([10], [], [(0.05, 0, 21)], request) is None  # none pays
+
+
+def test_per_request_metrics_count_tree_nodes_and_depths(
+    tiny_model_dir: Path, prompts: list[list[int]], reference: list[list[int]]
+) -> None:
+    """A tree's nodes are its draft tokens; acceptance by position goes by depth (the oracle's
+    trees hold two nodes per level: at most 3 levels in 6 slots)."""
+    engine = oracle_engine(tiny_model_dir, reference)
+    for i, prompt in enumerate(prompts[:8]):
+        engine.add_request(str(i), prompt_token_ids=prompt, params=GREEDY)
+    metrics = []
+    while engine.has_unfinished_requests():
+        metrics += [o.metrics for o in engine.step() if o.finished]
+    assert engine.stats.num_tree_moves > 0
+    for m in metrics:
+        assert m is not None
+        assert len(m.num_accepted_tokens_per_pos) <= 3
+        assert sum(m.num_accepted_tokens_per_pos) == m.num_accepted_tokens
+        assert m.num_accepted_tokens <= m.num_draft_tokens <= 6 * m.num_drafts
+        assert m.num_accepted_tokens_per_pos == sorted(m.num_accepted_tokens_per_pos, reverse=True)
