@@ -95,3 +95,21 @@ def test_speculation_defaults_per_method(
     explicit = SpeculativeConfig(method, num_speculative_tokens=2, draft_confidence_threshold=0.0)
     assert (explicit.k, explicit.confidence_threshold) == (2, 0.0)
     assert SpeculativeConfig(method, adaptive_k=False).k == 4  # fixed k: every step drafts k
+
+
+def test_draft_siblings_default_and_validation() -> None:
+    hybrid = SpeculativeConfig(method="hybrid")
+    assert hybrid.draft_siblings(cuda_graphs=False)  # on under the controller
+    assert not hybrid.draft_siblings(cuda_graphs=True)  # a tree step cannot replay a graph
+    assert SpeculativeConfig(method="hybrid", draft_tree=True).draft_siblings(cuda_graphs=True)
+    assert not SpeculativeConfig(method="hybrid", adaptive_k=False).draft_siblings(False)
+    assert not SpeculativeConfig(method="ngram").draft_siblings(False)
+    assert SpeculativeConfig(draft_tree=True).resolved(shipped_draft_fits=False).draft_tree is None
+    for bad, message in (
+        ({"method": "hybrid", "draft_tree": "yes"}, "draft_tree must be true or false"),
+        ({"method": "ngram", "draft_tree": True}, "draft_tree is for methods"),
+        ({"method": "hybrid", "draft_tree": True, "adaptive_k": False}, "goodput controller"),
+        ({"method": "draft_model", "lookup_tree": True}, "lookup_tree is for methods"),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            SpeculativeConfig.parse(bad)

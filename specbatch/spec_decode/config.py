@@ -55,9 +55,10 @@ class SpeculativeConfig:
     times earlier with different continuations, prompt lookup proposes them as a tree (up to
     the same number of drafts, the likeliest nodes first) checked in one verify under a tree
     attention mask, instead of the latest occurrence's continuation alone. ``draft_tree``
-    (draft models, under the controller; on by default there): beside its chain the draft
-    model proposes its next likeliest tokens as siblings where the controller's price of a
-    verify row says they pay (greedy and seeded requests; they cost no draft forward).
+    (draft models, under the controller; by default on there, except when the target replays
+    CUDA graphs, which a step with a tree cannot): beside its chain the draft model proposes
+    further tokens as siblings where the controller's price of a verify row says they pay
+    (they cost no draft forward).
     None of these change what is generated: greedy and seeded outputs are token for token the
     same, unseeded sampling keeps the target's distribution (its draws differ).
     """
@@ -70,7 +71,7 @@ class SpeculativeConfig:
     draft_confidence_threshold: float | None = None  # 0.5 for draft models, else 0
     adaptive_k: bool = True
     lookup_tree: bool = False
-    draft_tree: bool | None = None  # on under the controller for draft methods
+    draft_tree: bool | None = None  # None: on under the controller, off under CUDA graphs
 
     MAX_TOKENS = 16
 
@@ -135,15 +136,12 @@ class SpeculativeConfig:
             )
 
     def _check_lookup_tree(self) -> None:
-        if self.draft_tree is None:  # the default: siblings wherever a controller prices them
-            on = self.adaptive_k is True and self.method in ("auto", *DRAFT_METHODS)
-            object.__setattr__(self, "draft_tree", on)
         for key, methods in (
             ("lookup_tree", ("auto", "ngram", "hybrid")),
             ("draft_tree", ("auto", *DRAFT_METHODS)),
         ):
             value = getattr(self, key)
-            if not isinstance(value, bool):
+            if not isinstance(value, bool) and not (key == "draft_tree" and value is None):
                 raise ConfigError(f"{key} must be true or false, got {value!r}")
             if value and self.method not in methods:
                 raise ConfigError(f"{key} is for methods {methods}, not {self.method!r}")
@@ -167,8 +165,15 @@ class SpeculativeConfig:
         method = "hybrid" if self.model is not None or shipped_draft_fits else "ngram"
         values = {f.name: getattr(self, f.name) for f in fields(self)}
         if method == "ngram":  # no draft model to branch
-            values["draft_tree"] = False
+            values["draft_tree"] = None
         return SpeculativeConfig(**{**values, "method": method})
+
+    def draft_siblings(self, cuda_graphs: bool) -> bool:
+        """Whether the draft model adds siblings: ``draft_tree`` when set, else under the
+        controller unless the target replays CUDA graphs (a step with a tree runs eagerly)."""
+        if self.draft_tree is not None:
+            return self.draft_tree
+        return self.adaptive_k and self.method in DRAFT_METHODS and not cuda_graphs
 
     @property
     def enabled(self) -> bool:

@@ -99,7 +99,7 @@ def build_speculator(
             raise ConfigError("a proposer needs speculative_config={'method': 'external', ...}")
         return Speculator(None, None, generator)
     proposer = build_proposer(
-        spec, draft, num_blocks, block_size, generator, external, draft_graphs
+        spec, draft, num_blocks, block_size, generator, external, draft_graphs, cuda_graphs
     )
     controller = None
     if spec.adaptive_k:
@@ -115,6 +115,7 @@ def build_proposer(
     generator: torch.Generator,
     external: Proposer | None = None,
     draft_graphs: Callable[[], CudaGraphRunner | None] | None = None,
+    cuda_graphs: bool = False,
 ) -> Proposer:
     if (spec.method == "external") != (external is not None):
         raise ConfigError(
@@ -138,7 +139,7 @@ def build_proposer(
         generator,
         confidence_threshold=spec.confidence_threshold,
         capture_graphs=draft_graphs,
-        siblings=bool(spec.draft_tree),
+        siblings=spec.draft_siblings(cuda_graphs),
     )
     if spec.method == "hybrid":
         return HybridProposer(lookup, drafter)
