@@ -266,7 +266,9 @@ class LLMEngine:
             [s.seq for s in sampling], [s.num_lookahead for s in sampling]
         )
         drafts = dict(zip((s.seq.seq_id for s in sampling), proposal.tokens, strict=True))
-        parents = {s.seq.seq_id: proposal.parents_of(i) for i, s in enumerate(sampling)}
+        parents: dict[int, list[int] | None] = {}
+        if proposal.has_trees:
+            parents = {s.seq.seq_id: proposal.parents_of(i) for i, s in enumerate(sampling)}
         runs = [
             _token_run(s, drafts.get(s.seq.seq_id, []), parents.get(s.seq.seq_id))
             for s in scheduled

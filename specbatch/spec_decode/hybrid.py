@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from specbatch.sequence import Sequence
 from specbatch.spec_decode.draft_model import DraftModelProposer
-from specbatch.spec_decode.ngram import NgramProposer, is_chain
+from specbatch.spec_decode.ngram import NgramProposer
 from specbatch.spec_decode.proposer import DraftRequest, Proposal, Proposer, with_point_masses
 
 EXPLORE_STEPS = 2  # tries of each way before values are compared
@@ -109,9 +109,9 @@ class HybridProposer(Proposer):
             state.pending = None
             # one scan down to 1 token: the longest match, long or short
             found, length = self.lookup.match(r.seq, r.max_drafts, min_n=1)
-            if length >= self.lookup.min_n:
-                tokens.append(found)  # a long match: taken as it is
-                self._lookup_tree(i, r, length, tokens, parents)
+            if length >= self.lookup.min_n:  # a long match: taken as it is
+                looked_up, parents[i] = self.lookup.drafts(r.seq, found, length, r.max_drafts)
+                tokens.append(looked_up)
                 continue
             tokens.append([])
             way = DRAFT
@@ -119,8 +119,7 @@ class HybridProposer(Proposer):
                 way = choose_way(state.ways, state.choices, self.draft_cost)
                 state.choices += 1
             if way == LOOKUP:
-                tokens[i] = found
-                self._lookup_tree(i, r, length, tokens, parents)
+                tokens[i], parents[i] = self.lookup.drafts(r.seq, found, length, r.max_drafts)
             else:
                 to_draft.append(i)
             state.pending = (way, r.seq.spec.num_accepted_tokens, 0)
@@ -141,21 +140,6 @@ class HybridProposer(Proposer):
         if drafted.draft_probs is None:
             return Proposal(tokens, parents=trees)
         return Proposal(tokens, with_point_masses(tokens, to_draft, drafted.draft_probs), trees)
-
-    def _lookup_tree(
-        self,
-        i: int,
-        request: DraftRequest,
-        length: int,
-        tokens: list[list[int]],
-        parents: list[list[int] | None],
-    ) -> None:
-        """With ``lookup_tree``: request ``i``'s lookup as the tree of its occurrences."""
-        if not self.lookup.trees or request.max_drafts < 2:
-            return
-        tree = self.lookup.tree(request.seq, request.max_drafts, length)
-        tokens[i] = tree.tokens
-        parents[i] = None if is_chain(tree.parents) else tree.parents
 
     def on_verified(self, seq: Sequence) -> None:
         self.drafter.on_verified(seq)

@@ -178,14 +178,24 @@ class NgramProposer(Proposer):
             ends = ngram_ends(np.asarray(seq.token_ids, dtype=np.int64), n)
         return continuation_tree(seq.token_ids, ends, max_nodes)
 
+    def drafts(
+        self, seq: Sequence, found: list[int], n: int, max_drafts: int
+    ) -> tuple[list[int], list[int] | None]:
+        """A lookup's drafts: ``found`` (its chain, from :meth:`match`) or, with ``trees``,
+        the tree of the occurrences of its last ``n`` tokens, and the tree's parents (None
+        for a chain)."""
+        if not (self.trees and found and max_drafts > 1):
+            return found[:max_drafts], None
+        tree = self.tree(seq, max_drafts, n)
+        return tree.tokens, None if is_chain(tree.parents) else tree.parents
+
     def propose(self, requests: list[DraftRequest]) -> Proposal:
         tokens: list[list[int]] = []
         parents: list[list[int] | None] = []
         for r in requests:
-            found, n = self.match(r.seq, r.max_drafts)
-            tree = self.tree(r.seq, r.max_drafts, n) if self.trees and found else None
-            tokens.append(found if tree is None else tree.tokens)
-            parents.append(None if tree is None or is_chain(tree.parents) else tree.parents)
+            drafted, tree = self.drafts(r.seq, *self.match(r.seq, r.max_drafts), r.max_drafts)
+            tokens.append(drafted)
+            parents.append(tree)
         return Proposal(tokens, parents=parents if any(p is not None for p in parents) else None)
 
     def forget(self, seq: Sequence) -> None:

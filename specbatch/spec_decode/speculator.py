@@ -33,7 +33,7 @@ from specbatch.spec_decode.controller import (
 )
 from specbatch.spec_decode.draft_model import DraftModelProposer
 from specbatch.spec_decode.hybrid import HybridProposer
-from specbatch.spec_decode.ngram import NgramProposer, is_chain
+from specbatch.spec_decode.ngram import NgramProposer
 from specbatch.spec_decode.proposer import DraftRequest, Proposal, Proposer, with_point_masses
 from specbatch.spec_decode.rejection import VerifyResult, verify
 from specbatch.spec_decode.tree_verify import DraftTree, tree_rows, verify_tree
@@ -164,13 +164,9 @@ class Speculator:
                 continue
             self._used[seq.seq_id] = choice.way
             if choice.way in LOOKUP_WAYS:
-                found, n = self._lookups[seq.seq_id]
-                tokens[i] = found[: slots[i]]
                 assert self.lookup is not None
-                if self.lookup.trees and slots[i] > 1:
-                    tree = self.lookup.tree(seq, slots[i], n)
-                    tokens[i] = tree.tokens
-                    parents[i] = None if is_chain(tree.parents) else tree.parents
+                found, n = self._lookups[seq.seq_id]
+                tokens[i], parents[i] = self.lookup.drafts(seq, found, n, slots[i])
             elif choice.way == DRAFT:
                 by_model.append(i)
             else:
