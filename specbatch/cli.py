@@ -1,5 +1,6 @@
 """The ``specbatch`` command line: ``generate`` streams a completion, ``serve`` runs the
-OpenAI-compatible server, ``distill-draft`` trains a draft model for a target."""
+OpenAI-compatible server, ``distill-draft`` trains a draft model for a target, ``train-head`` a
+draft head on its features."""
 
 from __future__ import annotations
 
@@ -19,9 +20,11 @@ if TYPE_CHECKING:
 def _add_speculative_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--speculative",
-        choices=["auto", "off", "ngram", "draft", "hybrid"],
+        choices=["auto", "off", "ngram", "draft", "eagle", "hybrid"],
         default="auto",
-        help="speculative decoding proposer (default: auto; 'hybrid' is n-gram prompt lookup "
+        help="speculative decoding proposer (default: auto; 'eagle' drafts with a head on the "
+        "target's own features, --draft-model being a head directory or the shipped head; "
+        "'hybrid' is n-gram prompt lookup "
         "where the text repeats and the draft model elsewhere; 'auto' is hybrid with "
         "--draft-model or for a model the shipped draft fits (SmolLM2-135M-Instruct, "
         "recognised by shape and vocabulary), else n-gram; 'draft' and 'hybrid' without "
@@ -30,7 +33,9 @@ def _add_speculative_args(parser: argparse.ArgumentParser) -> None:
         "none with many concurrent sequences): outputs are the same as with 'off'",
     )
     parser.add_argument(
-        "--draft-model", default=None, help="draft model path for --speculative draft/hybrid"
+        "--draft-model",
+        default=None,
+        help="draft model (or draft head) path for --speculative draft/eagle/hybrid",
     )
     parser.add_argument(
         "--draft-confidence",
@@ -68,11 +73,19 @@ def speculative_config(args: argparse.Namespace) -> dict[str, object]:
     unused = [
         flag
         for flag, given, used_by in (
-            ("--fixed-k", args.fixed_k, ("auto", "ngram", "draft", "hybrid")),
+            ("--fixed-k", args.fixed_k, ("auto", "ngram", "draft", "eagle", "hybrid")),
             ("--ngram-min", args.ngram_min is not None, ("auto", "ngram", "hybrid")),
-            ("--draft-model", args.draft_model is not None, ("auto", "draft", "hybrid")),
-            ("--draft-confidence", args.draft_confidence is not None, ("auto", "draft", "hybrid")),
-            ("-k", args.num_speculative_tokens is not None, ("auto", "ngram", "draft", "hybrid")),
+            ("--draft-model", args.draft_model is not None, ("auto", "draft", "eagle", "hybrid")),
+            (
+                "--draft-confidence",
+                args.draft_confidence is not None,
+                ("auto", "draft", "eagle", "hybrid"),
+            ),
+            (
+                "-k",
+                args.num_speculative_tokens is not None,
+                ("auto", "ngram", "draft", "eagle", "hybrid"),
+            ),
         )
         if given and method not in used_by
     ]
@@ -89,7 +102,7 @@ def speculative_config(args: argparse.Namespace) -> dict[str, object]:
         config["adaptive_k"] = False
     if args.ngram_min is not None:  # else the method's default (1-4 for ngram, 2-4 for hybrid)
         config.update(prompt_lookup_min=args.ngram_min, prompt_lookup_max=max(4, args.ngram_min))
-    if method in ("auto", "draft", "hybrid"):
+    if method in ("auto", "draft", "eagle", "hybrid"):
         if args.draft_model is not None or method != "auto":
             config["model"] = args.draft_model
         if args.draft_confidence is not None:
@@ -394,6 +407,71 @@ def _distill(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_train_head(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "train-head", help="train a draft head (EAGLE-style) on a target's own features"
+    )
+    p.add_argument("--target", default=None, help="target model (default: SmolLM2-135M)")
+    p.add_argument("--work", required=True, help="work directory (resumable stages)")
+    p.add_argument("--out", required=True, help="where to write the head")
+    p.add_argument("--num-prompts", type=int, default=1200)
+    p.add_argument(
+        "--extra-prompts",
+        type=int,
+        default=1200,
+        help="answers to the extra prompt families (extraction, passages, role play, ...)",
+    )
+    p.add_argument("--answer-tokens", type=int, default=128)
+    p.add_argument(
+        "--max-len", type=int, default=1152, help="longest answer row trained on (tokens)"
+    )
+    p.add_argument("--vocab-size", type=int, default=8192, help="for a non-default target")
+    p.add_argument("--steps", type=int, default=600)
+    p.add_argument("--tokens-per-batch", type=int, default=4096)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument(
+        "--unroll",
+        type=int,
+        default=2,
+        help="training passes per batch, each on the head's own features of the one before",
+    )
+    p.add_argument("--feature-weight", type=float, default=0.1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--generation-batch", type=int, default=48, help="sequences the target answers at once"
+    )
+    p.set_defaults(handler=_train_head)
+
+
+def _train_head(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from specbatch.distill.head import HeadTrainConfig, run
+
+    if args.unroll < 1 or args.steps < 1:
+        raise SystemExit("--unroll and --steps must be at least 1")
+    run(
+        HeadTrainConfig(
+            work=Path(args.work),
+            out=Path(args.out),
+            target=args.target,
+            num_prompts=args.num_prompts,
+            extra_prompts=args.extra_prompts,
+            answer_tokens=args.answer_tokens,
+            max_len=args.max_len,
+            vocab_size=args.vocab_size,
+            steps=args.steps,
+            tokens_per_batch=args.tokens_per_batch,
+            lr=args.lr,
+            unroll=args.unroll,
+            feature_weight=args.feature_weight,
+            seed=args.seed,
+            generation_batch=args.generation_batch,
+        )
+    )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="specbatch",
@@ -404,6 +482,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve(subparsers)
     _add_run_batch(subparsers)
     _add_distill(subparsers)
+    _add_train_head(subparsers)
     return parser
 
 

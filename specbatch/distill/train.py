@@ -91,7 +91,7 @@ def train(
 
 
 def _save(
-    student: LlamaForCausalLM,
+    student: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     checkpoint: Path,
     step: int,
@@ -109,7 +109,7 @@ def _save(
     (checkpoint / "meta.json").write_text(json.dumps(meta))
 
 
-def _resume(student: LlamaForCausalLM, optimizer: torch.optim.Optimizer, checkpoint: Path) -> int:
+def _resume(student: torch.nn.Module, optimizer: torch.optim.Optimizer, checkpoint: Path) -> int:
     state_path, meta_path = checkpoint / "state.safetensors", checkpoint / "meta.json"
     if not (state_path.exists() and meta_path.exists()):
         return 0

@@ -134,6 +134,7 @@ class LLMEngine:
             draft_graphs=lambda: capture_draft_graphs(config, models),
             cuda_graphs=self.runner.graphs is not None,
         )
+        self.runner.keep_hidden = self.speculator.wants_features
         self.scheduler = Scheduler(
             SchedulerConfig(
                 config.max_num_seqs,
@@ -280,6 +281,8 @@ class LLMEngine:
         result = self.speculator.verify(target_logits, [s.seq for s in sampling], proposal)
         if result.accepted_nodes is not None:  # before the cache commits a block of the path
             self._move_accepted_paths(sampling, result)
+        if self.speculator.wants_features:
+            self._hand_features(scheduled, runs, result)
         if prompt_rows:
             self._record_prompt_logprobs(prompt_rows, logits[num_sampling_rows:])
         for s in scheduled:
@@ -325,6 +328,33 @@ class LLMEngine:
         self.stats.num_tree_moves += len(sources)
         if sources:
             self.runner.move_slots(sources, targets)
+
+    def _hand_features(
+        self, scheduled: list[ScheduledSequence], runs: list[TokenRun], result: VerifyResult
+    ) -> None:
+        """Give a draft head the target's hidden states of every row of the step, a tree's
+        accepted path moved to its positions as its K/V was."""
+        kept = self.runner.hidden
+        if kept is None:
+            return
+        hidden, query_start = kept
+        paths: dict[int, list[int]] = {}
+        if result.accepted_nodes is not None:
+            sampling = [s for s in scheduled if s.completes_sequence]
+            paths = {
+                s.seq.seq_id: nodes
+                for s, nodes in zip(sampling, result.accepted_nodes, strict=True)
+            }
+        for b, (s, run) in enumerate(zip(scheduled, runs, strict=True)):
+            first = int(query_start[b])
+            rows = hidden[first : first + len(run.token_ids)]
+            nodes = paths.get(s.seq.seq_id)
+            if nodes and any(node != depth for depth, node in enumerate(nodes)):
+                order = list(range(len(rows)))
+                for depth, node in enumerate(nodes):
+                    order[s.num_new_tokens + depth] = s.num_new_tokens + node
+                rows = rows[torch.tensor(order, dtype=torch.long, device=rows.device)]
+            self.speculator.observe_features(s.seq, run.start_position, rows)
 
     def _record_plan(self) -> None:
         controller = self.speculator.controller

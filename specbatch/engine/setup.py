@@ -21,6 +21,7 @@ from specbatch.models import load_model, resolve_model_path
 from specbatch.models.llama import LlamaForCausalLM
 from specbatch.spec_decode.config import SpeculativeConfig
 from specbatch.spec_decode.default_draft import drafts_for, shipped_draft_preferred
+from specbatch.spec_decode.eagle import EagleHead
 from specbatch.spec_decode.factory import load_draft_model
 from specbatch.tokenizer import Tokenizer, load_tokenizer
 from specbatch.utils import ceil_div
@@ -40,7 +41,7 @@ class Models:
     model_path: Path
     model: LlamaForCausalLM
     tokenizer: Tokenizer
-    draft: LlamaForCausalLM | None
+    draft: LlamaForCausalLM | EagleHead | None
     max_model_len: int
     num_speculative_tokens: int
     speculation: SpeculativeConfig | None  # "auto" resolved
@@ -153,8 +154,10 @@ def graph_runner(
 
 def capture_draft_graphs(config: EngineConfig, models: Models) -> CudaGraphRunner | None:
     """Graphs for the draft model's single-token forwards (its drafts after the first), when
-    the target runs graphs. Call once the draft's KV cache is bound."""
-    if models.draft is None or not _graphable(models.draft, config):
+    the target runs graphs. Call once the draft's KV cache is bound. (A draft head runs
+    eagerly: one layer.)"""
+    draft = models.draft
+    if not isinstance(draft, LlamaForCausalLM) or not _graphable(draft, config):
         return None
     return draft_graph_runner(config, models)
 
@@ -173,7 +176,7 @@ def _graphable(model: LlamaForCausalLM, config: EngineConfig) -> bool:
 def draft_graph_runner(
     config: EngineConfig, models: Models, capture: Capture | None = None
 ) -> CudaGraphRunner:
-    assert models.draft is not None
+    assert isinstance(models.draft, LlamaForCausalLM)
     return _captured(models.draft, config, models, (1,), capture)
 
 

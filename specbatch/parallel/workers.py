@@ -32,6 +32,7 @@ from datetime import timedelta
 from multiprocessing.connection import Connection
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -216,6 +217,18 @@ class TensorParallelRunner:
         self.graphs = None
         self.block_size = local.block_size
         self.device = local.device
+
+    @property
+    def keep_hidden(self) -> bool:
+        return self.local.keep_hidden
+
+    @keep_hidden.setter
+    def keep_hidden(self, value: bool) -> None:
+        self.local.keep_hidden = value  # rank 0 holds the whole hidden state after each layer
+
+    @property
+    def hidden(self) -> tuple[torch.Tensor, np.ndarray] | None:
+        return self.local.hidden
 
     def execute(self, runs: Sequence[TokenRun], rows: LogitRows) -> torch.Tensor:
         try:

@@ -27,6 +27,10 @@ class ModelRunner:
         self.block_size = block_size
         self.device = model.device
         self.graphs = graphs
+        # with ``keep_hidden`` (a draft head reads the target's features) each forward keeps
+        # its final-norm hidden states of every row and the batch's row offsets per run
+        self.keep_hidden = False
+        self.hidden: tuple[torch.Tensor, np.ndarray] | None = None
 
     def execute(self, runs: Sequence[TokenRun], rows: LogitRows) -> torch.Tensor:
         """Float32 logits ``[len(rows.run), vocab]`` for one step of ``runs``."""
@@ -67,6 +71,8 @@ class ModelRunner:
                 input_ids = torch.from_numpy(batch.input_ids).to(self.device)
                 positions = torch.from_numpy(batch.positions).to(self.device)
                 hidden = self.model(input_ids, positions, metadata)
+            if self.keep_hidden:
+                self.hidden = (hidden, batch.query_start)
             every_row_in_order = len(logit_rows) == batch.num_tokens and bool(
                 np.all(logit_rows == np.arange(batch.num_tokens))
             )

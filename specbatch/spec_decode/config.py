@@ -8,8 +8,8 @@ from typing import Any
 
 from specbatch.errors import ConfigError
 
-METHODS = ("auto", "off", "draft_model", "ngram", "hybrid", "external")
-DRAFT_METHODS = ("draft_model", "hybrid")
+METHODS = ("auto", "off", "draft_model", "eagle", "ngram", "hybrid", "external")
+DRAFT_METHODS = ("draft_model", "eagle", "hybrid")
 # k when the config does not say: for fixed k, what the benchmarks in docs/architecture.md were
 # measured with (with the confidence stop a draft model's k is only a ceiling); under the
 # goodput controller k is only a ceiling on what it may give, and a long prompt-lookup match

@@ -1,4 +1,4 @@
-"""The shipped draft model for the default target (SmolLM2-135M-Instruct).
+"""The shipped draft model and draft head for the default target (SmolLM2-135M-Instruct).
 
 It was made by ``specbatch distill-draft`` (see ``docs/distillation.md`` for the command and the
 numbers) and lives in the package as an ordinary HF directory; its weights are checked against
@@ -20,6 +20,12 @@ DRAFT_DIR = Path(__file__).resolve().parent.parent / "assets" / "smollm2-135m-dr
 # hybrid beats n-gram alone at batch 1 on the CPU; the draft alone is slower on some categories.
 PREFERRED_BY_DEFAULT = True
 DRAFT_SHA256 = "a76042d7f311b87bcd6f0060d624f235183848e7317708e6e24265f4e1632f10"
+# The shipped draft head (``specbatch train-head``, docs/distillation.md): what
+# ``{"method": "eagle"}`` drafts with by default, and whether the hybrid (``auto``) drafts
+# with it instead of the draft model beside prompt lookup.
+HEAD_DIR = Path(__file__).resolve().parent.parent / "assets" / "smollm2-135m-head"
+HEAD_SHA256 = ""
+HEAD_PREFERRED_BY_DEFAULT = False
 # What the draft was distilled for: SmolLM2-135M-Instruct's shape, and the sha256 of its
 # vocabulary (every token's text, in id order; see vocabulary_digest). A target is recognised by
 # these, whatever its file is called or holds it (the GGUF, a dequantised HF directory).
@@ -65,16 +71,29 @@ def shipped_draft_preferred() -> bool:
 
 def default_draft_path() -> Path:
     """The verified shipped draft directory."""
-    weights = DRAFT_DIR / "model.safetensors"
-    if not DRAFT_SHA256 or not weights.is_file():
+    return _verified(DRAFT_DIR, DRAFT_SHA256, "draft model", "method 'ngram'")
+
+
+def shipped_head_available() -> bool:
+    """Whether this installation carries the trained draft head (checked in full at load)."""
+    return bool(HEAD_SHA256) and (HEAD_DIR / "model.safetensors").is_file()
+
+
+def default_head_path() -> Path:
+    """The verified shipped draft head directory."""
+    return _verified(HEAD_DIR, HEAD_SHA256, "draft head", "another method")
+
+
+def _verified(directory: Path, sha256: str, what: str, instead: str) -> Path:
+    weights = directory / "model.safetensors"
+    if not sha256 or not weights.is_file():
         raise ConfigError(
-            "this installation ships no draft model; pass speculative_config 'model' or use "
-            "method 'ngram'"
+            f"this installation ships no {what}; pass speculative_config 'model' or use {instead}"
         )
     digest = hashlib.sha256(weights.read_bytes()).hexdigest()
-    if digest != DRAFT_SHA256:
+    if digest != sha256:
         raise ModelLoadError(
-            f"{weights}: sha256 {digest} does not match the shipped draft ({DRAFT_SHA256}); "
+            f"{weights}: sha256 {digest} does not match the shipped {what} ({sha256}); "
             "the package is damaged, reinstall it"
         )
-    return DRAFT_DIR
+    return directory

@@ -81,6 +81,9 @@ class DraftModelProposer(Proposer):
             allocate_kv_caches(model.config, num_blocks, block_size, model.dtype, model.device)
         )
         self.runner = ModelRunner(model, block_size, capture_graphs() if capture_graphs else None)
+        self._init_state()
+
+    def _init_state(self) -> None:
         self._computed: dict[int, int] = {}  # seq_id -> leading tokens held by the draft cache
         # seq_id -> (position of the first draft, the chain): what the cache holds past the
         # sequence's tokens, checked against what the target accepted
@@ -104,9 +107,7 @@ class DraftModelProposer(Proposer):
         branching = {i for i, r in enumerate(requests) if self._may_branch(r)}
         for step in range(max(r.max_drafts for r in requests)):
             started = time.perf_counter()
-            batch = flatten(runs, self.block_size)
-            last_rows = batch.query_start[1:] - 1
-            logits = self.model.logits_in_output_vocab(self.runner.forward(batch, last_rows))
+            logits = self._draft_logits(runs, [requests[i].seq for i in active], step)
             self.num_forwards += 1
             num_rows = sum(len(run.token_ids) for run in runs)
             for i, run in zip(active, runs, strict=True):
@@ -148,6 +149,13 @@ class DraftModelProposer(Proposer):
             draft_probs = torch.stack([row for per_request in probs for row in per_request])
         trees = parents if any(p is not None for p in parents) else None
         return Proposal(tokens, draft_probs, trees)
+
+    def _draft_logits(self, runs: list[TokenRun], seqs: list[Sequence], step: int) -> torch.Tensor:
+        """Logits over the target vocabulary at the last row of each run (one run per
+        sequence of ``seqs``; ``step`` 0 is the catch-up, then one draft token each)."""
+        batch = flatten(runs, self.block_size)
+        last_rows = batch.query_start[1:] - 1
+        return self.model.logits_in_output_vocab(self.runner.forward(batch, last_rows))
 
     def _may_branch(self, r: DraftRequest) -> bool:
         return self.siblings and r.max_nodes > r.max_drafts and r.node_price < 1.0

@@ -13,8 +13,15 @@ from specbatch.models import load_model, resolve_model_path
 from specbatch.models.llama import LlamaForCausalLM
 from specbatch.spec_decode.config import DRAFT_METHODS, SpeculativeConfig
 from specbatch.spec_decode.controller import GoodputController
-from specbatch.spec_decode.default_draft import default_draft_path, drafts_for
+from specbatch.spec_decode.default_draft import (
+    HEAD_PREFERRED_BY_DEFAULT,
+    default_draft_path,
+    default_head_path,
+    drafts_for,
+    shipped_head_available,
+)
 from specbatch.spec_decode.draft_model import DraftModelProposer
+from specbatch.spec_decode.eagle import EagleHead, EagleProposer, is_head_dir, load_head
 from specbatch.spec_decode.hybrid import HybridProposer
 from specbatch.spec_decode.ngram import NgramProposer
 from specbatch.spec_decode.proposer import Proposer
@@ -34,22 +41,41 @@ def load_draft_model(
     dtype: torch.dtype,
     device: torch.device,
     attention_backend: str | None = None,
-) -> LlamaForCausalLM | None:
-    """The draft model of a ``draft_model`` or ``hybrid`` config (None for other methods);
-    without a ``model`` the shipped draft, which exists for the default target only (recognised
-    by its shape and vocabulary, not its path). It uses the target's attention backend."""
+) -> LlamaForCausalLM | EagleHead | None:
+    """The draft of an ``eagle``, ``draft_model`` or ``hybrid`` config (None for other
+    methods): a draft head (``eagle``; the hybrid's too when ``model`` is a head directory) or a
+    draft model. Without a ``model`` the shipped one, which exists for the default target only
+    (recognised by its shape and vocabulary, not its path); the hybrid's is the shipped head
+    where it is preferred (``HEAD_PREFERRED_BY_DEFAULT``), else the shipped draft model. A
+    draft model uses the target's attention backend."""
     if spec.method not in DRAFT_METHODS:
         return None
     if spec.model is None:
         if not drafts_for(target.config, target_tokenizer):
+            what = "a draft head" if spec.method == "eagle" else "a draft"
             raise ConfigError(
-                f"speculative_config method {spec.method!r} needs 'model' (a draft path): a "
-                "draft ships only for SmolLM2-135M-Instruct, and this target's shape or "
+                f"speculative_config method {spec.method!r} needs 'model' (a draft path): "
+                f"{what} ships only for SmolLM2-135M-Instruct, and this target's shape or "
                 "vocabulary differs from it"
             )
-        path = default_draft_path()
+        head_default = spec.method == "eagle" or (
+            spec.method == "hybrid" and HEAD_PREFERRED_BY_DEFAULT and shipped_head_available()
+        )
+        path = default_head_path() if head_default else default_draft_path()
     else:
         path = resolve_model_path(spec.model)
+    if is_head_dir(path):
+        if spec.method == "draft_model":
+            raise ConfigError(
+                f"{path} is a draft head, not a draft model: use speculative_config method "
+                "'eagle' (or 'hybrid')"
+            )
+        return load_head(path, target, dtype, device)
+    if spec.method == "eagle":
+        raise ConfigError(
+            f"speculative_config method 'eagle' needs a draft head directory ('specbatch "
+            f"train-head' makes one); {path} is not one"
+        )
     draft = load_model(path, dtype, device, attention_backend)
     check_draft_compatible(path, draft, target, target_tokenizer)
     return draft
@@ -81,7 +107,7 @@ def check_draft_compatible(
 
 def build_speculator(
     spec: SpeculativeConfig | None,
-    draft: LlamaForCausalLM | None,
+    draft: LlamaForCausalLM | EagleHead | None,
     num_blocks: int,
     block_size: int,
     generator: torch.Generator,
@@ -109,7 +135,7 @@ def build_speculator(
 
 def build_proposer(
     spec: SpeculativeConfig,
-    draft: LlamaForCausalLM | None,
+    draft: LlamaForCausalLM | EagleHead | None,
     num_blocks: int,
     block_size: int,
     generator: torch.Generator,
@@ -132,15 +158,26 @@ def build_proposer(
     if spec.method == "ngram":
         return lookup
     assert draft is not None
-    drafter = DraftModelProposer(
-        draft,
-        num_blocks,
-        block_size,
-        generator,
-        confidence_threshold=spec.confidence_threshold,
-        capture_graphs=draft_graphs,
-        siblings=spec.draft_siblings(cuda_graphs),
-    )
+    drafter: DraftModelProposer
+    if isinstance(draft, EagleHead):
+        drafter = EagleProposer(
+            draft,
+            num_blocks,
+            block_size,
+            generator,
+            confidence_threshold=spec.confidence_threshold,
+            siblings=spec.draft_siblings(cuda_graphs),
+        )
+    else:
+        drafter = DraftModelProposer(
+            draft,
+            num_blocks,
+            block_size,
+            generator,
+            confidence_threshold=spec.confidence_threshold,
+            capture_graphs=draft_graphs,
+            siblings=spec.draft_siblings(cuda_graphs),
+        )
     if spec.method == "hybrid":
         return HybridProposer(lookup, drafter)
     return drafter

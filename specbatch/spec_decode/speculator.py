@@ -32,6 +32,7 @@ from specbatch.spec_decode.controller import (
     lookup_way,
 )
 from specbatch.spec_decode.draft_model import DraftModelProposer
+from specbatch.spec_decode.eagle import EagleProposer
 from specbatch.spec_decode.hybrid import HybridProposer
 from specbatch.spec_decode.ngram import NgramProposer
 from specbatch.spec_decode.proposer import DraftRequest, Proposal, Proposer, with_point_masses
@@ -136,6 +137,17 @@ class Speculator:
             self._lookups[seq.seq_id] = (found, n)
         catch_up = self.drafter.catch_up(seq) if self.drafter is not None else 1
         return Candidate(seq.seq_id, slots, seq.num_tokens, found, n, catch_up, _remaining(seq))
+
+    @property
+    def wants_features(self) -> bool:
+        """Whether the drafter reads the target's hidden states (a draft head)."""
+        return isinstance(self.drafter, EagleProposer)
+
+    def observe_features(self, seq: Sequence, start: int, features: torch.Tensor) -> None:
+        """The target's final-norm hidden states of ``seq``'s rows from position ``start`` this
+        step (an accepted tree path already at its positions)."""
+        if isinstance(self.drafter, EagleProposer):
+            self.drafter.observe_features(seq, start, features)
 
     @property
     def planned(self) -> bool:

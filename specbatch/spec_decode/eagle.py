@@ -1,0 +1,379 @@
+"""A draft head on the target's own features (EAGLE family), and the proposer that drafts with it.
+
+The head predicts the target's next final-norm hidden state from the one before it: at position
+``p`` it reads the embedding of token ``p`` (the target's own embedding) and the target's feature
+at ``p - 1``, both RMS-normed and joined by one projection, then runs one decoder layer of the
+target's shape over its own paged cache and a final norm. Its output stands in for the target's
+feature at ``p``: the head's output layer (a reduced vocabulary, ``token_map`` to target ids)
+turns it into the next token's distribution, and the next draft position reads it as its
+feature. The head never re-reads the prompt with the target: the engine hands it the features
+the target computed for every token it ran (``observe_features``), and the head catches up on
+those rows (one layer, no output layer but at the last row) before its first draft.
+
+Its cache lives on the target's block ids (one allocation governs all, as for a draft model).
+Rows at draft positions read the head's own features, so after a verify its valid prefix ends
+at the first draft position (``on_verified``): the accepted tokens are recomputed next step
+with the target's real features, as EAGLE does. Sibling drafts (``siblings``) work as for the
+draft model (``DraftModelProposer``): leaves beside the chain, no extra forward.
+
+A head directory is ``config.json`` (``"architectures": ["EagleHead"]``, the layer's shape,
+the token map) plus ``model.safetensors``; ``save_head`` writes one, ``load_head`` reads it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from specbatch.cache.kv_tensors import allocate_kv_caches
+from specbatch.errors import ConfigError, ModelLoadError
+from specbatch.kernels.attention import AttentionBackend, LayerKVCache
+from specbatch.kernels.linear import Linear, cpu_packing_supported
+from specbatch.models.config import ModelConfig
+from specbatch.models.llama import LlamaDecoderLayer, LlamaForCausalLM, RMSNorm
+from specbatch.models.rotary import RotaryEmbedding
+from specbatch.runner.flat_batch import TokenRun, flatten
+from specbatch.sequence import Sequence
+from specbatch.spec_decode.draft_model import DraftModelProposer
+from specbatch.spec_decode.proposer import DraftRequest, Proposal
+
+HEAD_ARCHITECTURE = "EagleHead"
+# the target's shape fields a head must match (its layer has the target's shape)
+_SHAPE_FIELDS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+)
+
+
+class EagleHead(nn.Module):
+    """``forward(ids, positions, features, metadata)`` -> the head's features; ``compute_logits``
+    over its reduced vocabulary; ``logits_in_output_vocab`` scatters them to target ids."""
+
+    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        if config.token_map is None or config.target_vocab_size is None:
+            raise ModelLoadError("a draft head needs a token map and the target's vocabulary size")
+        self.config = config
+        self.backend = backend
+        hidden = config.hidden_size
+        self.embed_norm = RMSNorm(hidden, config.rms_norm_eps)
+        self.feature_norm = RMSNorm(hidden, config.rms_norm_eps)
+        self.fc = Linear(2 * hidden, hidden, bias=False)
+        self.layer = LlamaDecoderLayer(config, backend)
+        self.norm = RMSNorm(hidden, config.rms_norm_eps)
+        self.lm_head = Linear(hidden, len(config.token_map), bias=False)
+        self.rotary = RotaryEmbedding(config)
+        # the target's token embedding, not the head's own (attach_target): kept out of the
+        # module tree so it is neither saved nor trained with the head
+        self._embed: list[nn.Module] = []
+        self._draft_to_target: dict[torch.device, torch.Tensor] = {}
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.norm.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.norm.weight.device
+
+    def attach_target(self, target: LlamaForCausalLM) -> None:
+        """Embed tokens with ``target``'s embedding (the head must have been made for it)."""
+        check_head_fits(self.config, target.config)
+        self._embed = [target.model.embed_tokens]
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if not self._embed:
+            raise RuntimeError("the head has no target embedding attached (attach_target)")
+        return self._embed[0](input_ids).to(self.dtype)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        features: torch.Tensor,
+        metadata: object,
+    ) -> torch.Tensor:
+        """The head's features ``[T, hidden]``: row ``i`` from token ``input_ids[i]`` at
+        ``positions[i]`` and the (target's or head's) feature of the position before it."""
+        joined = torch.cat(
+            [self.embed_norm(self.embed(input_ids)), self.feature_norm(features.to(self.dtype))],
+            dim=-1,
+        )
+        x = self.fc(joined)
+        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        return self.norm(self.layer(x, cos, sin, metadata))
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits over the head's vocabulary (``token_map`` order) for the given rows."""
+        return self.lm_head(hidden)
+
+    def logits_in_output_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """Logits over the target vocabulary, every id outside the head's at -inf."""
+        assert self.config.target_vocab_size is not None
+        assert self.config.token_map is not None
+        index = self._draft_to_target.get(logits.device)
+        if index is None:
+            index = torch.tensor(self.config.token_map, dtype=torch.long, device=logits.device)
+            self._draft_to_target[logits.device] = index
+        out = logits.new_full((logits.shape[0], self.config.target_vocab_size), float("-inf"))
+        out[:, index] = logits
+        return out
+
+    def bind_kv_caches(self, kv_caches: list[LayerKVCache]) -> None:
+        if len(kv_caches) != 1:
+            raise ValueError(f"a draft head has one layer cache, got {len(kv_caches)}")
+        self.layer.self_attn.kv_cache = kv_caches[0]
+
+    def kv_caches(self) -> list[LayerKVCache]:
+        cache = self.layer.self_attn.kv_cache
+        if cache is None:
+            raise RuntimeError("the head has no KV cache bound")
+        return [cache]
+
+    def pack_for_cpu(self) -> bool:
+        """oneDNN layouts for the linear weights (inference only, as ``LlamaForCausalLM``'s)."""
+        if self.device.type != "cpu" or not cpu_packing_supported(self.dtype):
+            return False
+        for module in self.modules():
+            if isinstance(module, Linear) and module.packed is None:
+                module.pack()
+        return True
+
+    def head_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+
+def head_config(target: ModelConfig, token_map: list[int] | tuple[int, ...]) -> ModelConfig:
+    """A head's config for ``target``: one layer of its shape, the reduced vocabulary."""
+    return target.replace(
+        num_hidden_layers=1,
+        vocab_size=len(token_map) + 1,
+        token_map=tuple(int(t) for t in token_map),
+        target_vocab_size=target.vocab_size,
+        tie_word_embeddings=False,
+    )
+
+
+def check_head_fits(head: ModelConfig, target: ModelConfig) -> None:
+    """Refuse a head made for a target of another shape or vocabulary size."""
+    wrong = [f for f in _SHAPE_FIELDS if getattr(head, f) != getattr(target, f)]
+    if head.target_vocab_size != target.vocab_size:
+        wrong.append("vocab_size")
+    if wrong:
+        details = ", ".join(
+            f"{f} {getattr(head, f) if f != 'vocab_size' else head.target_vocab_size} vs "
+            f"{getattr(target, f)}"
+            for f in wrong
+        )
+        raise ConfigError(f"the draft head was made for another target ({details})")
+
+
+def is_head_dir(path: Path) -> bool:
+    """Whether ``path`` is a head directory (its config names the head architecture)."""
+    config = path / "config.json"
+    if not config.is_file():
+        return False
+    try:
+        raw = json.loads(config.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(raw, dict) and raw.get("architectures") == [HEAD_ARCHITECTURE]
+
+
+def save_head(head: EagleHead, directory: Path, dtype: torch.dtype = torch.bfloat16) -> None:
+    """``config.json`` + ``model.safetensors`` (weights in ``dtype``)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    c = head.config
+    raw: dict[str, Any] = {
+        "architectures": [HEAD_ARCHITECTURE],
+        "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": c.num_key_value_heads,
+        "head_dim": c.head_dim,
+        "rms_norm_eps": c.rms_norm_eps,
+        "target_vocab_size": c.target_vocab_size,
+        "token_map": list(c.token_map or ()),
+        "torch_dtype": str(dtype).removeprefix("torch."),
+    }
+    tensors = {k: v.detach().to(dtype).contiguous() for k, v in head.state_dict().items()}
+    save_file(tensors, str(directory / "model.tmp"))
+    (directory / "model.tmp").replace(directory / "model.safetensors")
+    (directory / "config.json").write_text(json.dumps(raw))
+
+
+def load_head(
+    path: Path,
+    target: LlamaForCausalLM,
+    dtype: torch.dtype | None = None,
+    device: torch.device | None = None,
+) -> EagleHead:
+    """The head in ``path``, for ``target`` (its shape checked), on the target's device and in
+    its dtype unless told otherwise."""
+    if not is_head_dir(path):
+        raise ModelLoadError(f"{path} is not a draft head directory (config.json names no head)")
+    raw = json.loads((path / "config.json").read_text())
+    try:
+        token_map = [int(t) for t in raw["token_map"]]
+        shape = {f: int(raw[f]) for f in _SHAPE_FIELDS}
+        target_vocab = int(raw["target_vocab_size"])
+        eps = float(raw["rms_norm_eps"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ModelLoadError(
+            f"{path}/config.json: a head config field is missing or bad: {exc}"
+        ) from None
+    if target_vocab != target.config.vocab_size or any(
+        shape[f] != getattr(target.config, f) for f in _SHAPE_FIELDS
+    ):
+        raise ConfigError(
+            f"the draft head {path} was made for another target (shape {shape}, vocabulary "
+            f"{target_vocab}; the target has {target.config.vocab_size})"
+        )
+    config = head_config(target.config.replace(rms_norm_eps=eps), token_map)
+    head = EagleHead(config, target.backend)
+    tensors = load_file(str(path / "model.safetensors"))
+    expected = head.state_dict()
+    missing = sorted(set(expected) - set(tensors))
+    unexpected = sorted(set(tensors) - set(expected))
+    if missing or unexpected:
+        raise ModelLoadError(f"{path}: head weights missing {missing}, unexpected {unexpected}")
+    for name, value in tensors.items():
+        if tuple(value.shape) != tuple(expected[name].shape):
+            raise ModelLoadError(
+                f"{path}: {name} has shape {tuple(value.shape)}, the head needs "
+                f"{tuple(expected[name].shape)}"
+            )
+    head.load_state_dict(tensors)
+    head.to(device=device or target.device, dtype=dtype or target.dtype)
+    head.attach_target(target)
+    head.eval()
+    return head
+
+
+class EagleProposer(DraftModelProposer):
+    """Drafts with a head on the target's features; the draft model's sampling, confidence
+    stop and siblings (``DraftModelProposer``) over a head forward."""
+
+    def __init__(
+        self,
+        head: EagleHead,
+        num_blocks: int,
+        block_size: int,
+        generator: torch.Generator,
+        confidence_threshold: float = 0.0,
+        siblings: bool = False,
+    ) -> None:
+        self.head = head
+        self.confidence_threshold = confidence_threshold
+        self.block_size = block_size
+        self.generator = generator
+        self.siblings = siblings
+        head.bind_kv_caches(
+            allocate_kv_caches(head.config, num_blocks, block_size, head.dtype, head.device)
+        )
+        self._init_state()
+        # seq_id -> (first position, the target's features from there): what catch-up reads
+        self._features: dict[int, tuple[int, torch.Tensor]] = {}
+        self._own: dict[int, torch.Tensor] = {}  # seq_id -> the head's last feature this step
+
+    wants_features = True
+
+    def observe_features(self, seq: Sequence, start: int, features: torch.Tensor) -> None:
+        """The target computed positions ``start ..`` of ``seq`` (some perhaps drafts it will
+        reject: ``on_verified`` trims them) with these final-norm hidden states."""
+        held = self._features.get(seq.seq_id)
+        if held is not None and held[0] + len(held[1]) >= start >= held[0]:
+            kept = held[1][: start - held[0]]
+            self._features[seq.seq_id] = (held[0], torch.cat([kept, features]))
+        else:  # nothing held that joins up: features start here
+            self._features[seq.seq_id] = (start, features.clone())
+
+    def propose(self, requests: list[DraftRequest]) -> Proposal:
+        """Drafts for the requests whose missing rows the head can catch up on; none for a
+        sequence whose earlier positions the target never computed here (a prefix-cache hit
+        the head did not see: their features are gone, so the head sits that sequence out)."""
+        ready = [i for i, r in enumerate(requests) if self._can_catch_up(r.seq)]
+        if len(ready) == len(requests):
+            return super().propose(requests)
+        if not ready:
+            return Proposal([[] for _ in requests])
+        proposal = super().propose([requests[i] for i in ready])
+        tokens: list[list[int]] = [[] for _ in requests]
+        parents: list[list[int] | None] = [None] * len(requests)
+        for s, i in enumerate(ready):
+            tokens[i], parents[i] = proposal.tokens[s], proposal.parents_of(s)
+        trees = parents if proposal.parents is not None else None
+        return Proposal(tokens, proposal.draft_probs, trees)
+
+    def _can_catch_up(self, seq: Sequence) -> bool:
+        """Whether the target's features for the head's missing rows are held (not where a
+        prefix-cache hit skipped positions the head never saw)."""
+        start = self._computed.get(seq.seq_id, 0)
+        need_from, need_to = max(start - 1, 0), seq.num_tokens - 1  # f of positions [from, to)
+        if need_to <= need_from:
+            return True
+        held = self._features.get(seq.seq_id)
+        return held is not None and held[0] <= need_from and held[0] + len(held[1]) >= need_to
+
+    def _draft_logits(self, runs: list[TokenRun], seqs: list[Sequence], step: int) -> torch.Tensor:
+        batch = flatten(runs, self.block_size)
+        head = self.head
+        device = head.device
+        if step == 0:
+            features = torch.cat(
+                [
+                    self._target_features(seq, run.start_position, len(run.token_ids))
+                    for seq, run in zip(seqs, runs, strict=True)
+                ]
+            )
+        else:
+            features = torch.stack([self._own[seq.seq_id] for seq in seqs])
+        with torch.no_grad():
+            metadata = head.backend.build_metadata(batch.attention, device)
+            input_ids = torch.from_numpy(batch.input_ids).to(device)
+            positions = torch.from_numpy(batch.positions).to(device)
+            hidden = head(input_ids, positions, features.to(device), metadata)
+            last = hidden.index_select(0, torch.from_numpy(batch.query_start[1:] - 1).to(device))
+            self._own = {seq.seq_id: last[i] for i, seq in enumerate(seqs)}
+            return head.logits_in_output_vocab(head.compute_logits(last).float())
+
+    def _target_features(self, seq: Sequence, start: int, count: int) -> torch.Tensor:
+        """The features rows ``start .. start + count`` read: the target's at the position
+        before each (zeros before position 0)."""
+        rows = []
+        if start == 0:
+            rows.append(torch.zeros(1, self.head.config.hidden_size, dtype=self.head.dtype))
+            start, count = 1, count - 1
+        if count > 0:
+            first, held = self._features[seq.seq_id]
+            rows.append(held[start - 1 - first : start - 1 - first + count].to(self.head.dtype))
+        return torch.cat(rows) if len(rows) > 1 else rows[0]
+
+    def on_verified(self, seq: Sequence) -> None:
+        held = self._computed.get(seq.seq_id)
+        if held is None:
+            return
+        chain = self._chains.pop(seq.seq_id, None)
+        if chain is not None:  # rows from the first draft on read the head's own features
+            held = min(held, chain[0])
+        held = min(held, seq.num_computed_tokens)
+        self._computed[seq.seq_id] = held
+        features = self._features.get(seq.seq_id)
+        if features is not None:  # keep from the feature the next catch-up reads first
+            first, rows = features
+            keep_from = max(held - 1, first)
+            valid_to = seq.num_computed_tokens  # the target's rows past it were rejected
+            self._features[seq.seq_id] = (keep_from, rows[keep_from - first : valid_to - first])
+
+    def forget(self, seq: Sequence) -> None:
+        super().forget(seq)
+        self._features.pop(seq.seq_id, None)
+        self._own.pop(seq.seq_id, None)
