@@ -113,8 +113,11 @@ def run(config: HeadTrainConfig) -> Path:
             raise RuntimeError(f"{part.name}: rows without stored labels (an older work dir?)")
         shards += label_shards(part.sequences, labels, token_map, work, config.top_k, part.name)
     labelled = load_shards(shards)
-    target = load_model(config.target, attention_backend="dense_causal")
-    features = target_features(target, sequences, work)
+    packed = load_model(config.target, attention_backend="dense_causal")
+    packed.pack_for_cpu()  # inference only: oneDNN layouts
+    features = target_features(packed, sequences, work)
+    del packed
+    target = load_model(config.target, attention_backend="dense_causal")  # plain weights
     examples = [
         HeadExample(ids, top_i, top_p, f)
         for (ids, top_i, top_p), f in zip(labelled, features, strict=True)
@@ -202,6 +205,25 @@ def target_features(
         save_file(computed, str(tmp))
         tmp.replace(path)
         out += [computed[str(i)] for i in range(len(chunk))]
+    return out
+
+
+def teacher_examples(
+    target: LlamaForCausalLM, sequences: list[list[int]], token_map: list[int], top_k: int
+) -> list[HeadExample]:
+    """Examples labelled by a target pass (no stored labels): its top-``top_k`` next-token
+    probabilities within the head's vocabulary and its features, at every position."""
+    columns = torch.tensor(token_map, dtype=torch.long)
+    out = []
+    with torch.no_grad():
+        for row in sequences:
+            n = len(row)
+            ids = torch.tensor(row, dtype=torch.long)
+            hidden = target(ids, torch.arange(n), DenseCausalMetadata(1, n))
+            probs = target.compute_logits(hidden).float().softmax(-1).index_select(-1, columns)
+            top_p, top_i = probs.topk(min(top_k, len(token_map)), dim=-1)
+            top_p[-1] = 0.0  # the last position's next token is not in the row
+            out.append(HeadExample(ids, top_i, top_p, hidden.to(torch.bfloat16)))
     return out
 
 
