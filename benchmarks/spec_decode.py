@@ -72,16 +72,18 @@ PROPOSER_OPTIONS = {
     "adaptive": int,
     "tree": int,
     "dtree": int,
+    "model": str,
 }
 
 
 def proposer_config(spec: str, args: argparse.Namespace) -> dict[str, Any] | None:
-    """``name[:key=value,...]`` (name default, ngram, draft or hybrid; keys k, min, max, conf,
-    adaptive, tree: lookup trees, dtree: draft-model siblings) as a speculative_config, the
-    command-line defaults filling what the spec leaves out; None for a plain ``default``
-    (``default:k=8``: auto with that k; ``default:tree=1,dtree=1``: auto with both trees)."""
+    """``name[:key=value,...]`` (name default, ngram, draft, eagle or hybrid; keys k, min, max,
+    conf, adaptive, tree: lookup trees, dtree: draft siblings, model: a draft model or head
+    path) as a speculative_config, the command-line defaults filling what the spec leaves out;
+    None for a plain ``default`` (``default:k=8``: auto with that k; ``default:tree=1,dtree=1``:
+    auto with both trees; ``eagle`` without model: the shipped head)."""
     name, _, rest = spec.partition(":")
-    if name not in ("default", "ngram", "draft", "hybrid"):
+    if name not in ("default", "ngram", "draft", "eagle", "hybrid"):
         raise SystemExit(f"--proposers: unknown proposer {name!r} in {spec!r}")
     options: dict[str, Any] = {}
     for item in filter(None, rest.split(",")):
@@ -90,9 +92,13 @@ def proposer_config(spec: str, args: argparse.Namespace) -> dict[str, Any] | Non
             raise SystemExit(f"--proposers: unknown option {key!r} in {spec!r}")
         options[key] = PROPOSER_OPTIONS[key](value)
     if name == "default":  # auto, with only what the spec names changed
-        if set(options) - {"k", "tree", "dtree"}:
-            raise SystemExit(f"--proposers: default takes only k, tree and dtree, got {spec!r}")
+        if set(options) - {"k", "tree", "dtree", "model"}:
+            raise SystemExit(
+                f"--proposers: default takes only k, tree, dtree and model, got {spec!r}"
+            )
         auto: dict[str, Any] = {}
+        if "model" in options:
+            auto["model"] = options["model"]
         if "k" in options:
             auto["num_speculative_tokens"] = options["k"]
         if "tree" in options:
@@ -105,12 +111,12 @@ def proposer_config(spec: str, args: argparse.Namespace) -> dict[str, Any] | Non
         "num_speculative_tokens": options.get("k", args.k),
         "adaptive_k": bool(options.get("adaptive", args.adaptive_k)),
     }
-    if name != "draft":
+    if name not in ("draft", "eagle"):
         config["prompt_lookup_min"] = options.get("min", args.ngram_min)
         config["prompt_lookup_max"] = options.get("max", args.ngram_max)
         config["lookup_tree"] = bool(options.get("tree", 0))
     if name != "ngram":
-        config["model"] = args.draft_model
+        config["model"] = options.get("model", None if name == "eagle" else args.draft_model)
         config["draft_confidence_threshold"] = options.get("conf", args.draft_confidence)
         config["draft_tree"] = bool(options.get("dtree", 0))
     return config
@@ -198,9 +204,11 @@ def main() -> None:
         "--proposers",
         nargs="+",
         default=["ngram"],
-        help="ngram, draft or hybrid, each optionally with options: 'hybrid:min=2,conf=0.3' "
+        help="ngram, draft, eagle or hybrid, each optionally with options: "
+        "'hybrid:min=2,conf=0.3' "
         "(k, min and max n-gram length, conf: draft confidence threshold, adaptive=1: "
-        "adaptive_k, tree=1: lookup trees, dtree=1: draft-model siblings); "
+        "adaptive_k, tree=1: lookup trees, dtree=1: draft siblings, model=PATH: a draft model "
+        "or head); "
         "'default:tree=1,dtree=1' is auto with both",
     )
     parser.add_argument("--draft-model", default=None)

@@ -15,7 +15,7 @@ import logging
 import time
 import weakref
 from collections.abc import Sequence as SequenceT
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -61,6 +61,10 @@ class EngineStats:
     num_accepted_tokens: int = 0
     num_tree_drafts: int = 0  # sequence-steps whose drafts were a tree (of num_drafts)
     num_tree_moves: int = 0  # accepted tree nodes whose K/V moved to their position
+    # per draft depth d (0: the first draft): verifies with a draft at that depth, and those
+    # that accepted it (acceptance by depth is their ratio; a tree's depth is its levels)
+    num_drafts_per_pos: list[int] = field(default_factory=list)
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
     num_running: int = 0
     num_waiting: int = 0
     kv_cache_usage: float = 0.0
@@ -74,6 +78,17 @@ class EngineStats:
     spec_step_seconds: float = 0.0  # its step-time model: that step before drafts
     spec_row_seconds: float = 0.0  # ... and what one more verify row adds to it
     spec_expected_gain: float = 1.0  # planned tokens per second over the plain step's
+
+    def count_depths(self, depth: int, accepted: int) -> None:
+        """A verify whose drafts reached ``depth`` levels and accepted ``accepted`` of them."""
+        for counts, upto in (
+            (self.num_drafts_per_pos, depth),
+            (self.num_accepted_tokens_per_pos, accepted),
+        ):
+            if len(counts) < depth:
+                counts.extend([0] * (depth - len(counts)))
+            for d in range(upto):
+                counts[d] += 1
 
 
 class LLMEngine:
@@ -391,7 +406,10 @@ class LLMEngine:
                 self.stats.num_drafts += 1
                 self.stats.num_draft_tokens += len(drafted)
                 self.stats.num_accepted_tokens += accepted
-                self.stats.num_tree_drafts += proposal.parents_of(i) is not None
+                tree = proposal.parents_of(i)
+                self.stats.num_tree_drafts += tree is not None
+                depth = len(drafted) if tree is None else max(node_depths(tree))
+                self.stats.count_depths(depth, accepted)
             positions = None
             if seq.params.logprobs is not None:  # the root's row, then the path's nodes' rows
                 emitted = [first_row] + [first_row + 1 + node for node in result.path(i)]

@@ -72,6 +72,22 @@ class _EngineCollector(Collector):
             family = CounterMetricFamily(name, doc, labels=labels)
             family.add_metric([self.model], value)
             yield family
+        for name, doc, counts in (
+            (
+                "specbatch_spec_decode_num_drafts_per_pos",
+                "Verify steps with a draft at this depth (0: the first draft).",
+                stats.num_drafts_per_pos,
+            ),
+            (
+                "specbatch_spec_decode_num_accepted_tokens_per_pos",
+                "Drafts accepted at this depth (0: the first draft).",
+                stats.num_accepted_tokens_per_pos,
+            ),
+        ):
+            family = CounterMetricFamily(name, doc, labels=[*labels, "position"])
+            for position, count in enumerate(counts):
+                family.add_metric([self.model, str(position)], count)
+            yield family
         rate = stats.num_accepted_tokens / stats.num_draft_tokens if stats.num_draft_tokens else 0.0
         gauges: list[tuple[str, str, float]] = [
             ("specbatch_num_requests_running", "Sequences running.", stats.num_running),

@@ -23,6 +23,7 @@ the token map) plus ``model.safetensors``; ``save_head`` writes one, ``load_head
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +40,7 @@ from specbatch.models.llama import LlamaDecoderLayer, LlamaForCausalLM, RMSNorm
 from specbatch.models.rotary import RotaryEmbedding
 from specbatch.runner.flat_batch import TokenRun, flatten
 from specbatch.sequence import Sequence
-from specbatch.spec_decode.draft_model import DraftModelProposer
+from specbatch.spec_decode.draft_model import MAX_FORWARD_TIMES, DraftModelProposer
 from specbatch.spec_decode.proposer import DraftRequest, Proposal
 
 HEAD_ARCHITECTURE = "EagleHead"
@@ -258,6 +259,81 @@ def load_head(
     return head
 
 
+TREE_CHILDREN = 4  # children per expanded node
+TREE_EXPAND = 3  # nodes expanded per level (besides the chain's)
+
+
+class _Tree:
+    """A request's growing draft tree: candidate nodes with their path probabilities."""
+
+    def __init__(self, request: DraftRequest) -> None:
+        self.request = request
+        self.token: list[int] = []
+        self.parent: list[int] = []
+        self.score: list[float] = []  # the head's probability of the path to the node
+        self.depth: list[int] = []
+        self.chain: list[int] = []  # the likeliest path while confident
+        self.expanded: set[int] = set()
+        self.out: dict[int, torch.Tensor] = {}  # expanded node -> its head output feature
+
+    def add_children(self, parent: int, probs: torch.Tensor, threshold: float) -> None:
+        depth = 1 if parent < 0 else self.depth[parent] + 1
+        if depth > self.request.max_drafts:
+            return
+        base = 1.0 if parent < 0 else self.score[parent]
+        values, ids = probs.topk(TREE_CHILDREN)
+        for rank, (p, token) in enumerate(zip(values.tolist(), ids.tolist(), strict=True)):
+            if p <= 0.0:
+                break
+            self.token.append(token)
+            self.parent.append(parent)
+            self.score.append(base * p)
+            self.depth.append(depth)
+            on_chain = rank == 0 and (parent < 0 or self.chain[-1:] == [parent])
+            if on_chain and (depth == 1 or self.score[self.chain[-1]] >= threshold):
+                self.chain.append(len(self.token) - 1)
+
+    def to_expand(self, depth: int) -> list[int]:
+        """The nodes of ``depth`` whose children are worth a look: the chain's, and the
+        likeliest others whose path probability beats the node price."""
+        # the expanded nodes are written to the sequence's draft slots: never more than it has
+        room = max(self.request.max_nodes, self.request.max_drafts) - len(self.expanded)
+        if depth >= self.request.max_drafts or room <= 0:
+            return []
+        level = [n for n in range(len(self.token)) if self.depth[n] == depth]
+        chosen = [n for n in level if n in self.chain]
+        others = sorted(
+            (n for n in level if n not in chosen and self.score[n] > self.request.node_price),
+            key=lambda n: -self.score[n],
+        )
+        return (chosen + others[:TREE_EXPAND])[:room]
+
+    def run_order(self) -> list[int]:
+        """The expanded nodes in creation order (parents before children)."""
+        return sorted(self.expanded)
+
+    def kept(self) -> tuple[list[int], list[int]]:
+        """The tree to verify: tokens and parents (indices into it), nodes in rank order."""
+        room = max(self.request.max_nodes, self.request.max_drafts)
+        keep = list(self.chain)
+        others = sorted(
+            (n for n in range(len(self.token)) if n not in set(keep)),
+            key=lambda n: (-self.score[n], n),
+        )
+        chosen = set(keep)
+        for n in others:
+            if len(keep) >= room or self.score[n] <= self.request.node_price:
+                break
+            if self.parent[n] < 0 or self.parent[n] in chosen:
+                keep.append(n)
+                chosen.add(n)
+        keep.sort()  # creation order: parents first
+        index = {n: i for i, n in enumerate(keep)}
+        return [self.token[n] for n in keep], [
+            -1 if self.parent[n] < 0 else index[self.parent[n]] for n in keep
+        ]
+
+
 class EagleProposer(DraftModelProposer):
     """Drafts with a head on the target's features; the draft model's sampling, confidence
     stop and siblings (``DraftModelProposer``) over a head forward."""
@@ -297,21 +373,135 @@ class EagleProposer(DraftModelProposer):
             self._features[seq.seq_id] = (start, features.clone())
 
     def propose(self, requests: list[DraftRequest]) -> Proposal:
-        """Drafts for the requests whose missing rows the head can catch up on; none for a
-        sequence whose earlier positions the target never computed here (a prefix-cache hit
-        the head did not see: their features are gone, so the head sits that sequence out)."""
+        """Drafts for the requests whose missing rows the head can catch up on (none for a
+        sequence whose earlier positions the target never computed here: a prefix-cache hit
+        the head did not see, whose features are gone); a dynamic tree (``_grow_trees``) for
+        those whose price lets nodes beside the chain pay, the draft model's chain otherwise."""
         ready = [i for i, r in enumerate(requests) if self._can_catch_up(r.seq)]
-        if len(ready) == len(requests):
-            return super().propose(requests)
-        if not ready:
-            return Proposal([[] for _ in requests])
-        proposal = super().propose([requests[i] for i in ready])
+        growing = [i for i in ready if self._may_branch(requests[i])]
+        chains = [i for i in ready if i not in set(growing)]
         tokens: list[list[int]] = [[] for _ in requests]
         parents: list[list[int] | None] = [None] * len(requests)
-        for s, i in enumerate(ready):
-            tokens[i], parents[i] = proposal.tokens[s], proposal.parents_of(s)
-        trees = parents if proposal.parents is not None else None
-        return Proposal(tokens, proposal.draft_probs, trees)
+        q_rows: dict[int, torch.Tensor] = {}  # request -> q of its drafts (chains that sample)
+        if chains:
+            chained = DraftModelProposer.propose(self, [requests[i] for i in chains])
+            row = 0
+            for s, i in enumerate(chains):
+                tokens[i], parents[i] = chained.tokens[s], chained.parents_of(s)
+                if chained.draft_probs is not None:
+                    q_rows[i] = chained.draft_probs[row : row + len(tokens[i])]
+                row += len(chained.tokens[s])
+        if growing:
+            grown = self._grow_trees([requests[i] for i in growing])
+            for i, (nodes, links) in zip(growing, grown, strict=True):
+                tokens[i], parents[i] = nodes, links
+        trees = parents if any(p is not None for p in parents) else None
+        if not q_rows:
+            return Proposal(tokens, None, trees)
+        vocab = next(iter(q_rows.values())).shape[1]
+        probs = []
+        for i, drafted in enumerate(tokens):  # a grown tree's nodes are point masses
+            if i in q_rows:
+                probs.append(q_rows[i])
+            elif drafted:
+                one_hot = torch.zeros(len(drafted), vocab, device=self.head.device)
+                one_hot[torch.arange(len(drafted)), torch.tensor(drafted)] = 1.0
+                probs.append(one_hot)
+        return Proposal(tokens, torch.cat(probs), trees)
+
+    def _grow_trees(self, requests: list[DraftRequest]) -> list[tuple[list[int], list[int]]]:
+        """EAGLE-2's dynamic draft tree per request: from the head's distribution after the
+        catch-up, each level expands the likeliest nodes (by path probability: the product
+        of the head's probabilities along the path) into their ``TREE_CHILDREN`` likeliest
+        children, one batched head forward per level over every sequence's tree so far
+        (under its tree mask); then the nodes kept are the chain of likeliest tokens while its
+        path probability stays above the confidence threshold, plus every other node whose
+        path probability beats the request's ``node_price``, best first, up to
+        ``max_nodes`` (a node's ancestors always rank before it). Each node is a point mass
+        (exact under every sampling mode: the verifier's residual drops a rejected one)."""
+        started = time.perf_counter()
+        seqs = [r.seq for r in requests]
+        runs = []
+        for r in requests:
+            start = self._computed.get(r.seq.seq_id, 0)
+            runs.append(TokenRun(r.seq.token_ids[start:], start, r.seq.block_table))
+        logits = self._draft_logits(runs, seqs, 0)
+        self.num_forwards += 1
+        num_rows = sum(len(run.token_ids) for run in runs)
+        trees = [_Tree(r) for r in requests]
+        roots = {seq.seq_id: self._own[seq.seq_id] for seq in seqs}
+        for tree, row in zip(trees, torch.softmax(logits.float(), dim=-1), strict=True):
+            tree.add_children(-1, row, self.confidence_threshold)
+        for seq in seqs:
+            self._computed[seq.seq_id] = seq.num_tokens
+        self._forward_times.append((num_rows, time.perf_counter() - started))
+        depth = 1
+        while True:
+            expanding = [(i, t.to_expand(depth)) for i, t in enumerate(trees)]
+            expanding = [(i, nodes) for i, nodes in expanding if nodes]
+            if not expanding:
+                break
+            started = time.perf_counter()
+            level_runs, features, rows = [], [], []
+            for i, nodes in expanding:
+                tree, seq = trees[i], seqs[i]
+                tree.expanded.update(nodes)
+                order = tree.run_order()
+                parents = [
+                    order.index(tree.parent[n]) if tree.parent[n] >= 0 else -1 for n in order
+                ]
+                level_runs.append(
+                    TokenRun(
+                        [seq.token_ids[-1], *(tree.token[n] for n in order)],
+                        seq.num_tokens - 1,
+                        seq.block_table,
+                        len(order),
+                        0,
+                        parents,
+                    )
+                )
+                features.append(self._target_features(seq, seq.num_tokens - 1, 1))
+                for n in order:
+                    parent = tree.parent[n]
+                    features.append((roots[seq.seq_id] if parent < 0 else tree.out[parent])[None])
+                rows.append([order.index(n) + 1 for n in nodes])
+            hidden = self._head_rows(level_runs, torch.cat(features))
+            wanted, owners = [], []
+            first = 0
+            for (i, nodes), run, run_rows in zip(expanding, level_runs, rows, strict=True):
+                for n, at in zip(nodes, run_rows, strict=True):
+                    trees[i].out[n] = hidden[first + at]
+                    wanted.append(first + at)
+                    owners.append((i, n))
+                first += len(run.token_ids)
+            with torch.no_grad():
+                index = torch.tensor(wanted, dtype=torch.long, device=hidden.device)
+                out_logits = self.head.logits_in_output_vocab(
+                    self.head.compute_logits(hidden.index_select(0, index)).float()
+                )
+                probs = torch.softmax(out_logits, dim=-1)
+            for (i, n), row in zip(owners, probs, strict=True):
+                trees[i].add_children(n, row, self.confidence_threshold)
+            self.num_forwards += 1
+            self._forward_times.append((first, time.perf_counter() - started))
+            del self._forward_times[:-MAX_FORWARD_TIMES]
+            depth += 1
+        out = []
+        for tree, seq in zip(trees, seqs, strict=True):
+            nodes, links = tree.kept()
+            self._chains[seq.seq_id] = (seq.num_tokens, [])  # the cache holds nothing past
+            out.append((nodes, links))
+        return out
+
+    def _head_rows(self, runs: list[TokenRun], features: torch.Tensor) -> torch.Tensor:
+        """The head's output features at every row of ``runs`` (trees under their masks)."""
+        batch = flatten(runs, self.block_size)
+        head = self.head
+        with torch.no_grad():
+            metadata = head.backend.build_metadata(batch.attention, head.device)
+            input_ids = torch.from_numpy(batch.input_ids).to(head.device)
+            positions = torch.from_numpy(batch.positions).to(head.device)
+            return head(input_ids, positions, features.to(head.device), metadata)
 
     def _can_catch_up(self, seq: Sequence) -> bool:
         """Whether the target's features for the head's missing rows are held (not where a

@@ -70,6 +70,11 @@ def load_draft_model(
                 f"{path} is a draft head, not a draft model: use speculative_config method "
                 "'eagle' (or 'hybrid')"
             )
+        if target.tp is not None:
+            raise ConfigError(
+                "a draft head reads the target's token embedding, which tensor parallelism "
+                "splits across ranks: use tensor_parallel_size=1 with a head, or a draft model"
+            )
         return load_head(path, target, dtype, device)
     if spec.method == "eagle":
         raise ConfigError(
