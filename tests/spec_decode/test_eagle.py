@@ -5,6 +5,7 @@ prefix-cache hits, and the errors a bad head or config gets."""
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 from typing import Any
@@ -127,7 +128,7 @@ def test_fixed_k_chains_give_the_output_of_speculation_off(
     assert sum(stats.num_accepted_tokens_per_pos) == stats.num_accepted_tokens
     assert len(stats.num_drafts_per_pos) == 4
     for counts in (stats.num_drafts_per_pos, stats.num_accepted_tokens_per_pos):
-        assert all(a >= b for a, b in zip(counts, counts[1:], strict=False))
+        assert all(a >= b for a, b in itertools.pairwise(counts))
     assert engine.cache.num_free_blocks == engine.num_kv_blocks
 
 
