@@ -21,7 +21,7 @@ from specbatch.models import load_model, resolve_model_path
 from specbatch.models.llama import LlamaForCausalLM
 from specbatch.spec_decode.config import SpeculativeConfig
 from specbatch.spec_decode.default_draft import drafts_for, shipped_draft_preferred
-from specbatch.spec_decode.eagle import EagleHead
+from specbatch.spec_decode.eagle import EagleHead, feature_bytes_per_block
 from specbatch.spec_decode.factory import load_draft_model
 from specbatch.tokenizer import Tokenizer, load_tokenizer
 from specbatch.utils import ceil_div
@@ -104,6 +104,8 @@ def allocate_cache(config: EngineConfig, models: Models) -> int:
     draft_bytes = 0
     if models.draft is not None:
         draft_bytes = kv_bytes_per_block(models.draft.config, config.block_size, models.dtype)
+    if isinstance(models.draft, EagleHead):  # and the target's features of every slot
+        draft_bytes += feature_bytes_per_block(models.draft, config.block_size)
     reserved = 0
     if models.model.tp is None:  # a sharded model's forward needs every rank
         reserved = profile_activation_bytes(

@@ -31,7 +31,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from specbatch.cache.kv_tensors import allocate_kv_caches
+from specbatch.cache.kv_tensors import allocate_kv_caches, lazy_zeros
 from specbatch.errors import ConfigError, ModelLoadError
 from specbatch.kernels.attention import AttentionBackend, LayerKVCache
 from specbatch.kernels.linear import Linear, cpu_packing_supported
@@ -334,6 +334,11 @@ class _Tree:
         ]
 
 
+def feature_bytes_per_block(head: EagleHead, block_size: int) -> int:
+    """What the head's store of the target's features takes per cache block."""
+    return block_size * head.config.hidden_size * head.dtype.itemsize
+
+
 class EagleProposer(DraftModelProposer):
     """Drafts with a head on the target's features; the draft model's sampling, confidence
     stop and siblings (``DraftModelProposer``) over a head forward."""
@@ -356,28 +361,34 @@ class EagleProposer(DraftModelProposer):
             allocate_kv_caches(head.config, num_blocks, block_size, head.dtype, head.device)
         )
         self._init_state()
-        # seq_id -> (first position, the target's features from there): what catch-up reads
-        self._features: dict[int, tuple[int, torch.Tensor]] = {}
+        # the target's final-norm hidden state at every cache slot it computed (paged like the
+        # K/V, so a prefix-cache hit finds the features of the positions it skips)
+        shape = (num_blocks * block_size, head.config.hidden_size)
+        if head.device.type == "cpu":  # committed page by page as written, as the K/V
+            self._feature_cache = lazy_zeros(shape, head.dtype)
+        else:
+            self._feature_cache = torch.zeros(shape, dtype=head.dtype, device=head.device)
         self._own: dict[int, torch.Tensor] = {}  # seq_id -> the head's last feature this step
 
     wants_features = True
 
     def observe_features(self, seq: Sequence, start: int, features: torch.Tensor) -> None:
         """The target computed positions ``start ..`` of ``seq`` (some perhaps drafts it will
-        reject: ``on_verified`` trims them) with these final-norm hidden states."""
-        held = self._features.get(seq.seq_id)
-        if held is not None and held[0] + len(held[1]) >= start >= held[0]:
-            kept = held[1][: start - held[0]]
-            self._features[seq.seq_id] = (held[0], torch.cat([kept, features]))
-        else:  # nothing held that joins up: features start here
-            self._features[seq.seq_id] = (start, features.clone())
+        reject, whose slots are written again before anything reads them) with these
+        final-norm hidden states: kept at their cache slots."""
+        slots = self._slots(seq, start, len(features))
+        self._feature_cache[slots] = features.to(self._feature_cache.dtype)
+
+    def _slots(self, seq: Sequence, start: int, count: int) -> torch.Tensor:
+        bs = self.block_size
+        table = torch.tensor(seq.block_table, dtype=torch.long)
+        positions = torch.arange(start, start + count)
+        return (table[positions // bs] * bs + positions % bs).to(self._feature_cache.device)
 
     def propose(self, requests: list[DraftRequest]) -> Proposal:
-        """Drafts for the requests whose missing rows the head can catch up on (none for a
-        sequence whose earlier positions the target never computed here: a prefix-cache hit
-        the head did not see, whose features are gone); a dynamic tree (``_grow_trees``) for
-        those whose price lets nodes beside the chain pay, the draft model's chain otherwise."""
-        ready = [i for i, r in enumerate(requests) if self._can_catch_up(r.seq)]
+        """A dynamic tree (``_grow_trees``) for the requests whose price lets nodes beside the
+        chain pay, the draft model's chain (``DraftModelProposer``) for the others."""
+        ready = range(len(requests))
         growing = [i for i in ready if self._may_branch(requests[i])]
         chains = [i for i in ready if i not in set(growing)]
         tokens: list[list[int]] = [[] for _ in requests]
@@ -503,16 +514,6 @@ class EagleProposer(DraftModelProposer):
             positions = torch.from_numpy(batch.positions).to(head.device)
             return head(input_ids, positions, features.to(head.device), metadata)
 
-    def _can_catch_up(self, seq: Sequence) -> bool:
-        """Whether the target's features for the head's missing rows are held (not where a
-        prefix-cache hit skipped positions the head never saw)."""
-        start = self._computed.get(seq.seq_id, 0)
-        need_from, need_to = max(start - 1, 0), seq.num_tokens - 1  # f of positions [from, to)
-        if need_to <= need_from:
-            return True
-        held = self._features.get(seq.seq_id)
-        return held is not None and held[0] <= need_from and held[0] + len(held[1]) >= need_to
-
     def _draft_logits(self, runs: list[TokenRun], seqs: list[Sequence], step: int) -> torch.Tensor:
         batch = flatten(runs, self.block_size)
         head = self.head
@@ -538,14 +539,12 @@ class EagleProposer(DraftModelProposer):
     def _target_features(self, seq: Sequence, start: int, count: int) -> torch.Tensor:
         """The features rows ``start .. start + count`` read: the target's at the position
         before each (zeros before position 0)."""
-        rows = []
-        if start == 0:
-            rows.append(torch.zeros(1, self.head.config.hidden_size, dtype=self.head.dtype))
-            start, count = 1, count - 1
-        if count > 0:
-            first, held = self._features[seq.seq_id]
-            rows.append(held[start - 1 - first : start - 1 - first + count].to(self.head.dtype))
-        return torch.cat(rows) if len(rows) > 1 else rows[0]
+        if start > 0:
+            return self._feature_cache[self._slots(seq, start - 1, count)]
+        zero = self._feature_cache.new_zeros(1, self._feature_cache.shape[1])
+        if count == 1:
+            return zero
+        return torch.cat([zero, self._feature_cache[self._slots(seq, 0, count - 1)]])
 
     def on_verified(self, seq: Sequence) -> None:
         held = self._computed.get(seq.seq_id)
@@ -554,16 +553,8 @@ class EagleProposer(DraftModelProposer):
         chain = self._chains.pop(seq.seq_id, None)
         if chain is not None:  # rows from the first draft on read the head's own features
             held = min(held, chain[0])
-        held = min(held, seq.num_computed_tokens)
-        self._computed[seq.seq_id] = held
-        features = self._features.get(seq.seq_id)
-        if features is not None:  # keep from the feature the next catch-up reads first
-            first, rows = features
-            keep_from = max(held - 1, first)
-            valid_to = seq.num_computed_tokens  # the target's rows past it were rejected
-            self._features[seq.seq_id] = (keep_from, rows[keep_from - first : valid_to - first])
+        self._computed[seq.seq_id] = min(held, seq.num_computed_tokens)
 
     def forget(self, seq: Sequence) -> None:
         super().forget(seq)
-        self._features.pop(seq.seq_id, None)
         self._own.pop(seq.seq_id, None)

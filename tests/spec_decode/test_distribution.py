@@ -323,3 +323,47 @@ def test_draft_siblings_drawn_without_replacement_match_target(
     tokens = sample_engine(target, spec, params, hook=hook)
     assert trees[0].stats.num_tree_drafts > N // 2  # siblings were verified
     assert_matches(tokens, joint12, marginal3)
+
+
+@pytest.fixture(scope="module")
+def head_dir(models: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An (untrained) draft head for the tiny target, its last 4 ids outside its vocabulary."""
+    from specbatch.distill.head import build_head
+    from specbatch.spec_decode.eagle import save_head
+
+    target = load_model(models[0], attention_backend="dense_causal")
+    directory = tmp_path_factory.mktemp("dist-head")
+    save_head(build_head(target, list(range(V - 4)), seed=3), directory, dtype=torch.float32)
+    return directory
+
+
+@pytest.mark.parametrize("params_name", ["plain", "top-k-top-p"])
+def test_head_trees_match_target(
+    models: tuple[Path, Path], head_dir: Path, params_name: str
+) -> None:
+    """Unseeded rows through the head's dynamic trees (point-mass nodes: the likeliest
+    children of the likeliest nodes, several per level, the plan fixed at depth 2 with rows
+    nearly free), verified by recursive rejection sampling."""
+    from tests.spec_decode.test_tree_engine import force_draft_chains
+
+    target, _ = models
+    params = PARAMS[params_name].clone(max_tokens=8)
+    spec = {
+        "method": "eagle",
+        "model": str(head_dir),
+        "num_speculative_tokens": 6,
+        "adaptive_k": True,
+        "draft_tree": True,
+        "draft_confidence_threshold": 0.0,
+    }
+    engines = []
+
+    def hook(engine: LLMEngine) -> None:
+        force_draft_chains(engine, 2, row_seconds=1e-7)
+        engines.append(engine)
+
+    joint12, marginal3 = exact_distribution(target, params)
+    tokens = sample_engine(target, spec, params, hook=hook)
+    assert engines[0].stats.num_tree_drafts > N // 2  # trees were verified
+    assert engines[0].stats.num_drafts_per_pos[1] > N // 4  # ... two levels deep
+    assert_matches(tokens, joint12, marginal3)

@@ -227,10 +227,8 @@ def test_the_heads_cache_and_features_equal_a_head_that_saw_the_text_at_once(
         n = len(text)
         with torch.no_grad():
             truth = dense(torch.tensor(text), torch.arange(n), DenseCausalMetadata(1, n))
-        first, features = drafter._features[seq.seq_id]
-        torch.testing.assert_close(
-            features, truth[first : first + len(features)], atol=1e-4, rtol=1e-4
-        )
+        features = drafter._feature_cache[drafter._slots(seq, 0, n)]
+        torch.testing.assert_close(features, truth, atol=1e-4, rtol=1e-4)
         held = drafter._computed[seq.seq_id]
         assert len(seq.prompt_token_ids) < held <= n
         with torch.no_grad():
@@ -254,21 +252,30 @@ def test_the_heads_cache_and_features_equal_a_head_that_saw_the_text_at_once(
     assert checked == 4
 
 
-def test_a_prefix_cache_hit_the_head_never_saw_is_sat_out(
+def test_a_prefix_cache_hit_reads_the_cached_positions_features(
     tiny_model_dir: Path, trained: dict[str, Any], prompts: list[list[int]]
 ) -> None:
-    """A second request sharing a cached prompt: the head has no features for the cached
-    positions, so it drafts nothing for it (and the output stays the plain one)."""
-    spec = {"method": "eagle", "model": str(trained["dir"]), "adaptive_k": False}
+    """A second request sharing a cached prompt: the target skips the cached positions, the
+    head catches up on them from the features kept at their slots, drafts, and the output is
+    the plain one."""
+    spec = {
+        "method": "eagle",
+        "model": str(trained["dir"]),
+        "adaptive_k": False,
+        "draft_confidence_threshold": 0.0,
+    }
     kwargs = engine_kwargs(enable_prefix_caching=True)
     llm = LLM(str(tiny_model_dir), speculative_config=spec, **kwargs)
     off = LLM(str(tiny_model_dir), speculative_config={"method": "off"}, **kwargs)
     prompt = prompts[1] * 3
-    first = greedy_tokens(llm, [prompt])
-    again = greedy_tokens(llm, [prompt + [5]])
-    assert first == greedy_tokens(off, [prompt])
-    assert again == greedy_tokens(off, [prompt + [5]])
+    assert greedy_tokens(llm, [prompt]) == greedy_tokens(off, [prompt])
+    stats = llm.llm_engine.stats
+    before = stats.num_accepted_tokens
+    second = llm.generate([{"prompt_token_ids": prompt + [5]}], GREEDY, use_tqdm=False)[0]
+    assert second.metrics.num_cached_tokens >= 8  # whole blocks of the prompt came from the cache
+    assert second.outputs[0].token_ids == greedy_tokens(off, [prompt + [5]])[0]
     engine = llm.llm_engine
+    assert stats.num_accepted_tokens > before  # the head drafted well for the second request
     assert engine.cache.num_free_blocks == engine.num_kv_blocks
 
 
@@ -324,18 +331,26 @@ def test_head_directory_round_trip_and_errors(
         LLM(str(tiny_model_dir), speculative_config={"method": "eagle"}, **kwargs)
 
 
-def test_the_proposer_drafts_nothing_without_features_and_stays_in_its_vocabulary(
+def test_the_proposer_catches_up_from_stored_features_and_stays_in_its_vocabulary(
     tiny_model_dir: Path, trained: dict[str, Any]
 ) -> None:
     target = load_model(str(tiny_model_dir))
     head = load_head(trained["dir"], target)
     proposer = EagleProposer(head, 16, 8, torch.Generator().manual_seed(0))
     seq = Sequence(0, "r", 0, [5, 6, 7, 8, 9], GREEDY, arrival_time=0.0)
-    seq.block_table = [0, 1]
-    seq.num_computed_tokens = 4  # a prefix the head never saw the features of
-    assert proposer.propose([DraftRequest(seq, 3)]).tokens == [[]]
-    proposer.observe_features(seq, 0, torch.randn(4, head.config.hidden_size))
+    seq.block_table = [3, 1]
+    seq.num_computed_tokens = 4
+    features = torch.randn(4, head.config.hidden_size)
+    proposer.observe_features(seq, 0, features)
+    torch.testing.assert_close(proposer._target_features(seq, 0, 5)[1:], features)
+    torch.testing.assert_close(
+        proposer._target_features(seq, 0, 5)[0], torch.zeros(features.shape[1])
+    )
     drafted = proposer.propose([DraftRequest(seq, 3)]).tokens
     assert len(drafted[0]) == 3
     assert all(t < target.config.vocab_size - OUTSIDE for t in drafted[0])
     assert proposer._computed[seq.seq_id] == 7  # the prompt, then two single-token drafts
+    seq.token_ids += [drafted[0][0], 11]  # the target accepted the first draft
+    seq.num_computed_tokens = 6
+    proposer.on_verified(seq)
+    assert proposer._computed[seq.seq_id] == 5  # the draft's row read the head's feature
