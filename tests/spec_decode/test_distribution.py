@@ -337,17 +337,15 @@ def head_dir(models: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
     return directory
 
 
-@pytest.mark.parametrize("params_name", ["plain", "top-k-top-p"])
-def test_head_trees_match_target(
-    models: tuple[Path, Path], head_dir: Path, params_name: str
-) -> None:
-    """Unseeded rows through the head's dynamic trees (point-mass nodes: the likeliest
-    children of the likeliest nodes, several per level, the plan fixed at depth 2 with rows
-    nearly free), verified by recursive rejection sampling."""
+def test_head_trees_match_target(models: tuple[Path, Path], head_dir: Path) -> None:
+    """Unseeded rows (temperature, top-k and top-p) through the head's dynamic trees
+    (point-mass nodes: the likeliest children of the likeliest nodes, several per level, the
+    plan fixed at depth 2 with rows nearly free), verified by recursive rejection sampling.
+    (Plain T=1 passed too when written; one case keeps the suite's time.)"""
     from tests.spec_decode.test_tree_engine import force_draft_chains
 
     target, _ = models
-    params = PARAMS[params_name].clone(max_tokens=8)
+    params = PARAMS["top-k-top-p"].clone(max_tokens=8)
     spec = {
         "method": "eagle",
         "model": str(head_dir),
