@@ -37,6 +37,7 @@ from benchmarks.code_edit_prompt import CODE_EDIT_PROMPTS
 from benchmarks.common import Prompt, load_specbench, print_conditions, write_json
 from specbatch import LLMEngine, SamplingParams
 from specbatch.config import EngineConfig
+from specbatch.spec_decode.eagle import EagleProposer
 
 
 class Timer:
@@ -140,6 +141,8 @@ def build_engines(args: argparse.Namespace) -> dict[str, LLMEngine]:
 def draft_forward_owner(engine: LLMEngine) -> tuple[Any, str]:
     """What to time for c: the draft model's forward, or an n-gram proposer's lookup."""
     proposer = getattr(engine.proposer, "drafter", engine.proposer)
+    if isinstance(proposer, EagleProposer):  # one head forward (catch-up or draft)
+        return proposer, "_draft_logits"
     runner = getattr(proposer, "runner", None)
     return (runner, "forward") if runner is not None else (proposer, "propose")
 
@@ -158,6 +161,7 @@ def run(
         stats.num_drafting_steps,
         stats.num_drafts_allotted,
     )
+    depth_before = (list(stats.num_drafts_per_pos), list(stats.num_accepted_tokens_per_pos))
     start = time.perf_counter()
     pending = list(enumerate(prompts))
     index: dict[str, int] = {}
@@ -189,7 +193,21 @@ def run(
         "tok_s": tokens / elapsed,
         "mean_accepted_length": 1 + accepted / drafts if drafts else 1.0,
         "acceptance_rate": accepted / drafted if drafted else 0.0,
+        "acceptance_by_depth": _by_depth(stats, *depth_before),
     }
+
+
+def _by_depth(stats: Any, drafts_before: list[int], accepted_before: list[int]) -> list[float]:
+    """Acceptance at each draft depth since the counts ``*_before``."""
+    out = []
+    for d, drafts in enumerate(stats.num_drafts_per_pos):
+        n = drafts - (drafts_before[d] if d < len(drafts_before) else 0)
+        a = stats.num_accepted_tokens_per_pos[d] - (
+            accepted_before[d] if d < len(accepted_before) else 0
+        )
+        if n > 0:
+            out.append(a / n)
+    return out
 
 
 def main() -> None:
@@ -311,6 +329,7 @@ def main() -> None:
                     "row_cost": r["row_cost"],
                     "tokens": r["tokens"],
                     "identical_output": all(x["outputs"] == base[0]["outputs"] for x in repeats),
+                    "acceptance_by_depth": r["acceptance_by_depth"],
                 }
                 rows.append(row)
                 print(
@@ -318,7 +337,8 @@ def main() -> None:
                     f"x{row['speedup']:.2f} ({ratios[0]:.2f}..{ratios[-1]:.2f}) "
                     f"len {row['mean_accepted_length']:.2f} c {row['c']:.3f} "
                     f"drafting {row['drafting_share']:.0%} {row['drafts_per_step']:.1f}/step "
-                    f"row {row['row_cost']:.3f}"
+                    f"row {row['row_cost']:.3f} by depth "
+                    + "/".join(f"{a:.2f}" for a in row["acceptance_by_depth"][:6])
                     + ("" if row["identical_output"] else " OUTPUT DIFFERS"),
                     flush=True,
                 )

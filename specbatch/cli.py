@@ -436,6 +436,9 @@ def _add_train_head(subparsers: argparse._SubParsersAction) -> None:
         help="training passes per batch, each on the head's own features of the one before",
     )
     p.add_argument("--feature-weight", type=float, default=0.1)
+    p.add_argument(
+        "--init", default=None, help="a head directory to go on training (a second stage)"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--generation-batch", type=int, default=48, help="sequences the target answers at once"
@@ -467,6 +470,7 @@ def _train_head(args: argparse.Namespace) -> int:
             feature_weight=args.feature_weight,
             seed=args.seed,
             generation_batch=args.generation_batch,
+            init=Path(args.init) if args.init else None,
         )
     )
     return 0

@@ -72,6 +72,7 @@ class HeadTrainConfig:
     feature_weight: float = 0.1
     seed: int = 0
     generation_batch: int = 48
+    init: Path | None = None  # a head directory to go on training instead of a fresh head
 
 
 @dataclass
@@ -131,8 +132,18 @@ def run(config: HeadTrainConfig) -> Path:
         f"{len(answers.held_out)} held out; head vocabulary {len(token_map)}",
         flush=True,
     )
-    head = build_head(target, token_map, config.seed)
-    train_head(head, answers.train, config, work / "checkpoint-head")
+    if config.init is None:
+        head = build_head(target, token_map, config.seed)
+        checkpoint = work / "checkpoint-head"
+    else:  # e.g. a second stage with a longer unroll
+        from specbatch.spec_decode.eagle import load_head
+
+        target.requires_grad_(False)
+        head = load_head(config.init, target, dtype=torch.float32)
+        if list(head.config.token_map or ()) != token_map:
+            raise ValueError(f"{config.init} has another vocabulary than this work directory's")
+        checkpoint = work / f"checkpoint-head-from-{config.init.name}"
+    train_head(head, answers.train, config, checkpoint)
     agreement = depth_agreement(head, answers.held_out, starts.held_out, config.unroll)
     directory = work / "head"
     save_head(head, directory)
