@@ -18,11 +18,11 @@ from tests.spec_decode.test_tree_engine import force_draft_chains, run_engine
 
 pytestmark = pytest.mark.slow
 
-# Greedy first-draft acceptance (k = 4, no confidence stop) measured on these prompts when the
-# head was committed (see MIN_FIRST_ACCEPTANCE's note in the closing numbers of
-# docs/distillation.md); the guard leaves a margin for float noise and engine changes and fails
-# when a change to the head, the features handed to it or the proposer breaks its alignment.
-MIN_FIRST_ACCEPTANCE = 0.35
+# Greedy first-draft acceptance (k = 4, no confidence stop) measured on these 30 prompts when the
+# head was committed: 0.319. The guard leaves a margin for float noise and engine changes and
+# fails when a change to the head, the features handed to it or the proposer breaks its
+# alignment with the target (features off by one position give ~0.02).
+MIN_FIRST_ACCEPTANCE = 0.25
 ENGINE = {"dtype": "float32", "max_model_len": 512, "num_kv_blocks": 900, "max_num_seqs": 16}
 PARAMS = SamplingParams(temperature=0.0, max_tokens=32)
 
@@ -54,7 +54,8 @@ def test_shipped_head_matches_its_checksum_and_the_target(smollm2: object) -> No
     head = load_head(path, smollm2)
     token_map = head.config.token_map
     assert token_map is not None
-    assert len(set(token_map)) == len(token_map) and max(token_map) < 49152
+    assert len(set(token_map)) == len(token_map)
+    assert max(token_map) < 49152
     assert head.config.target_vocab_size == 49152
 
 
