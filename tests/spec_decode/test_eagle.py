@@ -45,7 +45,7 @@ OUTSIDE = 16  # the tiny target's last ids are outside the head's vocabulary
 
 @pytest.fixture(scope="module")
 def prompts() -> list[list[int]]:
-    return prompts_with_variants(16, seed=3)
+    return prompts_with_variants(8, seed=3)
 
 
 @pytest.fixture(scope="module")
