@@ -98,6 +98,21 @@ def generate_answers(
     return out
 
 
+def generate_all_answers(
+    target: str | None,
+    work: Path,
+    counts: tuple[int, int],
+    max_tokens: int,
+    batch: int,
+    seed: int,
+) -> None:
+    """The answers to ``counts`` = (base prompts, extra prompts), each set resumable."""
+    work.mkdir(parents=True, exist_ok=True)
+    generate_answers(target, work, counts[0], max_tokens, batch, seed)
+    if counts[1]:
+        generate_answers(target, work, counts[1], max_tokens, batch, seed, extra=True)
+
+
 def position_labels(result: RequestOutput) -> tuple[torch.Tensor, torch.Tensor]:
     """The target's top-``LABEL_TOP`` next-token log-probabilities at every position of a
     finished request (prompt then output): ``[n, LABEL_TOP]`` ids (int32) and log-probabilities

@@ -36,7 +36,7 @@ from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
 from specbatch.cache.kv_tensors import allocate_kv_caches
-from specbatch.distill.corpus import corpus_parts, generate_answers
+from specbatch.distill.corpus import corpus_parts, generate_all_answers
 from specbatch.distill.pipeline import decode_ms, load_and_pack, split_corpus
 from specbatch.distill.student import select_vocabulary
 from specbatch.distill.teacher import dense_batches, label_shards, load_shards
@@ -85,25 +85,14 @@ class HeadExample:
 
 def run(config: HeadTrainConfig) -> Path:
     work = config.work
-    work.mkdir(parents=True, exist_ok=True)
-    generate_answers(
+    generate_all_answers(
         config.target,
         work,
-        config.num_prompts,
+        (config.num_prompts, config.extra_prompts),
         config.answer_tokens,
         config.generation_batch,
         config.seed,
     )
-    if config.extra_prompts:
-        generate_answers(
-            config.target,
-            work,
-            config.extra_prompts,
-            config.answer_tokens,
-            config.generation_batch,
-            config.seed,
-            extra=True,
-        )
     parts = [p for p in corpus_parts(work, config.max_len) if p.name != "text"]
     sequences = [s for part in parts for s in part.sequences]
     token_map = head_vocabulary(config, sequences)

@@ -30,7 +30,7 @@ import torch
 from specbatch.cache.kv_tensors import allocate_kv_caches
 from specbatch.distill.corpus import (
     corpus_parts,
-    generate_answers,
+    generate_all_answers,
     tokenize_text,
 )
 from specbatch.distill.student import (
@@ -95,25 +95,14 @@ def parse_shape(text: str) -> StudentShape:
 
 def run(config: DistillConfig) -> Path:
     work = config.work
-    work.mkdir(parents=True, exist_ok=True)
-    generate_answers(
+    generate_all_answers(
         config.target,
         work,
-        config.num_prompts,
+        (config.num_prompts, config.extra_prompts),
         config.answer_tokens,
         config.generation_batch,
         config.seed,
     )
-    if config.extra_prompts:
-        generate_answers(
-            config.target,
-            work,
-            config.extra_prompts,
-            config.answer_tokens,
-            config.generation_batch,
-            config.seed,
-            extra=True,
-        )
     tokenize_text(config.target, work, config.text_chars)
     parts = corpus_parts(work, config.max_len)
     # the vocabulary comes from the base answers and the text (it was fixed before the extra

@@ -354,3 +354,40 @@ def test_the_proposer_catches_up_from_stored_features_and_stays_in_its_vocabular
     seq.num_computed_tokens = 6
     proposer.on_verified(seq)
     assert proposer._computed[seq.seq_id] == 5  # the draft's row read the head's feature
+
+
+def test_train_head_end_to_end_makes_a_head_the_engine_uses(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """``specbatch train-head``'s stages on the tiny target (answers with their labels,
+    vocabulary, features, training, report), resumable: a second run reuses every stage."""
+    from specbatch.distill.head import run
+
+    config = HeadTrainConfig(
+        work=tmp_path / "work",
+        out=tmp_path / "head",
+        target=str(tiny_model_dir),
+        num_prompts=6,
+        extra_prompts=0,
+        answer_tokens=12,
+        vocab_size=64,
+        steps=3,
+        tokens_per_batch=512,
+        generation_batch=6,
+    )
+    run(config)
+    report = json.loads((config.work / "head.json").read_text())
+    assert len(report["agreement_by_depth"]) == config.unroll
+    assert report["c"] > 0
+    assert is_head_dir(config.out)
+    stamp = (config.work / "features" / "00000.safetensors").stat().st_mtime
+    run(config)  # resumes: the features are not computed again
+    assert (config.work / "features" / "00000.safetensors").stat().st_mtime == stamp
+    llm = LLM(
+        str(tiny_model_dir),
+        speculative_config={"method": "eagle", "model": str(config.out)},
+        **engine_kwargs(),
+    )
+    off = LLM(str(tiny_model_dir), speculative_config={"method": "off"}, **engine_kwargs())
+    prompts = prompts_with_variants(2, seed=9)
+    assert greedy_tokens(llm, prompts) == greedy_tokens(off, prompts)
