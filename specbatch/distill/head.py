@@ -41,7 +41,7 @@ from specbatch.distill.pipeline import decode_ms, load_and_pack, split_corpus
 from specbatch.distill.student import select_vocabulary
 from specbatch.distill.teacher import dense_batches, label_shards, load_shards
 from specbatch.distill.train import learning_rate
-from specbatch.kernels.attention.dense_causal import DenseCausalMetadata
+from specbatch.kernels.attention.dense_causal import DenseCausalMetadata, DraftPassMetadata
 from specbatch.models import load_model, resolve_model_path
 from specbatch.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from specbatch.runner.flat_batch import TokenRun, flatten
@@ -283,7 +283,7 @@ def head_loss(
     target = top_p / top_p.sum(-1, keepdim=True).clamp_min(1e-8)
     real = (top_p.sum(-1) > 0).float()
     positions = torch.arange(width).repeat(len(batch))
-    metadata = DenseCausalMetadata(len(batch), width)
+    metadata = DraftPassMetadata(len(batch), width)  # each pass attends as its draft does
     previous = _shifted(feats)
     total = torch.zeros(())
     for depth in range(unroll):
@@ -345,7 +345,7 @@ def depth_agreement(
 ) -> list[float]:
     """How often the head's argmax equals the target's at the answer positions, at each draft
     depth (1: the row reads the target's feature; d: it reads the head's own from d - 1 passes
-    earlier, the context too: a lower bound of the engine's, whose context is the target's)."""
+    earlier, attending as that draft does in the engine: ``DraftPassMetadata``)."""
     agree = [0] * depths
     total = [0] * depths
     with torch.no_grad():
@@ -355,10 +355,9 @@ def depth_agreement(
             previous = _shifted(feats)
             scored = e.top_p[:, 0].float() > 0
             first = max(0, start - 1)
+            metadata = DraftPassMetadata(1, n)
             for depth in range(depths):
-                out = head(
-                    e.ids.long(), torch.arange(n), previous.view(n, -1), DenseCausalMetadata(1, n)
-                )
+                out = head(e.ids.long(), torch.arange(n), previous.view(n, -1), metadata)
                 best = head.compute_logits(out).argmax(-1)
                 hits = (best == e.top_ids[:, 0].long()) & scored
                 rows = torch.arange(n) >= max(first, depth)

@@ -25,7 +25,7 @@ from specbatch.distill.head import (
     train_head,
 )
 from specbatch.errors import ConfigError, ModelLoadError
-from specbatch.kernels.attention.dense_causal import DenseCausalMetadata
+from specbatch.kernels.attention.dense_causal import DenseCausalMetadata, DraftPassMetadata
 from specbatch.models import load_model
 from specbatch.models.rotary import apply_rotary
 from specbatch.sequence import Sequence
@@ -96,6 +96,39 @@ def test_training_lowers_the_loss_and_the_head_agrees_with_the_target(
     first, second = trained["agreement"]
     assert first > 0.3, trained["agreement"]  # argmax agreement on its training text
     assert second > 0.1, trained["agreement"]
+
+
+def test_training_passes_attend_as_the_engines_chained_drafts(
+    tiny_model_dir: Path, trained: dict[str, Any], prompts: list[list[int]]
+) -> None:
+    """Pass j of training at position p is the j-th draft of a chain that starts after p - j + 1:
+    a slow reference that drafts from the cache of target-featured rows one row at a time,
+    each row reading the previous row's output (plain causal attention, no pass metadata)."""
+    target = load_model(str(tiny_model_dir), attention_backend="dense_causal")
+    head = load_head(trained["dir"], target, dtype=torch.float32)
+    ids = torch.tensor(prompts[0][:21])
+    n, passes = len(ids), 4
+    with torch.no_grad():
+        truth = target(ids, torch.arange(n), DenseCausalMetadata(1, n))
+        feature = torch.cat([torch.zeros(1, truth.shape[1]), truth[:-1]])
+        metadata = DraftPassMetadata(1, n)
+        trained_way = []
+        for _ in range(passes):
+            out = head(ids, torch.arange(n), feature, metadata)
+            trained_way.append(out)
+            feature = torch.cat([torch.zeros(1, out.shape[1]), out[:-1]])
+        for start in range(n):  # rows <= start read the target's features
+            rows = torch.cat([torch.zeros(1, truth.shape[1]), truth[:start]])
+            for depth in range(1, min(passes, n - start)):
+                m = len(rows)  # = start + depth
+                chain = head(ids[:m], torch.arange(m), rows, DenseCausalMetadata(1, m))
+                rows = torch.cat([rows, chain[-1:]])  # the next row reads this draft's output
+            m = len(rows)
+            chain = head(ids[:m], torch.arange(m), rows, DenseCausalMetadata(1, m))
+            for depth in range(min(passes, n - start)):
+                torch.testing.assert_close(
+                    trained_way[depth][start + depth], chain[start + depth], atol=1e-5, rtol=1e-5
+                )
 
 
 def eagle_engine(model: Path, head: Path, **spec: Any) -> LLMEngine:
