@@ -74,13 +74,17 @@ PROPOSER_OPTIONS = {
     "tree": int,
     "dtree": int,
     "model": str,
+    "nodes": int,
+    "depth": int,
 }
 
 
 def proposer_config(spec: str, args: argparse.Namespace) -> dict[str, Any] | None:
     """``name[:key=value,...]`` (name default, ngram, draft, eagle or hybrid; keys k, min, max,
     conf, adaptive, tree: lookup trees, dtree: draft siblings, model: a draft model or head
-    path) as a speculative_config, the command-line defaults filling what the spec leaves out;
+    path, nodes and depth: a fixed draft tree of that many nodes, that deep, without the
+    controller: ``eagle:nodes=16,depth=5``) as a speculative_config, the command-line
+    defaults filling what the spec leaves out;
     None for a plain ``default`` (``default:k=8``: auto with that k; ``default:tree=1,dtree=1``:
     auto with both trees; ``eagle`` without model: the shipped head)."""
     name, _, rest = spec.partition(":")
@@ -120,6 +124,18 @@ def proposer_config(spec: str, args: argparse.Namespace) -> dict[str, Any] | Non
         config["model"] = options.get("model", None if name == "eagle" else args.draft_model)
         config["draft_confidence_threshold"] = options.get("conf", args.draft_confidence)
         config["draft_tree"] = bool(options.get("dtree", 0))
+    if "nodes" in options or "depth" in options:
+        if name == "ngram" or "k" in options or "adaptive" in options:
+            raise SystemExit(
+                f"--proposers: nodes/depth fix a draft tree, without k or adaptive: {spec!r}"
+            )
+        nodes = options.get("nodes", args.k)
+        config.update(
+            num_speculative_tokens=nodes,
+            adaptive_k=False,
+            draft_tree=True,
+            draft_tree_depth=options.get("depth", nodes),
+        )
     return config
 
 

@@ -109,6 +109,17 @@ def test_draft_siblings_default_and_validation() -> None:
         ({"method": "hybrid", "draft_tree": "yes"}, "draft_tree must be true or false"),
         ({"method": "ngram", "draft_tree": True}, "draft_tree is for methods"),
         ({"method": "hybrid", "draft_tree": True, "adaptive_k": False}, "goodput controller"),
+        ({"method": "eagle", "draft_tree_depth": 3}, "draft_tree=true and adaptive_k=false"),
+        (
+            {
+                "method": "eagle",
+                "draft_tree": True,
+                "adaptive_k": False,
+                "draft_tree_depth": 9,
+                "num_speculative_tokens": 8,
+            },
+            r"draft_tree_depth must be an integer in \[1, num_speculative_tokens \(8\)\]",
+        ),
         ({"method": "draft_model", "lookup_tree": True}, "lookup_tree is for methods"),
     ):
         with pytest.raises(ConfigError, match=message):

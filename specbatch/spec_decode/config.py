@@ -58,7 +58,11 @@ class SpeculativeConfig:
     (draft models, under the controller; by default on there, except when the target replays
     CUDA graphs, which a step with a tree cannot): beside its chain the draft model proposes
     further tokens as siblings where the controller's price of a verify row says they pay
-    (they cost no draft forward).
+    (they cost no draft forward; a draft head grows EAGLE-2's dynamic tree instead).
+    ``draft_tree_depth`` with ``draft_tree=True`` and ``adaptive_k=False`` fixes the tree's
+    budget instead: ``num_speculative_tokens`` nodes per sequence (verify rows), at most
+    ``draft_tree_depth`` deep, the likeliest nodes kept (SGLang's ``num_draft_tokens`` and
+    ``num_steps``).
     None of these change what is generated: greedy and seeded outputs are token for token the
     same, unseeded sampling keeps the target's distribution (its draws differ).
     """
@@ -72,6 +76,7 @@ class SpeculativeConfig:
     adaptive_k: bool = True
     lookup_tree: bool = False
     draft_tree: bool | None = None  # None: on under the controller, off under CUDA graphs
+    draft_tree_depth: int | None = None  # a fixed tree (adaptive_k=False): its depth
 
     MAX_TOKENS = 16
 
@@ -145,8 +150,24 @@ class SpeculativeConfig:
                 raise ConfigError(f"{key} must be true or false, got {value!r}")
             if value and self.method not in methods:
                 raise ConfigError(f"{key} is for methods {methods}, not {self.method!r}")
-        if self.draft_tree and self.adaptive_k is False:
-            raise ConfigError("draft_tree needs the goodput controller (adaptive_k=true)")
+        depth = self.draft_tree_depth
+        if depth is not None:
+            if self.adaptive_k is not False or self.draft_tree is not True:
+                raise ConfigError(
+                    "draft_tree_depth fixes a tree's budget: it needs draft_tree=true and "
+                    "adaptive_k=false (the controller sizes trees itself)"
+                )
+            k = self.num_speculative_tokens or 0  # checked by _check_k first
+            if isinstance(depth, bool) or not isinstance(depth, int) or not 1 <= depth <= k:
+                raise ConfigError(
+                    "draft_tree_depth must be an integer in [1, num_speculative_tokens "
+                    f"({k})], got {depth!r}"
+                )
+        elif self.draft_tree and self.adaptive_k is False:
+            raise ConfigError(
+                "draft_tree needs the goodput controller (adaptive_k=true), or a fixed tree: "
+                "adaptive_k=false with draft_tree_depth"
+            )
 
     def _check_k(self) -> None:
         k = self.num_speculative_tokens
@@ -165,7 +186,7 @@ class SpeculativeConfig:
         method = "hybrid" if self.model is not None or shipped_draft_fits else "ngram"
         values = {f.name: getattr(self, f.name) for f in fields(self)}
         if method == "ngram":  # no draft model to branch
-            values["draft_tree"] = None
+            values["draft_tree"] = values["draft_tree_depth"] = None
         return SpeculativeConfig(**{**values, "method": method})
 
     def draft_siblings(self, cuda_graphs: bool) -> bool:

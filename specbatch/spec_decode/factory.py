@@ -135,7 +135,7 @@ def build_speculator(
     controller = None
     if spec.adaptive_k:
         controller = GoodputController(Speculator.controller_ways(proposer))
-    return Speculator(proposer, controller, generator)
+    return Speculator(proposer, controller, generator, spec.draft_tree_depth)
 
 
 def build_proposer(

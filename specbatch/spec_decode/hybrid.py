@@ -123,20 +123,21 @@ class HybridProposer(Proposer):
             else:
                 to_draft.append(i)
             state.pending = (way, r.seq.spec.num_accepted_tokens, 0)
-        trees = parents if any(p is not None for p in parents) else None
         if not to_draft:
-            return Proposal(tokens, parents=trees)
+            return Proposal(tokens, parents=_trees(parents))
         forwards_before = self.drafter.num_forwards
         drafted = self.drafter.propose([requests[i] for i in to_draft])
         self._last_draft_s = self.clock() - start
         forwards = self.drafter.num_forwards - forwards_before
         if forwards:
             self._forward_s = _smooth(self._forward_s, self._last_draft_s / forwards)
-        for i, row in zip(to_draft, drafted.tokens, strict=True):
+        for s, (i, row) in enumerate(zip(to_draft, drafted.tokens, strict=True)):
             tokens[i] = row
+            parents[i] = drafted.parents_of(s)
             state = self._choices[requests[i].seq.seq_id]
             if state.pending is not None:
                 state.pending = (DRAFT, state.pending[1], len(row))
+        trees = _trees(parents)
         if drafted.draft_probs is None:
             return Proposal(tokens, parents=trees)
         return Proposal(tokens, with_point_masses(tokens, to_draft, drafted.draft_probs), trees)
@@ -157,3 +158,7 @@ class HybridProposer(Proposer):
 
 def _smooth(average: float | None, value: float) -> float:
     return value if average is None else average + SMOOTHING * (value - average)
+
+
+def _trees(parents: list[list[int] | None]) -> list[list[int] | None] | None:
+    return parents if any(p is not None for p in parents) else None

@@ -61,9 +61,11 @@ class Speculator:
         proposer: Proposer | None,
         controller: GoodputController | None,
         generator: torch.Generator,
+        tree_depth: int | None = None,
     ) -> None:
         self.proposer = proposer
         self.controller = controller
+        self.tree_depth = tree_depth  # a fixed tree: every draft slot a node, this deep at most
         self.generator = generator
         self.lookup, self.drafter = _parts(proposer)
         self._plan: dict[int, Choice] = {}  # seq_id -> this step's choice
@@ -165,7 +167,7 @@ class Speculator:
         if self.proposer is None or not wanted:
             return Proposal(tokens)
         if self.controller is None:
-            requests = [DraftRequest(seqs[i], slots[i]) for i in wanted]
+            requests = [self._fixed_request(seqs[i], slots[i]) for i in wanted]
             return self._timed(self.proposer, requests, wanted, tokens)
         by_model, external = [], []
         parents: list[list[int] | None] = [None] * len(seqs)
@@ -196,6 +198,13 @@ class Speculator:
             proposal = Proposal(tokens)
         proposal.parents = _merged_parents(trees, proposal.parents)
         return proposal
+
+    def _fixed_request(self, seq: Sequence, slots: int) -> DraftRequest:
+        """Without the controller: ``slots`` drafts, or with a fixed tree ``slots`` nodes at
+        most ``tree_depth`` deep (every node with a chance pays: price 0)."""
+        if self.tree_depth is None:
+            return DraftRequest(seq, slots)
+        return DraftRequest(seq, min(self.tree_depth, slots), max_nodes=slots, node_price=0.0)
 
     def _draft_request(self, seq: Sequence, slots: int) -> DraftRequest:
         """The draft model's request: the planned chain, and the slots and price of siblings."""

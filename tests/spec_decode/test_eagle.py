@@ -119,8 +119,8 @@ def test_training_passes_attend_as_the_engines_chained_drafts(
             feature = torch.cat([torch.zeros(1, out.shape[1]), out[:-1]])
         for start in range(n):  # rows <= start read the target's features
             rows = torch.cat([torch.zeros(1, truth.shape[1]), truth[:start]])
-            for depth in range(1, min(passes, n - start)):
-                m = len(rows)  # = start + depth
+            for _ in range(1, min(passes, n - start)):
+                m = len(rows)
                 chain = head(ids[:m], torch.arange(m), rows, DenseCausalMetadata(1, m))
                 rows = torch.cat([rows, chain[-1:]])  # the next row reads this draft's output
             m = len(rows)
@@ -179,6 +179,37 @@ def test_head_siblings_give_the_output_of_speculation_off(
     force_draft_chains(engine, 3)
     assert run_engine(engine, prompts, GREEDY, batch) == reference
     assert engine.stats.num_tree_drafts > 0, engine.stats
+
+
+@pytest.mark.parametrize("method", ["eagle", "hybrid"])
+def test_fixed_trees_give_the_output_of_speculation_off(
+    tiny_model_dir: Path,
+    trained: dict[str, Any],
+    prompts: list[list[int]],
+    reference: list[list[int]],
+    method: str,
+) -> None:
+    """A fixed budget without the controller: 6 nodes per sequence, at most 3 deep."""
+    spec = {
+        "method": method,
+        "model": str(trained["dir"]),
+        "num_speculative_tokens": 6,
+        "adaptive_k": False,
+        "draft_tree": True,
+        "draft_tree_depth": 3,
+        "draft_confidence_threshold": 0.0,
+    }
+    engine = LLMEngine(
+        EngineConfig(model=str(tiny_model_dir), speculative_config=spec, **engine_kwargs())
+    )
+    assert engine.speculator.controller is None
+    assert run_engine(engine, prompts, GREEDY, 4) == reference
+    stats = engine.stats
+    assert stats.num_tree_drafts > 0, stats
+    assert stats.num_tree_moves > 0, stats  # siblings taken
+    assert len(stats.num_drafts_per_pos) == 3  # never deeper than the budget's depth
+    assert stats.num_draft_tokens > stats.num_drafts_per_pos[0] * 3  # more nodes than a chain's
+    assert engine.cache.num_free_blocks == engine.num_kv_blocks
 
 
 def test_the_hybrid_with_a_head_gives_the_output_of_speculation_off(

@@ -373,6 +373,33 @@ def test_draft_siblings_give_the_output_of_speculation_off(
     assert not forced or engine.stats.num_tree_moves > 0, engine.stats  # siblings accepted
 
 
+def test_a_fixed_draft_tree_gives_the_output_of_speculation_off(
+    tiny_model_dir: Path,
+    noisy_draft_dir: Path,
+    prompts: list[list[int]],
+    reference: list[list[int]],
+) -> None:
+    """No controller: every sequence gets 5 nodes, its chain at most 2 deep, siblings in the
+    rest (price 0: every candidate with a chance)."""
+    spec = {
+        "method": "draft_model",
+        "model": str(noisy_draft_dir),
+        "num_speculative_tokens": 5,
+        "adaptive_k": False,
+        "draft_tree": True,
+        "draft_tree_depth": 2,
+        "draft_confidence_threshold": 0.0,
+    }
+    engine = LLMEngine(
+        EngineConfig(model=str(tiny_model_dir), speculative_config=spec, **engine_kwargs())
+    )
+    assert run_engine(engine, prompts, GREEDY, 4) == reference
+    stats = engine.stats
+    assert stats.num_tree_moves > 0, stats
+    assert len(stats.num_drafts_per_pos) == 2, stats
+    assert engine.cache.num_free_blocks == engine.num_kv_blocks
+
+
 def test_seeded_sampling_with_draft_siblings_equals_speculation_off(
     tiny_model_dir: Path, noisy_draft_dir: Path, prompts: list[list[int]]
 ) -> None:
