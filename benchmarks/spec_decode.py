@@ -76,6 +76,7 @@ PROPOSER_OPTIONS = {
     "model": str,
     "nodes": int,
     "depth": int,
+    "dkind": str,
 }
 
 
@@ -83,7 +84,8 @@ def proposer_config(spec: str, args: argparse.Namespace) -> dict[str, Any] | Non
     """``name[:key=value,...]`` (name default, ngram, draft, eagle or hybrid; keys k, min, max,
     conf, adaptive, tree: lookup trees, dtree: draft siblings, model: a draft model or head
     path, nodes and depth: a fixed draft tree of that many nodes, that deep, without the
-    controller: ``eagle:nodes=16,depth=5``) as a speculative_config, the command-line
+    controller: ``eagle:nodes=16,depth=5``, dkind: ``siblings`` or ``dynamic`` trees) as a
+    speculative_config, the command-line
     defaults filling what the spec leaves out;
     None for a plain ``default`` (``default:k=8``: auto with that k; ``default:tree=1,dtree=1``:
     auto with both trees; ``eagle`` without model: the shipped head)."""
@@ -97,9 +99,9 @@ def proposer_config(spec: str, args: argparse.Namespace) -> dict[str, Any] | Non
             raise SystemExit(f"--proposers: unknown option {key!r} in {spec!r}")
         options[key] = PROPOSER_OPTIONS[key](value)
     if name == "default":  # auto, with only what the spec names changed
-        if set(options) - {"k", "tree", "dtree", "model"}:
+        if set(options) - {"k", "tree", "dtree", "model", "dkind"}:
             raise SystemExit(
-                f"--proposers: default takes only k, tree, dtree and model, got {spec!r}"
+                f"--proposers: default takes only k, tree, dtree, dkind and model, got {spec!r}"
             )
         auto: dict[str, Any] = {}
         if "model" in options:
@@ -110,6 +112,8 @@ def proposer_config(spec: str, args: argparse.Namespace) -> dict[str, Any] | Non
             auto["lookup_tree"] = bool(options["tree"])
         if "dtree" in options:
             auto["draft_tree"] = bool(options["dtree"])
+        if "dkind" in options:
+            auto["draft_tree_kind"] = options["dkind"]
         return auto or None
     config: dict[str, Any] = {
         "method": "draft_model" if name == "draft" else name,
@@ -124,6 +128,7 @@ def proposer_config(spec: str, args: argparse.Namespace) -> dict[str, Any] | Non
         config["model"] = options.get("model", None if name == "eagle" else args.draft_model)
         config["draft_confidence_threshold"] = options.get("conf", args.draft_confidence)
         config["draft_tree"] = bool(options.get("dtree", 0))
+        config["draft_tree_kind"] = options.get("dkind")
     if "nodes" in options or "depth" in options:
         if name == "ngram" or "k" in options or "adaptive" in options:
             raise SystemExit(

@@ -121,6 +121,8 @@ def test_draft_siblings_default_and_validation() -> None:
             r"draft_tree_depth must be an integer in \[1, num_speculative_tokens \(8\)\]",
         ),
         ({"method": "draft_model", "lookup_tree": True}, "lookup_tree is for methods"),
+        ({"method": "eagle", "draft_tree_kind": "bushy"}, "draft_tree_kind must be one of"),
+        ({"method": "ngram", "draft_tree_kind": "dynamic"}, "draft_tree_kind is for methods"),
     ):
         with pytest.raises(ConfigError, match=message):
             SpeculativeConfig.parse(bad)

@@ -24,9 +24,6 @@ Stages, each resumable (its output in the work directory is reused):
 from __future__ import annotations
 
 import json
-import random
-import statistics
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,10 +34,10 @@ from tqdm.auto import tqdm
 
 from specbatch.cache.kv_tensors import allocate_kv_caches
 from specbatch.distill.corpus import corpus_parts, generate_all_answers
-from specbatch.distill.pipeline import decode_ms, load_and_pack, split_corpus
+from specbatch.distill.pipeline import decode_ms, load_and_pack, median_ms, split_corpus
 from specbatch.distill.student import select_vocabulary
 from specbatch.distill.teacher import dense_batches, label_shards, load_shards
-from specbatch.distill.train import learning_rate
+from specbatch.distill.train import fit
 from specbatch.kernels.attention.dense_causal import DenseCausalMetadata, DraftPassMetadata
 from specbatch.models import load_model, resolve_model_path
 from specbatch.models.llama import LlamaDecoderLayer, LlamaForCausalLM
@@ -309,35 +306,20 @@ def train_head(
     head: EagleHead, examples: list[HeadExample], config: HeadTrainConfig, checkpoint: Path
 ) -> list[float]:
     """Train ``head`` in place (resuming from ``checkpoint`` if there)."""
-    from specbatch.distill.train import _resume, _save
-
-    steps = config.steps
-    optimizer = torch.optim.AdamW(
-        head.parameters(), lr=config.lr, betas=(0.9, 0.95), weight_decay=0.01
+    return fit(
+        head,
+        examples,
+        [len(e.ids) for e in examples],
+        lambda batch: head_loss(head, batch, config.unroll, config.feature_weight),
+        config.steps,
+        config.tokens_per_batch,
+        config.lr,
+        checkpoint,
+        config.seed,
+        desc="train head",
+        save_every=100,
+        warmup=50,
     )
-    start = _resume(head, optimizer, checkpoint)
-    groups = dense_batches([len(e.ids) for e in examples], config.tokens_per_batch)
-    rng = random.Random(config.seed)
-    order = [rng.randrange(len(groups)) for _ in range(steps)]
-    losses: list[float] = []
-    head.train()
-    bar = tqdm(range(start, steps), initial=start, total=steps, desc="train head")
-    began = time.monotonic()
-    for step in bar:
-        for group in optimizer.param_groups:
-            group["lr"] = learning_rate(step, steps, config.lr, warmup=min(50, steps // 10 + 1))
-        batch = [examples[i] for i in groups[order[step]]]
-        loss = head_loss(head, batch, config.unroll, config.feature_weight)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
-        optimizer.step()
-        losses.append(float(loss.detach()))
-        bar.set_postfix(loss=f"{sum(losses[-50:]) / len(losses[-50:]):.3f}")
-        if (step + 1) % 100 == 0 or step + 1 == steps:
-            _save(head, optimizer, checkpoint, step + 1, time.monotonic() - began)
-    head.eval()
-    return losses
 
 
 def depth_agreement(
@@ -384,15 +366,13 @@ def head_decode_ms(
     )
     batch = flatten([TokenRun([1], context - 1, list(range(blocks)))], block_size)
     features = torch.zeros(1, head.config.hidden_size)
-    times = []
-    with torch.no_grad():
-        metadata = head.backend.build_metadata(batch.attention, head.device)
-        ids = torch.from_numpy(batch.input_ids)
-        positions = torch.from_numpy(batch.positions)
-        for i in range(repeats + 5):
-            started = time.perf_counter()
+    metadata = head.backend.build_metadata(batch.attention, head.device)
+    ids = torch.from_numpy(batch.input_ids)
+    positions = torch.from_numpy(batch.positions)
+
+    def step() -> None:
+        with torch.no_grad():
             out = head(ids, positions, features, metadata)
             head.logits_in_output_vocab(head.compute_logits(out).float())
-            if i >= 5:
-                times.append(time.perf_counter() - started)
-    return 1000 * statistics.median(times)
+
+    return median_ms(step, head.device, repeats)

@@ -21,6 +21,7 @@ import random
 import shutil
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Generic, TypeVar
@@ -279,14 +280,19 @@ def decode_ms(model: LlamaForCausalLM, context: int = 256, repeats: int = 30) ->
     runner = ModelRunner(model, block_size)
     batch = flatten([TokenRun([1], context - 1, list(range(blocks)))], block_size)
     rows = batch.query_start[1:] - 1
+    return median_ms(lambda: runner.forward(batch, rows), model.device, repeats)
+
+
+def median_ms(step: Callable[[], object], device: torch.device, repeats: int = 30) -> float:
+    """Median wall time of ``step`` in milliseconds, after 5 warm-up calls."""
     for _ in range(5):
-        runner.forward(batch, rows)
+        step()
     times = []
     for _ in range(repeats):
-        _synchronize(model.device)
+        _synchronize(device)
         start = time.perf_counter()
-        runner.forward(batch, rows)
-        _synchronize(model.device)
+        step()
+        _synchronize(device)
         times.append(time.perf_counter() - start)
     return 1000 * statistics.median(times)
 

@@ -12,7 +12,9 @@ import json
 import math
 import random
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -23,6 +25,7 @@ from specbatch.kernels.attention.dense_causal import DenseCausalMetadata
 from specbatch.models.llama import LlamaForCausalLM
 
 Example = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+E = TypeVar("E")
 
 
 def distillation_loss(student: LlamaForCausalLM, batch: list[Example]) -> torch.Tensor:
@@ -65,28 +68,62 @@ def train(
     save_every: int = 200,
 ) -> list[float]:
     """Train ``student`` in place for ``steps`` steps (resuming from ``checkpoint`` if there)."""
-    optimizer = torch.optim.AdamW(student.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
-    start = _resume(student, optimizer, checkpoint)
-    groups = dense_batches([len(e[0]) for e in examples], tokens_per_batch)
+    return fit(
+        student,
+        examples,
+        [len(e[0]) for e in examples],
+        lambda batch: distillation_loss(student, batch),
+        steps,
+        tokens_per_batch,
+        lr,
+        checkpoint,
+        seed,
+        desc="distill",
+        save_every=save_every,
+        warmup=100,
+    )
+
+
+def fit(
+    model: torch.nn.Module,
+    examples: Sequence[E],
+    lengths: list[int],
+    loss_of: Callable[[list[E]], torch.Tensor],
+    steps: int,
+    tokens_per_batch: int,
+    lr: float,
+    checkpoint: Path,
+    seed: int,
+    desc: str,
+    save_every: int,
+    warmup: int,
+) -> list[float]:
+    """The loop every trainer here shares: batches of about ``tokens_per_batch`` tokens drawn
+    at random, AdamW, warm-up (at most ``warmup`` steps) then cosine, gradient clipping, a
+    progress bar, a checkpoint every ``save_every`` steps and at the end; resumes from
+    ``checkpoint``. ``model`` is trained in place; the losses of the steps run."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
+    start = _resume(model, optimizer, checkpoint)
+    groups = dense_batches(lengths, tokens_per_batch)
     rng = random.Random(seed)
     order = [rng.randrange(len(groups)) for _ in range(steps)]
     losses: list[float] = []
-    student.train()
-    bar = tqdm(range(start, steps), initial=start, total=steps, desc="distill")
+    model.train()
+    bar = tqdm(range(start, steps), initial=start, total=steps, desc=desc)
     began = time.monotonic()
     for step in bar:
         for group in optimizer.param_groups:
-            group["lr"] = learning_rate(step, steps, lr, warmup=min(100, steps // 10 + 1))
-        loss = distillation_loss(student, [examples[i] for i in groups[order[step]]])
+            group["lr"] = learning_rate(step, steps, lr, warmup=min(warmup, steps // 10 + 1))
+        loss = loss_of([examples[i] for i in groups[order[step]]])
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         losses.append(float(loss.detach()))
         bar.set_postfix(loss=f"{sum(losses[-50:]) / len(losses[-50:]):.3f}")
         if (step + 1) % save_every == 0 or step + 1 == steps:
-            _save(student, optimizer, checkpoint, step + 1, time.monotonic() - began)
-    student.eval()
+            _save(model, optimizer, checkpoint, step + 1, time.monotonic() - began)
+    model.eval()
     return losses
 
 

@@ -360,16 +360,18 @@ class LLMEngine:
                 s.seq.seq_id: nodes
                 for s, nodes in zip(sampling, result.accepted_nodes, strict=True)
             }
+        order: list[int] = []  # the step's hidden rows, each tree's accepted path moved
+        placements = []
         for b, (s, run) in enumerate(zip(scheduled, runs, strict=True)):
             first = int(query_start[b])
-            rows = hidden[first : first + len(run.token_ids)]
+            rows = list(range(first, first + len(run.token_ids)))
             nodes = paths.get(s.seq.seq_id)
-            if nodes and any(node != depth for depth, node in enumerate(nodes)):
-                order = list(range(len(rows)))
-                for depth, node in enumerate(nodes):
-                    order[s.num_new_tokens + depth] = s.num_new_tokens + node
-                rows = rows[torch.tensor(order, dtype=torch.long, device=rows.device)]
-            self.speculator.observe_features(s.seq, run.start_position, rows)
+            for depth, node in enumerate(nodes or ()):
+                rows[s.num_new_tokens + depth] = first + s.num_new_tokens + node
+            order += rows
+            placements.append((s.seq, run.start_position, len(rows)))
+        index = torch.tensor(order, dtype=torch.long, device=hidden.device)
+        self.speculator.observe_features(placements, hidden.index_select(0, index))
 
     def _record_plan(self) -> None:
         controller = self.speculator.controller

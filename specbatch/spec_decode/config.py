@@ -18,6 +18,7 @@ DEFAULT_NUM_SPECULATIVE_TOKENS = 4
 DEFAULT_ADAPTIVE_NUM_SPECULATIVE_TOKENS = 8
 # Measured on the shipped draft (docs/distillation.md): 0.3-0.7 all beat 0 (always k) clearly.
 DEFAULT_DRAFT_CONFIDENCE = 0.5
+TREE_KINDS = ("siblings", "dynamic")
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,9 @@ class SpeculativeConfig:
     (draft models, under the controller; by default on there, except when the target replays
     CUDA graphs, which a step with a tree cannot): beside its chain the draft model proposes
     further tokens as siblings where the controller's price of a verify row says they pay
-    (they cost no draft forward; a draft head grows EAGLE-2's dynamic tree instead).
+    (they cost no draft forward). ``draft_tree_kind``: ``"siblings"`` (those leaves, the
+    default for a draft model) or ``"dynamic"`` (EAGLE-2's dynamic tree, grown a draft forward
+    per level: the default for a draft head).
     ``draft_tree_depth`` with ``draft_tree=True`` and ``adaptive_k=False`` fixes the tree's
     budget instead: ``num_speculative_tokens`` nodes per sequence (verify rows), at most
     ``draft_tree_depth`` deep, the likeliest nodes kept (SGLang's ``num_draft_tokens`` and
@@ -77,6 +80,7 @@ class SpeculativeConfig:
     lookup_tree: bool = False
     draft_tree: bool | None = None  # None: on under the controller, off under CUDA graphs
     draft_tree_depth: int | None = None  # a fixed tree (adaptive_k=False): its depth
+    draft_tree_kind: str | None = None  # None: dynamic for a draft head, else siblings
 
     MAX_TOKENS = 16
 
@@ -150,6 +154,15 @@ class SpeculativeConfig:
                 raise ConfigError(f"{key} must be true or false, got {value!r}")
             if value and self.method not in methods:
                 raise ConfigError(f"{key} is for methods {methods}, not {self.method!r}")
+        kind = self.draft_tree_kind
+        if kind is not None:
+            if kind not in TREE_KINDS:
+                raise ConfigError(f"draft_tree_kind must be one of {TREE_KINDS}, got {kind!r}")
+            if self.method not in ("auto", *DRAFT_METHODS):
+                raise ConfigError(
+                    f"draft_tree_kind is for methods {('auto', *DRAFT_METHODS)}, "
+                    f"not {self.method!r}"
+                )
         depth = self.draft_tree_depth
         if depth is not None:
             if self.adaptive_k is not False or self.draft_tree is not True:
@@ -186,7 +199,7 @@ class SpeculativeConfig:
         method = "hybrid" if self.model is not None or shipped_draft_fits else "ngram"
         values = {f.name: getattr(self, f.name) for f in fields(self)}
         if method == "ngram":  # no draft model to branch
-            values["draft_tree"] = values["draft_tree_depth"] = None
+            values["draft_tree"] = values["draft_tree_depth"] = values["draft_tree_kind"] = None
         return SpeculativeConfig(**{**values, "method": method})
 
     def draft_siblings(self, cuda_graphs: bool) -> bool:

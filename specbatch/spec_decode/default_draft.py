@@ -24,7 +24,7 @@ DRAFT_SHA256 = "a76042d7f311b87bcd6f0060d624f235183848e7317708e6e24265f4e1632f10
 # ``{"method": "eagle"}`` drafts with by default, and whether the hybrid (``auto``) drafts
 # with it instead of the draft model beside prompt lookup.
 HEAD_DIR = Path(__file__).resolve().parent.parent / "assets" / "smollm2-135m-head"
-HEAD_SHA256 = "5ec755181c76977564bfb7f5099dcc2f1f3e2fab34a140257dccffde4421bd50"
+HEAD_SHA256 = "4cfd0995adaa165fa6e3da6e37e0033db91788ca960ac9ec3feb3a920f3da84b"
 HEAD_PREFERRED_BY_DEFAULT = False
 # What the draft was distilled for: SmolLM2-135M-Instruct's shape, and the sha256 of its
 # vocabulary (every token's text, in id order; see vocabulary_digest). A target is recognised by

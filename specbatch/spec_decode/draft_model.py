@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from specbatch.cache.kv_tensors import allocate_kv_caches
@@ -48,10 +49,11 @@ from specbatch.runner.flat_batch import TokenRun, flatten
 from specbatch.runner.model_runner import ModelRunner
 from specbatch.sampling_params import SamplingParams
 from specbatch.sequence import Sequence
-from specbatch.spec_decode.proposer import DraftRequest, Proposal, Proposer
+from specbatch.spec_decode.proposer import DraftRequest, Proposal, Proposer, with_point_masses
 
-if TYPE_CHECKING:  # triton is optional: only CUDA engines build graphs
+if TYPE_CHECKING:  # triton is optional: only CUDA engines build graphs (eagle imports this)
     from specbatch.runner.cuda_graphs import CudaGraphRunner
+    from specbatch.spec_decode.eagle import EagleHead
 
 MAX_FORWARD_TIMES = 64
 SIBLING_CANDIDATES = 3  # per chain position, the likeliest tokens besides the chain's
@@ -59,6 +61,10 @@ SIBLING_CANDIDATES = 3  # per chain position, the likeliest tokens besides the c
 
 class DraftModelProposer(Proposer):
     """Drafts with a small model, sampling each draft from its processed distribution q."""
+
+    # where nodes beside the chain pay: EAGLE-2's dynamic tree (``_grow_trees``, a forward
+    # per level) instead of siblings of the chain (no extra forward)
+    dynamic_trees = False
 
     def __init__(
         self,
@@ -73,17 +79,28 @@ class DraftModelProposer(Proposer):
         """``capture_graphs`` builds CUDA graphs for the single-token draft forwards; it is
         called once the draft's KV cache is bound (graphs capture the cache's addresses)."""
         self.model = model
+        self._init_state(model, num_blocks, block_size, generator, confidence_threshold, siblings)
+        self.runner = ModelRunner(model, block_size, capture_graphs() if capture_graphs else None)
+
+    def _init_state(
+        self,
+        drafter: LlamaForCausalLM | EagleHead,
+        num_blocks: int,
+        block_size: int,
+        generator: torch.Generator,
+        confidence_threshold: float,
+        siblings: bool,
+    ) -> None:
+        """What every drafting network shares: its own paged K/V on the target's block ids
+        (allocated and bound here) and the per-sequence bookkeeping."""
         self.confidence_threshold = confidence_threshold
         self.block_size = block_size
         self.generator = generator
         self.siblings = siblings
-        model.bind_kv_caches(
-            allocate_kv_caches(model.config, num_blocks, block_size, model.dtype, model.device)
+        config = drafter.config
+        drafter.bind_kv_caches(
+            allocate_kv_caches(config, num_blocks, block_size, drafter.dtype, drafter.device)
         )
-        self.runner = ModelRunner(model, block_size, capture_graphs() if capture_graphs else None)
-        self._init_state()
-
-    def _init_state(self) -> None:
         self._computed: dict[int, int] = {}  # seq_id -> leading tokens held by the draft cache
         # seq_id -> (position of the first draft, the chain): what the cache holds past the
         # sequence's tokens, checked against what the target accepted
@@ -92,6 +109,41 @@ class DraftModelProposer(Proposer):
         self._forward_times: list[tuple[int, float]] = []  # (rows, seconds) not yet taken
 
     def propose(self, requests: list[DraftRequest]) -> Proposal:
+        """With ``dynamic_trees``, a dynamic tree (``_grow_trees``) for the requests whose
+        price lets nodes beside the chain pay; a chain (with siblings where they pay, if not
+        ``dynamic_trees``) for the others."""
+        growing = [i for i, r in enumerate(requests) if self._grows_tree(r)]
+        if not growing:
+            return self._chain_proposal(requests)
+        chains = [i for i, r in enumerate(requests) if not self._grows_tree(r)]
+        tokens: list[list[int]] = [[] for _ in requests]
+        parents: list[list[int] | None] = [None] * len(requests)
+        q_rows: dict[int, torch.Tensor] = {}  # request -> q of its drafts (chains that sample)
+        if chains:
+            chained = self._chain_proposal([requests[i] for i in chains])
+            row = 0
+            for s, i in enumerate(chains):
+                tokens[i], parents[i] = chained.tokens[s], chained.parents_of(s)
+                if chained.draft_probs is not None:
+                    q_rows[i] = chained.draft_probs[row : row + len(tokens[i])]
+                row += len(chained.tokens[s])
+        grown = self._grow_trees([requests[i] for i in growing])
+        for i, (nodes, links) in zip(growing, grown, strict=True):
+            tokens[i], parents[i] = nodes, links
+        trees = parents if any(p is not None for p in parents) else None
+        if not q_rows:
+            return Proposal(tokens, None, trees)
+        # a grown tree's nodes are point masses
+        sampled = sorted(q_rows)
+        probs = with_point_masses(tokens, sampled, torch.cat([q_rows[i] for i in sampled]))
+        return Proposal(tokens, probs, trees)
+
+    def _grows_tree(self, r: DraftRequest) -> bool:
+        return self.dynamic_trees and self._may_branch(r)
+
+    def _chain_proposal(self, requests: list[DraftRequest]) -> Proposal:
+        """Each request's chain: drafts one batched forward per position, with siblings where
+        ``_may_branch``."""
         tokens: list[list[int]] = [[] for _ in requests]
         probs: list[list[torch.Tensor]] = [[] for _ in requests]
         runs = []
@@ -149,6 +201,90 @@ class DraftModelProposer(Proposer):
             draft_probs = torch.stack([row for per_request in probs for row in per_request])
         trees = parents if any(p is not None for p in parents) else None
         return Proposal(tokens, draft_probs, trees)
+
+    def _grow_trees(self, requests: list[DraftRequest]) -> list[tuple[list[int], list[int]]]:
+        """EAGLE-2's dynamic draft tree per request: from the draft's distribution after the
+        catch-up, each level expands the likeliest nodes (by path probability: the product
+        of the draft's probabilities along the path) into their ``TREE_CHILDREN`` likeliest
+        children, one batched draft forward per level over every sequence's tree so far
+        (under its tree mask); then the nodes kept are the chain of likeliest tokens while its
+        path probability stays above the confidence threshold, plus every other node whose
+        path probability beats the request's ``node_price``, best first, up to
+        ``max_nodes`` (a node's ancestors always rank before it). Each node is a point mass
+        (exact under every sampling mode: the verifier's residual drops a rejected one)."""
+        started = time.perf_counter()
+        seqs = [r.seq for r in requests]
+        runs = []
+        for r in requests:
+            start = self._computed.get(r.seq.seq_id, 0)
+            runs.append(TokenRun(r.seq.token_ids[start:], start, r.seq.block_table))
+        logits = self._draft_logits(runs, seqs, 0)
+        self.num_forwards += 1
+        num_rows = sum(len(run.token_ids) for run in runs)
+        trees = [GrowingTree(r) for r in requests]
+        for tree, row in zip(trees, torch.softmax(logits.float(), dim=-1), strict=True):
+            tree.add_children(-1, row, self.confidence_threshold)
+        for seq in seqs:
+            self._computed[seq.seq_id] = seq.num_tokens
+        self._forward_times.append((num_rows, time.perf_counter() - started))
+        depth = 1
+        while True:
+            expanding = [(i, t.to_expand(depth)) for i, t in enumerate(trees)]
+            expanding = [(i, nodes) for i, nodes in expanding if nodes]
+            if not expanding:
+                break
+            started = time.perf_counter()
+            level_runs, levels, rows = [], [], []
+            for i, nodes in expanding:
+                tree, seq = trees[i], seqs[i]
+                tree.expanded.update(nodes)
+                order = tree.run_order()
+                parents = [
+                    order.index(tree.parent[n]) if tree.parent[n] >= 0 else -1 for n in order
+                ]
+                level_runs.append(
+                    TokenRun(
+                        [seq.token_ids[-1], *(tree.token[n] for n in order)],
+                        seq.num_tokens - 1,
+                        seq.block_table,
+                        len(order),
+                        0,
+                        parents,
+                    )
+                )
+                levels.append((tree, seq, order))
+                rows.append([order.index(n) + 1 for n in nodes])
+            logits = self._level_logits(level_runs, levels, rows)
+            owners = [(i, n) for i, nodes in expanding for n in nodes]
+            probs = torch.softmax(logits, dim=-1)
+            for (i, n), row in zip(owners, probs, strict=True):
+                trees[i].add_children(n, row, self.confidence_threshold)
+            self.num_forwards += 1
+            num_rows = sum(len(run.token_ids) for run in level_runs)
+            self._forward_times.append((num_rows, time.perf_counter() - started))
+            del self._forward_times[:-MAX_FORWARD_TIMES]
+            depth += 1
+        out = []
+        for tree, seq in zip(trees, seqs, strict=True):
+            nodes, links = tree.kept()
+            self._chains[seq.seq_id] = (seq.num_tokens, [])  # the cache holds nothing past
+            out.append((nodes, links))
+        return out
+
+    def _level_logits(
+        self,
+        runs: list[TokenRun],
+        levels: list[tuple[GrowingTree, Sequence, list[int]]],
+        wanted: list[list[int]],
+    ) -> torch.Tensor:
+        """Logits over the target vocabulary at each run's ``wanted`` rows (run-relative), in
+        order: one forward over every sequence's tree so far (``levels``: its tree, sequence
+        and the expanded nodes in run order), each under its tree mask."""
+        batch = flatten(runs, self.block_size)
+        rows = np.concatenate(
+            [batch.query_start[b] + np.asarray(w, dtype=np.int64) for b, w in enumerate(wanted)]
+        )
+        return self.model.logits_in_output_vocab(self.runner.forward(batch, rows))
 
     def _draft_logits(self, runs: list[TokenRun], seqs: list[Sequence], step: int) -> torch.Tensor:
         """Logits over the target vocabulary at the last row of each run (one run per
@@ -240,6 +376,82 @@ class DraftModelProposer(Proposer):
 
 def _samples_unseeded(params: SamplingParams) -> bool:
     return not params.greedy and params.seed is None
+
+
+TREE_CHILDREN = 4  # children per expanded node
+TREE_EXPAND = 3  # nodes expanded per level (besides the chain's)
+
+
+class GrowingTree:
+    """A request's growing draft tree (``DraftModelProposer._grow_trees``): candidate nodes
+    with their path probabilities."""
+
+    def __init__(self, request: DraftRequest) -> None:
+        self.request = request
+        self.token: list[int] = []
+        self.parent: list[int] = []
+        self.score: list[float] = []  # the head's probability of the path to the node
+        self.depth: list[int] = []
+        self.chain: list[int] = []  # the likeliest path while confident
+        self.expanded: set[int] = set()
+        self.out: dict[int, torch.Tensor] = {}  # expanded node -> a head's output feature
+
+    def add_children(self, parent: int, probs: torch.Tensor, threshold: float) -> None:
+        depth = 1 if parent < 0 else self.depth[parent] + 1
+        if depth > self.request.max_drafts:
+            return
+        base = 1.0 if parent < 0 else self.score[parent]
+        values, ids = probs.topk(TREE_CHILDREN)
+        for rank, (p, token) in enumerate(zip(values.tolist(), ids.tolist(), strict=True)):
+            if p <= 0.0:
+                break
+            self.token.append(token)
+            self.parent.append(parent)
+            self.score.append(base * p)
+            self.depth.append(depth)
+            on_chain = rank == 0 and (parent < 0 or self.chain[-1:] == [parent])
+            if on_chain and (depth == 1 or self.score[self.chain[-1]] >= threshold):
+                self.chain.append(len(self.token) - 1)
+
+    def to_expand(self, depth: int) -> list[int]:
+        """The nodes of ``depth`` whose children are worth a look: the chain's, and the
+        likeliest others whose path probability beats the node price."""
+        # the expanded nodes are written to the sequence's draft slots: never more than it has
+        room = max(self.request.max_nodes, self.request.max_drafts) - len(self.expanded)
+        if depth >= self.request.max_drafts or room <= 0:
+            return []
+        level = [n for n in range(len(self.token)) if self.depth[n] == depth]
+        chosen = [n for n in level if n in self.chain]
+        others = sorted(
+            (n for n in level if n not in chosen and self.score[n] > self.request.node_price),
+            key=lambda n: -self.score[n],
+        )
+        return (chosen + others[:TREE_EXPAND])[:room]
+
+    def run_order(self) -> list[int]:
+        """The expanded nodes in creation order (parents before children)."""
+        return sorted(self.expanded)
+
+    def kept(self) -> tuple[list[int], list[int]]:
+        """The tree to verify: tokens and parents (indices into it), nodes in rank order."""
+        room = max(self.request.max_nodes, self.request.max_drafts)
+        keep = list(self.chain)
+        others = sorted(
+            (n for n in range(len(self.token)) if n not in set(keep)),
+            key=lambda n: (-self.score[n], n),
+        )
+        chosen = set(keep)
+        for n in others:
+            if len(keep) >= room or self.score[n] <= self.request.node_price:
+                break
+            if self.parent[n] < 0 or self.parent[n] in chosen:
+                keep.append(n)
+                chosen.add(n)
+        keep.sort()  # creation order: parents first
+        index = {n: i for i, n in enumerate(keep)}
+        return [self.token[n] for n in keep], [
+            -1 if self.parent[n] < 0 else index[self.parent[n]] for n in keep
+        ]
 
 
 def _with_siblings(

@@ -23,15 +23,15 @@ the token map) plus ``model.safetensors``; ``save_head`` writes one, ``load_head
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from specbatch.cache.kv_tensors import allocate_kv_caches, lazy_zeros
+from specbatch.cache.kv_tensors import lazy_zeros
 from specbatch.errors import ConfigError, ModelLoadError
 from specbatch.kernels.attention import AttentionBackend, LayerKVCache
 from specbatch.kernels.linear import Linear, cpu_packing_supported
@@ -40,8 +40,7 @@ from specbatch.models.llama import LlamaDecoderLayer, LlamaForCausalLM, RMSNorm
 from specbatch.models.rotary import RotaryEmbedding
 from specbatch.runner.flat_batch import TokenRun, flatten
 from specbatch.sequence import Sequence
-from specbatch.spec_decode.draft_model import MAX_FORWARD_TIMES, DraftModelProposer
-from specbatch.spec_decode.proposer import DraftRequest, Proposal
+from specbatch.spec_decode.draft_model import DraftModelProposer, GrowingTree
 
 HEAD_ARCHITECTURE = "EagleHead"
 # the target's shape fields a head must match (its layer has the target's shape)
@@ -259,81 +258,6 @@ def load_head(
     return head
 
 
-TREE_CHILDREN = 4  # children per expanded node
-TREE_EXPAND = 3  # nodes expanded per level (besides the chain's)
-
-
-class _Tree:
-    """A request's growing draft tree: candidate nodes with their path probabilities."""
-
-    def __init__(self, request: DraftRequest) -> None:
-        self.request = request
-        self.token: list[int] = []
-        self.parent: list[int] = []
-        self.score: list[float] = []  # the head's probability of the path to the node
-        self.depth: list[int] = []
-        self.chain: list[int] = []  # the likeliest path while confident
-        self.expanded: set[int] = set()
-        self.out: dict[int, torch.Tensor] = {}  # expanded node -> its head output feature
-
-    def add_children(self, parent: int, probs: torch.Tensor, threshold: float) -> None:
-        depth = 1 if parent < 0 else self.depth[parent] + 1
-        if depth > self.request.max_drafts:
-            return
-        base = 1.0 if parent < 0 else self.score[parent]
-        values, ids = probs.topk(TREE_CHILDREN)
-        for rank, (p, token) in enumerate(zip(values.tolist(), ids.tolist(), strict=True)):
-            if p <= 0.0:
-                break
-            self.token.append(token)
-            self.parent.append(parent)
-            self.score.append(base * p)
-            self.depth.append(depth)
-            on_chain = rank == 0 and (parent < 0 or self.chain[-1:] == [parent])
-            if on_chain and (depth == 1 or self.score[self.chain[-1]] >= threshold):
-                self.chain.append(len(self.token) - 1)
-
-    def to_expand(self, depth: int) -> list[int]:
-        """The nodes of ``depth`` whose children are worth a look: the chain's, and the
-        likeliest others whose path probability beats the node price."""
-        # the expanded nodes are written to the sequence's draft slots: never more than it has
-        room = max(self.request.max_nodes, self.request.max_drafts) - len(self.expanded)
-        if depth >= self.request.max_drafts or room <= 0:
-            return []
-        level = [n for n in range(len(self.token)) if self.depth[n] == depth]
-        chosen = [n for n in level if n in self.chain]
-        others = sorted(
-            (n for n in level if n not in chosen and self.score[n] > self.request.node_price),
-            key=lambda n: -self.score[n],
-        )
-        return (chosen + others[:TREE_EXPAND])[:room]
-
-    def run_order(self) -> list[int]:
-        """The expanded nodes in creation order (parents before children)."""
-        return sorted(self.expanded)
-
-    def kept(self) -> tuple[list[int], list[int]]:
-        """The tree to verify: tokens and parents (indices into it), nodes in rank order."""
-        room = max(self.request.max_nodes, self.request.max_drafts)
-        keep = list(self.chain)
-        others = sorted(
-            (n for n in range(len(self.token)) if n not in set(keep)),
-            key=lambda n: (-self.score[n], n),
-        )
-        chosen = set(keep)
-        for n in others:
-            if len(keep) >= room or self.score[n] <= self.request.node_price:
-                break
-            if self.parent[n] < 0 or self.parent[n] in chosen:
-                keep.append(n)
-                chosen.add(n)
-        keep.sort()  # creation order: parents first
-        index = {n: i for i, n in enumerate(keep)}
-        return [self.token[n] for n in keep], [
-            -1 if self.parent[n] < 0 else index[self.parent[n]] for n in keep
-        ]
-
-
 def feature_bytes_per_block(head: EagleHead, block_size: int) -> int:
     """What the head's store of the target's features takes per cache block."""
     return block_size * head.config.hidden_size * head.dtype.itemsize
@@ -341,7 +265,9 @@ def feature_bytes_per_block(head: EagleHead, block_size: int) -> int:
 
 class EagleProposer(DraftModelProposer):
     """Drafts with a head on the target's features; the draft model's sampling, confidence
-    stop and siblings (``DraftModelProposer``) over a head forward."""
+    stop and dynamic trees (``DraftModelProposer``) over a head forward."""
+
+    dynamic_trees = True
 
     def __init__(
         self,
@@ -353,14 +279,7 @@ class EagleProposer(DraftModelProposer):
         siblings: bool = False,
     ) -> None:
         self.head = head
-        self.confidence_threshold = confidence_threshold
-        self.block_size = block_size
-        self.generator = generator
-        self.siblings = siblings
-        head.bind_kv_caches(
-            allocate_kv_caches(head.config, num_blocks, block_size, head.dtype, head.device)
-        )
-        self._init_state()
+        self._init_state(head, num_blocks, block_size, generator, confidence_threshold, siblings)
         # the target's final-norm hidden state at every cache slot it computed (paged like the
         # K/V, so a prefix-cache hit finds the features of the positions it skips)
         shape = (num_blocks * block_size, head.config.hidden_size)
@@ -370,13 +289,16 @@ class EagleProposer(DraftModelProposer):
             self._feature_cache = torch.zeros(shape, dtype=head.dtype, device=head.device)
         self._own: dict[int, torch.Tensor] = {}  # seq_id -> the head's last feature this step
 
-    wants_features = True
-
-    def observe_features(self, seq: Sequence, start: int, features: torch.Tensor) -> None:
-        """The target computed positions ``start ..`` of ``seq`` (some perhaps drafts it will
-        reject, whose slots are written again before anything reads them) with these
-        final-norm hidden states: kept at their cache slots."""
-        slots = self._slots(seq, start, len(features))
+    def observe_features(
+        self, placements: list[tuple[Sequence, int, int]], features: torch.Tensor
+    ) -> None:
+        """The target computed, per (sequence, first position, count), those positions (some
+        perhaps drafts it will reject, whose slots are written again before anything reads
+        them) with these final-norm hidden states, rows in order: kept at their cache slots
+        (one write per step)."""
+        if not placements:
+            return
+        slots = torch.cat([self._slots(seq, start, count) for seq, start, count in placements])
         self._feature_cache[slots] = features.to(self._feature_cache.dtype)
 
     def _slots(self, seq: Sequence, start: int, count: int) -> torch.Tensor:
@@ -385,124 +307,33 @@ class EagleProposer(DraftModelProposer):
         positions = torch.arange(start, start + count)
         return (table[positions // bs] * bs + positions % bs).to(self._feature_cache.device)
 
-    def propose(self, requests: list[DraftRequest]) -> Proposal:
-        """A dynamic tree (``_grow_trees``) for the requests whose price lets nodes beside the
-        chain pay, the draft model's chain (``DraftModelProposer``) for the others."""
-        ready = range(len(requests))
-        growing = [i for i in ready if self._may_branch(requests[i])]
-        chains = [i for i in ready if i not in set(growing)]
-        tokens: list[list[int]] = [[] for _ in requests]
-        parents: list[list[int] | None] = [None] * len(requests)
-        q_rows: dict[int, torch.Tensor] = {}  # request -> q of its drafts (chains that sample)
-        if chains:
-            chained = DraftModelProposer.propose(self, [requests[i] for i in chains])
-            row = 0
-            for s, i in enumerate(chains):
-                tokens[i], parents[i] = chained.tokens[s], chained.parents_of(s)
-                if chained.draft_probs is not None:
-                    q_rows[i] = chained.draft_probs[row : row + len(tokens[i])]
-                row += len(chained.tokens[s])
-        if growing:
-            grown = self._grow_trees([requests[i] for i in growing])
-            for i, (nodes, links) in zip(growing, grown, strict=True):
-                tokens[i], parents[i] = nodes, links
-        trees = parents if any(p is not None for p in parents) else None
-        if not q_rows:
-            return Proposal(tokens, None, trees)
-        vocab = next(iter(q_rows.values())).shape[1]
-        probs = []
-        for i, drafted in enumerate(tokens):  # a grown tree's nodes are point masses
-            if i in q_rows:
-                probs.append(q_rows[i])
-            elif drafted:
-                one_hot = torch.zeros(len(drafted), vocab, device=self.head.device)
-                one_hot[torch.arange(len(drafted)), torch.tensor(drafted)] = 1.0
-                probs.append(one_hot)
-        return Proposal(tokens, torch.cat(probs), trees)
-
-    def _grow_trees(self, requests: list[DraftRequest]) -> list[tuple[list[int], list[int]]]:
-        """EAGLE-2's dynamic draft tree per request: from the head's distribution after the
-        catch-up, each level expands the likeliest nodes (by path probability: the product
-        of the head's probabilities along the path) into their ``TREE_CHILDREN`` likeliest
-        children, one batched head forward per level over every sequence's tree so far
-        (under its tree mask); then the nodes kept are the chain of likeliest tokens while its
-        path probability stays above the confidence threshold, plus every other node whose
-        path probability beats the request's ``node_price``, best first, up to
-        ``max_nodes`` (a node's ancestors always rank before it). Each node is a point mass
-        (exact under every sampling mode: the verifier's residual drops a rejected one)."""
-        started = time.perf_counter()
-        seqs = [r.seq for r in requests]
-        runs = []
-        for r in requests:
-            start = self._computed.get(r.seq.seq_id, 0)
-            runs.append(TokenRun(r.seq.token_ids[start:], start, r.seq.block_table))
-        logits = self._draft_logits(runs, seqs, 0)
-        self.num_forwards += 1
-        num_rows = sum(len(run.token_ids) for run in runs)
-        trees = [_Tree(r) for r in requests]
-        roots = {seq.seq_id: self._own[seq.seq_id] for seq in seqs}
-        for tree, row in zip(trees, torch.softmax(logits.float(), dim=-1), strict=True):
-            tree.add_children(-1, row, self.confidence_threshold)
-        for seq in seqs:
-            self._computed[seq.seq_id] = seq.num_tokens
-        self._forward_times.append((num_rows, time.perf_counter() - started))
-        depth = 1
-        while True:
-            expanding = [(i, t.to_expand(depth)) for i, t in enumerate(trees)]
-            expanding = [(i, nodes) for i, nodes in expanding if nodes]
-            if not expanding:
-                break
-            started = time.perf_counter()
-            level_runs, features, rows = [], [], []
-            for i, nodes in expanding:
-                tree, seq = trees[i], seqs[i]
-                tree.expanded.update(nodes)
-                order = tree.run_order()
-                parents = [
-                    order.index(tree.parent[n]) if tree.parent[n] >= 0 else -1 for n in order
-                ]
-                level_runs.append(
-                    TokenRun(
-                        [seq.token_ids[-1], *(tree.token[n] for n in order)],
-                        seq.num_tokens - 1,
-                        seq.block_table,
-                        len(order),
-                        0,
-                        parents,
-                    )
-                )
-                features.append(self._target_features(seq, seq.num_tokens - 1, 1))
-                for n in order:
-                    parent = tree.parent[n]
-                    features.append((roots[seq.seq_id] if parent < 0 else tree.out[parent])[None])
-                rows.append([order.index(n) + 1 for n in nodes])
-            hidden = self._head_rows(level_runs, torch.cat(features))
-            wanted, owners = [], []
-            first = 0
-            for (i, nodes), run, run_rows in zip(expanding, level_runs, rows, strict=True):
-                for n, at in zip(nodes, run_rows, strict=True):
-                    trees[i].out[n] = hidden[first + at]
-                    wanted.append(first + at)
-                    owners.append((i, n))
-                first += len(run.token_ids)
-            with torch.no_grad():
-                index = torch.tensor(wanted, dtype=torch.long, device=hidden.device)
-                out_logits = self.head.logits_in_output_vocab(
-                    self.head.compute_logits(hidden.index_select(0, index)).float()
-                )
-                probs = torch.softmax(out_logits, dim=-1)
-            for (i, n), row in zip(owners, probs, strict=True):
-                trees[i].add_children(n, row, self.confidence_threshold)
-            self.num_forwards += 1
-            self._forward_times.append((first, time.perf_counter() - started))
-            del self._forward_times[:-MAX_FORWARD_TIMES]
-            depth += 1
-        out = []
-        for tree, seq in zip(trees, seqs, strict=True):
-            nodes, links = tree.kept()
-            self._chains[seq.seq_id] = (seq.num_tokens, [])  # the cache holds nothing past
-            out.append((nodes, links))
-        return out
+    def _level_logits(
+        self,
+        runs: list[TokenRun],
+        levels: list[tuple[GrowingTree, Sequence, list[int]]],
+        wanted: list[list[int]],
+    ) -> torch.Tensor:
+        """A tree level (``DraftModelProposer._grow_trees``) through the head: each run's
+        first row (the last accepted token) reads the target's feature, a node its parent's
+        head output (the catch-up's last for a root); the outputs at the ``wanted`` rows are
+        kept for their children's rows."""
+        features = []
+        for tree, seq, order in levels:
+            features.append(self._target_features(seq, seq.num_tokens - 1, 1))
+            for n in order:
+                parent = tree.parent[n]
+                features.append((self._own[seq.seq_id] if parent < 0 else tree.out[parent])[None])
+        hidden = self._head_rows(runs, torch.cat(features))
+        picked, first = [], 0
+        for (tree, _, order), run, rows in zip(levels, runs, wanted, strict=True):
+            for at in rows:
+                tree.out[order[at - 1]] = hidden[first + at]
+                picked.append(first + at)
+            first += len(run.token_ids)
+        index = torch.tensor(picked, dtype=torch.long, device=hidden.device)
+        with torch.no_grad():
+            rows_out = self.head.compute_logits(hidden.index_select(0, index)).float()
+            return self.head.logits_in_output_vocab(rows_out)
 
     def _head_rows(self, runs: list[TokenRun], features: torch.Tensor) -> torch.Tensor:
         """The head's output features at every row of ``runs`` (trees under their masks)."""
@@ -515,26 +346,21 @@ class EagleProposer(DraftModelProposer):
             return head(input_ids, positions, features.to(head.device), metadata)
 
     def _draft_logits(self, runs: list[TokenRun], seqs: list[Sequence], step: int) -> torch.Tensor:
-        batch = flatten(runs, self.block_size)
-        head = self.head
-        device = head.device
-        if step == 0:
+        if step == 0:  # the catch-up rows read the target's features
             features = torch.cat(
                 [
                     self._target_features(seq, run.start_position, len(run.token_ids))
                     for seq, run in zip(seqs, runs, strict=True)
                 ]
             )
-        else:
+        else:  # a draft reads the head's own output of the draft before it
             features = torch.stack([self._own[seq.seq_id] for seq in seqs])
+        hidden = self._head_rows(runs, features)
+        ends = np.cumsum([len(run.token_ids) for run in runs]) - 1
+        last = hidden.index_select(0, torch.from_numpy(ends).to(hidden.device))
+        self._own = {seq.seq_id: last[i] for i, seq in enumerate(seqs)}
         with torch.no_grad():
-            metadata = head.backend.build_metadata(batch.attention, device)
-            input_ids = torch.from_numpy(batch.input_ids).to(device)
-            positions = torch.from_numpy(batch.positions).to(device)
-            hidden = head(input_ids, positions, features.to(device), metadata)
-            last = hidden.index_select(0, torch.from_numpy(batch.query_start[1:] - 1).to(device))
-            self._own = {seq.seq_id: last[i] for i, seq in enumerate(seqs)}
-            return head.logits_in_output_vocab(head.compute_logits(last).float())
+            return self.head.logits_in_output_vocab(self.head.compute_logits(last).float())
 
     def _target_features(self, seq: Sequence, start: int, count: int) -> torch.Tensor:
         """The features rows ``start .. start + count`` read: the target's at the position

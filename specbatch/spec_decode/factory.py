@@ -183,6 +183,8 @@ def build_proposer(
             capture_graphs=draft_graphs,
             siblings=spec.draft_siblings(cuda_graphs),
         )
+    if spec.draft_tree_kind is not None:  # else the drafter's own: dynamic for a head
+        drafter.dynamic_trees = spec.draft_tree_kind == "dynamic"
     if spec.method == "hybrid":
         return HybridProposer(lookup, drafter)
     return drafter

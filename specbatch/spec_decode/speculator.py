@@ -145,11 +145,13 @@ class Speculator:
         """Whether the drafter reads the target's hidden states (a draft head)."""
         return isinstance(self.drafter, EagleProposer)
 
-    def observe_features(self, seq: Sequence, start: int, features: torch.Tensor) -> None:
-        """The target's final-norm hidden states of ``seq``'s rows from position ``start`` this
-        step (an accepted tree path already at its positions)."""
+    def observe_features(
+        self, placements: list[tuple[Sequence, int, int]], features: torch.Tensor
+    ) -> None:
+        """The target's final-norm hidden states of the step's rows: per (sequence, first
+        position, rows) in order (an accepted tree path already at its positions)."""
         if isinstance(self.drafter, EagleProposer):
-            self.drafter.observe_features(seq, start, features)
+            self.drafter.observe_features(placements, features)
 
     @property
     def planned(self) -> bool:

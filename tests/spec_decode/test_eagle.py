@@ -165,17 +165,25 @@ def test_fixed_k_chains_give_the_output_of_speculation_off(
     assert engine.cache.num_free_blocks == engine.num_kv_blocks
 
 
-@pytest.mark.parametrize("batch", [1, 8])
-def test_head_siblings_give_the_output_of_speculation_off(
+@pytest.mark.parametrize(("batch", "kind"), [(1, None), (8, None), (8, "siblings")])
+def test_head_trees_give_the_output_of_speculation_off(
     tiny_model_dir: Path,
     trained: dict[str, Any],
     prompts: list[list[int]],
     reference: list[list[int]],
     batch: int,
+    kind: str | None,
 ) -> None:
+    """The head's dynamic trees (its default kind), or siblings of its chain."""
     engine = eagle_engine(
-        tiny_model_dir, trained["dir"], draft_tree=True, draft_confidence_threshold=0.0
+        tiny_model_dir,
+        trained["dir"],
+        draft_tree=True,
+        draft_confidence_threshold=0.0,
+        draft_tree_kind=kind,
     )
+    assert engine.speculator.drafter is not None
+    assert engine.speculator.drafter.dynamic_trees == (kind is None)
     force_draft_chains(engine, 3)
     assert run_engine(engine, prompts, GREEDY, batch) == reference
     assert engine.stats.num_tree_drafts > 0, engine.stats
@@ -405,7 +413,7 @@ def test_the_proposer_catches_up_from_stored_features_and_stays_in_its_vocabular
     seq.block_table = [3, 1]
     seq.num_computed_tokens = 4
     features = torch.randn(4, head.config.hidden_size)
-    proposer.observe_features(seq, 0, features)
+    proposer.observe_features([(seq, 0, 4)], features)
     torch.testing.assert_close(proposer._target_features(seq, 0, 5)[1:], features)
     torch.testing.assert_close(
         proposer._target_features(seq, 0, 5)[0], torch.zeros(features.shape[1])

@@ -331,11 +331,14 @@ def noisy_draft_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFacto
     return directory
 
 
-def sibling_engine(model: Path, draft: Path, threshold: float = 0.5) -> LLMEngine:
+def sibling_engine(
+    model: Path, draft: Path, threshold: float = 0.5, kind: str = "siblings"
+) -> LLMEngine:
     spec = {
         "method": "draft_model",
         "model": str(draft),
         "draft_tree": True,
+        "draft_tree_kind": kind,
         "draft_confidence_threshold": threshold,
     }
     return LLMEngine(EngineConfig(model=str(model), speculative_config=spec, **engine_kwargs()))
@@ -357,7 +360,10 @@ def force_draft_chains(engine: LLMEngine, depth: int, row_seconds: float = 1e-4)
     controller.row_seconds = lambda context: row_seconds  # type: ignore[method-assign]
 
 
-@pytest.mark.parametrize(("batch", "forced"), [(1, True), (8, True), (8, False)])
+@pytest.mark.parametrize(
+    ("batch", "forced", "dynamic"),
+    [(1, True, False), (8, True, False), (8, False, False), (1, True, True), (8, True, True)],
+)
 def test_draft_siblings_give_the_output_of_speculation_off(
     tiny_model_dir: Path,
     noisy_draft_dir: Path,
@@ -365,8 +371,14 @@ def test_draft_siblings_give_the_output_of_speculation_off(
     reference: list[list[int]],
     batch: int,
     forced: bool,
+    dynamic: bool,
 ) -> None:
-    engine = sibling_engine(tiny_model_dir, noisy_draft_dir)
+    """Siblings of the chain, or (``dynamic``) the draft model's EAGLE-2 dynamic trees."""
+    engine = sibling_engine(
+        tiny_model_dir, noisy_draft_dir, kind="dynamic" if dynamic else "siblings"
+    )
+    assert engine.speculator.drafter is not None
+    assert engine.speculator.drafter.dynamic_trees == dynamic
     if forced:
         force_draft_chains(engine, 2)
     assert run_engine(engine, prompts, GREEDY, batch) == reference
@@ -412,12 +424,18 @@ def test_seeded_sampling_with_draft_siblings_equals_speculation_off(
     assert engine.stats.num_tree_moves > 0, engine.stats
 
 
+@pytest.mark.parametrize("dynamic", [False, True])
 def test_the_draft_cache_holds_what_it_claims_after_sibling_steps(
-    tiny_model_dir: Path, noisy_draft_dir: Path, prompts: list[list[int]]
+    tiny_model_dir: Path,
+    noisy_draft_dir: Path,
+    prompts: list[list[int]],
+    dynamic: bool,
 ) -> None:
     """Where the target took a sibling, the draft's cache (which holds the chain) is valid
-    only before it: every position the draft claims equals a plain prefill of the text."""
-    engine = sibling_engine(tiny_model_dir, noisy_draft_dir, threshold=0.0)
+    only before it: every position the draft claims equals a plain prefill of the text. With
+    ``dynamic`` trees (nodes written at their tree slots) it ends at the first draft."""
+    kind = "dynamic" if dynamic else "siblings"
+    engine = sibling_engine(tiny_model_dir, noisy_draft_dir, threshold=0.0, kind=kind)
     force_draft_chains(engine, 3)
     params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
     engine.add_request("0", prompt_token_ids=prompts[0], params=params)
@@ -433,12 +451,16 @@ def test_the_draft_cache_holds_what_it_claims_after_sibling_steps(
         sibling_accepted += drafter._computed.get(seq.seq_id, 0) < plain_rule
 
     drafter.on_verified = watch  # type: ignore[method-assign]
+
+    def taken() -> int:  # dynamic trees: accepted paths off the first-child line
+        return engine.stats.num_tree_moves if dynamic else sibling_accepted
+
     for _ in range(150):
-        if sibling_accepted >= 3:
+        if taken() >= 3:
             break
         for out in engine.step():
             assert out.error is None
-    assert sibling_accepted >= 3
+    assert taken() >= 3
     (seq,) = engine.scheduler.running
     held = drafter._computed[seq.seq_id]
     plain = LLMEngine(EngineConfig(model=str(noisy_draft_dir), **engine_kwargs()))
