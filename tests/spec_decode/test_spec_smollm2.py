@@ -47,11 +47,13 @@ def test_greedy_identity_k_1_3_5_batch_16_and_1(
         llm = LLM(speculative_config=spec, **ENGINE, max_num_seqs=16)
         batched = [o.outputs[0].token_ids for o in llm.generate(prompts, PARAMS, use_tqdm=False)]
         assert batched == reference, f"k={k}, batch 16"
-        if k == 3:  # batch 1 once per method: batch invariance does not depend on k
+        if k == 3:  # batch 1 once per method, on a third of the prompts (suite time): batch
+            # invariance depends neither on k nor on which prompts
             one_by_one = [
-                llm.generate([p], PARAMS, use_tqdm=False)[0].outputs[0].token_ids for p in prompts
+                llm.generate([p], PARAMS, use_tqdm=False)[0].outputs[0].token_ids
+                for p in prompts[:10]
             ]
-            assert one_by_one == reference, f"k={k}, batch 1"
+            assert one_by_one == reference[:10], f"k={k}, batch 1"
         stats = llm.llm_engine.stats
         assert stats.num_draft_tokens > 0
         if method == "self_draft":
