@@ -13,8 +13,9 @@ those rows (one layer, no output layer but at the last row) before its first dra
 Its cache lives on the target's block ids (one allocation governs all, as for a draft model).
 Rows at draft positions read the head's own features, so after a verify its valid prefix ends
 at the first draft position (``on_verified``): the accepted tokens are recomputed next step
-with the target's real features, as EAGLE does. Sibling drafts (``siblings``) work as for the
-draft model (``DraftModelProposer``): leaves beside the chain, no extra forward.
+with the target's real features, as EAGLE does. Trees (``siblings``) are EAGLE-2's dynamic
+trees by default (``DraftModelProposer._grow_trees``, one head forward per level through
+``_level_logits``), or the draft model's leaf siblings with ``draft_tree_kind="siblings"``.
 
 A head directory is ``config.json`` (``"architectures": ["EagleHead"]``, the layer's shape,
 the token map) plus ``model.safetensors``; ``save_head`` writes one, ``load_head`` reads it.
