@@ -119,13 +119,13 @@ class GoodputController:
         if not candidates or not max(c.slots for c in candidates):
             self.report = PlanReport(candidates=len(candidates))
             return [Choice(None, 0) for _ in candidates]
-        options = self._options(candidates, base_tokens, base_seqs)
+        options = self._options(candidates, base_tokens, base_seqs, base_pairs)
         gains, costs, valid = options.gains, options.costs, options.valid
         expected_gain, ratio = 1.0, 0.0
         if not self.times.ready:  # measure what drafts cost: every slot, the likeliest way
             chosen = _all_slots(gains, valid)
         else:
-            base = self._cost.seconds(base_tokens, base_seqs, base_pairs)
+            base = self._base_cost.seconds(base_tokens, base_seqs, base_pairs)
             chosen, ratio = self._solve(options, len(candidates), base)
             expected_gain = ratio * base / len(candidates)
         chosen = _within_budget(chosen, gains, costs, max(budget, 0))
@@ -140,12 +140,15 @@ class GoodputController:
         self.report.tokens_per_second = ratio
         return choices
 
-    def _options(self, candidates: list[Candidate], base_tokens: int, base_seqs: int) -> _Options:
+    def _options(
+        self, candidates: list[Candidate], base_tokens: int, base_seqs: int, base_pairs: float = 0.0
+    ) -> _Options:
         """Per candidate, way and draft position: the chance it is emitted, the seconds it
         adds (the draft model's per-forward cost aside), whether it may be drafted; each
         weighted by the chance that the proposer makes it when allotted."""
         most = max(c.slots for c in candidates)
-        self._cost = cost = self.times.fit(base_tokens + most / 2, base_seqs)
+        context = np.array([c.context for c in candidates], dtype=np.float64)
+        row = self._row_prices(base_tokens, base_seqs, base_pairs, context, most)
         self._draft_fit = self.draft_times.fit(len(candidates)) if DRAFT in self.ways else (0, 0)
         acceptance = self.acceptance
         usable = np.zeros((len(candidates), len(self.ways)), dtype=np.int64)
@@ -168,8 +171,6 @@ class GoodputController:
         uncalibrated = np.where(valid, first[:, :, None] * follow[None], 0.0)
         made = np.stack([acceptance.made(way, most) for way in self.ways])[None]
         gains = np.minimum(calibration[None, :, None] * uncalibrated, 1.0) * made
-        context = np.array([c.context for c in candidates], dtype=np.float64)
-        row = cost.per_token + cost.per_pair * (context[:, None] + positions[None, :])
         # a draft-model draft adds a row to a draft forward (the first: one catch-up row, see
         # the module docstring); an application's proposer its measured time per draft
         extra = [
@@ -191,6 +192,34 @@ class GoodputController:
                 per_row = self.draft_times.fit(rows)[1]
             costs[:, self.ways.index(DRAFT), 0] += per_row * backlog
         return _Options(gains, costs, valid, uncalibrated, made[0])
+
+    def _row_prices(
+        self, base_tokens: int, base_seqs: int, base_pairs: float, context: np.ndarray, most: int
+    ) -> np.ndarray:
+        """Seconds each candidate's draft j adds to the step (candidates x ``most``).
+
+        A row costs what it adds where it lands: draft j of every candidate takes the step from
+        ``base + count * j`` to ``base + count * (j + 1)`` rows, so its price is the difference
+        of the step-time model's predictions at those sizes (extra rows attending the mean
+        context), per row, plus the per-pair slope times how far the candidate's context is
+        from the mean. Differences of predicted times, not a slope: on this CPU's padded
+        products a batch-1 step of 1..4 rows costs the same and each row past them does not,
+        a kink that local fits predict well at the sizes themselves and badly as slopes."""
+        count = len(context)
+        mean_context = float(context.mean())
+        fits, seconds = [], []
+        for j in range(most + 1):
+            tokens = base_tokens + count * j
+            fit = self.times.fit(tokens, base_seqs)
+            fits.append(fit)
+            pairs = base_pairs + count * j * (mean_context + (j - 1) / 2)
+            seconds.append(fit.seconds(tokens, base_seqs, pairs))
+        self._base_cost = fits[0]
+        step = np.maximum(np.diff(seconds) / count, 0.0)
+        per_pair = np.array([fit.per_pair for fit in fits[1:]])
+        self._row_price = (float(step[0]), float(per_pair[0]), mean_context)
+        offset = context[:, None] - mean_context
+        return np.maximum(step[None, :] + per_pair[None, :] * offset, 0.0)
 
     def _solve(
         self, options: _Options, seqs: int, base: float
@@ -240,21 +269,21 @@ class GoodputController:
         for choice in choices:
             if choice.way is not None:
                 by_way[choice.way] = by_way.get(choice.way, 0) + choice.drafts
-        cost = self._cost
         mean_context = sum(c.context for c in candidates) / len(candidates)
         self.report = PlanReport(
             candidates=len(candidates),
             seqs_drafting=sum(1 for c in choices if c.drafts),
             drafts=sum(c.drafts for c in choices),
             by_way=by_way,
-            step_seconds=float(cost.seconds(base_tokens, base_seqs, base_pairs)),
-            row_seconds=float(cost.row(mean_context)),
+            step_seconds=float(self._base_cost.seconds(base_tokens, base_seqs, base_pairs)),
+            row_seconds=self.row_seconds(mean_context),
             expected_gain=float(expected_gain),
         )
 
     def row_seconds(self, context: float) -> float:
         """The last plan's estimate of one more verify row attending ``context`` keys."""
-        return float(self._cost.row(context))
+        step, per_pair, mean_context = self._row_price
+        return max(step + per_pair * (context - mean_context), 0.0)
 
     def plain_step(self) -> None:
         """A step planned without drafts by rule (it computes a prompt): time still passes

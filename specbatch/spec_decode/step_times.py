@@ -16,6 +16,7 @@ A draft model's forwards are fitted the same way on their row count.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -23,11 +24,16 @@ import numpy as np
 
 WINDOW = 512  # steps remembered
 AGE_DECAY = 0.995  # weight of a step per step since it ran
-BANDWIDTH = 0.7  # of the log-distance kernel, in tokens and in sequences
-FLOOR = 1e-6  # weight of a step however far: enough to fix a slope no close step varies
+# of the log-distance kernel: in tokens narrow enough that a step of 2 tokens is judged by
+# steps of 1..3 (a batch-1 CPU step is flat to 4 rows, then rises), in sequences wider
+TOKEN_BANDWIDTH = 0.15
+BANDWIDTH = 0.7
+FLOOR = 1e-9  # weight of a step however far: enough to fix a slope no close step varies
 PAIR_SCALE = 1e-4  # attention pairs are counted in units of 10^4
 MIN_STEPS = 3
 REFIT_EVERY = 4  # steps a fit is reused for while the step's shape stays within ~10%
+CACHE_WIDTH = 0.1  # of a cached fit's shape, in log tokens and log sequences
+CACHE_SIZE = 64
 # a draft forward's fit is trusted only near a measured row count (log distance: ~4x)
 EXTRAPOLATE = math.log(4.0)
 
@@ -59,22 +65,26 @@ class StepTimes:
         self._y = np.zeros(window)
         self._step = np.full(window, -1, dtype=np.int64)  # when each slot was measured
         self._count = 0
-        self._cached: tuple[float, float, int, StepCost] | None = None  # tokens, seqs, count
+        self._cached: dict[tuple[int, int], tuple[int, StepCost]] = {}  # shape -> (count, fit)
 
     def fit(self, tokens: float, seqs: float) -> StepCost:
         """The local linear model around a step of ``tokens`` tokens and ``seqs`` sequences
-        (the last one while the shape is close and it is at most ``REFIT_EVERY`` steps old:
-        a fit costs ~100 us, a decode step at batch 64 keeps its shape for many steps)."""
-        cached = self._cached
-        if (
-            cached is not None
-            and self._count - cached[2] < REFIT_EVERY
-            and abs(math.log(max(tokens, 1.0) / cached[0])) < 0.1
-            and abs(math.log(max(seqs, 1.0) / cached[1])) < 0.1
-        ):
-            return cached[3]
+        (reused while one fitted within ~10% of that shape is at most ``REFIT_EVERY`` steps
+        old: a fit costs ~100 us, a plan asks for one per draft position, and a decode step
+        at batch 64 keeps its shape for many steps)."""
+        key = (
+            round(math.log(max(tokens, 1.0)) / CACHE_WIDTH),
+            round(math.log(max(seqs, 1.0)) / CACHE_WIDTH),
+        )
+        cached = self._cached.get(key)
+        if cached is not None and self._count - cached[0] < REFIT_EVERY:
+            return cached[1]
+        if len(self._cached) > CACHE_SIZE:
+            self._cached = {
+                k: v for k, v in self._cached.items() if self._count - v[0] < REFIT_EVERY
+            }
         cost = self._fit(tokens, seqs)
-        self._cached = (max(tokens, 1.0), max(seqs, 1.0), self._count, cost)
+        self._cached[key] = (self._count, cost)
         return cost
 
     @property
@@ -96,14 +106,14 @@ class StepTimes:
         if not len(y):
             return StepCost(0.0, 0.0, 0.0, 0.0)
         age = self._count - 1 - self._step[used]
-        near = np.log(x[:, 0] / max(tokens, 1.0)) ** 2 + np.log(x[:, 1] / max(seqs, 1.0)) ** 2
-        weight = AGE_DECAY**age * (np.exp(-near / (2 * BANDWIDTH**2)) + FLOOR)
+        near = (np.log(x[:, 0] / max(tokens, 1.0)) / TOKEN_BANDWIDTH) ** 2 + (
+            np.log(x[:, 1] / max(seqs, 1.0)) / BANDWIDTH
+        ) ** 2
+        weight = AGE_DECAY**age * (np.exp(-near / 2) + FLOOR)
         design = np.column_stack([np.ones(len(y)), x[:, 0], x[:, 1], x[:, 2] * PAIR_SCALE])
         coef = _weighted_fit(design, y, weight)
         fixed, per_token, per_seq, per_pair = coef
-        return StepCost(
-            fixed, max(per_token, 0.0), max(per_seq, 0.0), max(per_pair, 0.0) * PAIR_SCALE
-        )
+        return StepCost(fixed, per_token, per_seq, per_pair * PAIR_SCALE)
 
 
 class ForwardTimes:
@@ -141,23 +151,64 @@ class ForwardTimes:
         near = np.log(r / max(rows, 1.0)) ** 2
         weight = AGE_DECAY**age * (np.exp(-near / (2 * BANDWIDTH**2)) + FLOOR)
         fixed, per_row = _weighted_fit(np.column_stack([np.ones(len(y)), r]), y, weight)
-        per_row = max(per_row, 0.0)
         if fixed < 0:  # a line through the origin's side: all of it per row
             fixed, per_row = 0.0, float((weight * y).sum() / (weight * r).sum())
         return fixed, per_row
 
 
 def _weighted_fit(design: np.ndarray, y: np.ndarray, weight: np.ndarray) -> np.ndarray:
-    """Weighted least squares with a whisper of ridge on the slopes (a column that does not
-    vary gets 0, not noise); columns are centred so the intercept is not penalised."""
+    """Weighted least squares with every slope >= 0 (a free intercept), a whisper of ridge on
+    the slopes (a column that does not vary gets 0, not noise).
+
+    The slopes are constrained in the fit, not clamped after it: near a batch-1 step the
+    attention pairs are nearly a multiple of the tokens (rows times the context), and an
+    unconstrained fit can trade a large per-token slope against a negative per-pair one whose
+    sum is right; clamping the negative one afterwards leaves the large one alone and prices a
+    nearly free row at a decode step's cost. With at most a few slopes the constrained optimum
+    is found exactly by trying every set of free slopes (the optimum's positive slopes are the
+    unconstrained fit on its own set) and keeping the best fit whose slopes are all >= 0.
+    Columns are centred so the intercept is not penalised."""
     total = weight.sum()
     mean_x = (weight[:, None] * design).sum(0) / total
     mean_y = float((weight * y).sum() / total)
     centred = (design - mean_x)[:, 1:]
     root = np.sqrt(weight)[:, None]
     a = centred * root
+    b = (y - mean_y) * root[:, 0]
     gram = a.T @ a
     gram += np.eye(gram.shape[0]) * (1e-9 * np.trace(gram) + 1e-30)
-    slopes = np.linalg.solve(gram, a.T @ ((y - mean_y) * root[:, 0]))
+    moment = a.T @ b
+    slopes = np.linalg.solve(gram, moment)
+    if (slopes < 0).any():
+        slopes = _nonnegative_slopes(gram, moment, slopes)
     intercept = mean_y - float(mean_x[1:] @ slopes)
     return np.concatenate([[intercept], slopes])
+
+
+def _nonnegative_slopes(
+    gram: np.ndarray, moment: np.ndarray, unconstrained: np.ndarray
+) -> np.ndarray:
+    """argmin over x >= 0 of x.G.x - 2 x.h: the best of the unconstrained optima on every
+    set of free slopes that are all >= 0."""
+    columns = gram.shape[0]
+    # usually the negative slopes of the unconstrained fit are the zero ones: fit the rest and
+    # accept it if it is optimal (all >= 0, and no zero slope would lower the objective)
+    free = unconstrained >= 0
+    if free.any():
+        slopes = np.zeros(columns)
+        slopes[free] = np.linalg.solve(gram[np.ix_(free, free)], moment[free])
+        if (slopes >= 0).all() and (moment - gram @ slopes)[~free].max() <= 0:
+            return slopes
+    slopes = np.zeros(columns)
+    best = 0.0  # the objective's decrease from all slopes 0 (which is always feasible)
+    for size in range(1, columns + 1):
+        for subset in itertools.combinations(range(columns), size):
+            index = list(subset)
+            trial = np.linalg.solve(gram[np.ix_(index, index)], moment[index])
+            if (trial < 0).any():
+                continue
+            decrease = float(trial @ moment[index])  # = 2 x.h - x.G.x at the subset's optimum
+            if decrease > best:
+                best, slopes = decrease, np.zeros(columns)
+                slopes[index] = trial
+    return slopes

@@ -24,7 +24,7 @@ from specbatch.spec_decode.controller import (
 )
 from specbatch.spec_decode.ngram import NgramProposer
 from specbatch.spec_decode.speculator import Speculator
-from specbatch.spec_decode.step_times import ForwardTimes, StepTimes
+from specbatch.spec_decode.step_times import ForwardTimes, StepTimes, _weighted_fit
 
 
 class FakeClock:
@@ -133,6 +133,46 @@ def test_step_times_follow_a_knee() -> None:
     assert times.fit(100, 1).per_token == pytest.approx(0.0005, rel=0.1)
 
 
+@pytest.mark.parametrize("seed", range(30))
+def test_step_time_slopes_are_the_constrained_least_squares_optimum(seed: int) -> None:
+    """The fit's slopes are the non-negative least-squares optimum (scipy's NNLS on the
+    weighted, centred design is the reference), including when the unconstrained optimum
+    has negative slopes."""
+    from scipy.optimize import nnls
+
+    rng = np.random.default_rng(seed)
+    count = int(rng.integers(6, 40))
+    design = np.column_stack(
+        [np.ones(count), rng.uniform(1, 50, (count, 3)) * rng.choice([0.0, 1.0], 3)]
+    )
+    y = design @ np.r_[0.03, rng.normal(0, 1e-3, 3)] + rng.normal(0, 1e-4, count)
+    weight = rng.uniform(0.1, 1.0, count)
+    coef = _weighted_fit(design, y, weight)
+    mean_x = weight @ design / weight.sum()
+    mean_y = weight @ y / weight.sum()
+    root = np.sqrt(weight)
+    slopes, _ = nnls((design[:, 1:] - mean_x[1:]) * root[:, None], (y - mean_y) * root)
+    assert (coef[1:] >= 0).all()
+    assert coef[1:] == pytest.approx(slopes, rel=1e-5, abs=1e-9)
+    assert coef[0] == pytest.approx(mean_y - mean_x[1:] @ slopes, rel=1e-6, abs=1e-9)
+
+
+def test_a_free_row_at_a_long_context_is_priced_free() -> None:
+    """At batch 1 the pairs are nearly rows x context, so the per-token and per-pair slopes
+    trade off; a clock under which a row costs nothing at the context the steps run at must
+    give a row price near 0 (clamping an unconstrained fit's negative per-pair slope priced
+    it at 8 ms, a fifth of a decode step, and the controller stopped drafting lookups)."""
+    times = StepTimes()
+    rng = random.Random(0)
+    for step in range(200):
+        rows = rng.randint(1, 9)
+        context = 700 + step  # the sequence grows; the true row cost goes from +1 to -1 ms
+        pairs = rows * context + rows * (rows - 1) / 2
+        times.observe(rows, 1, pairs, 0.040 + 0.008 * rows - 1e-5 * pairs)
+    cost = times.fit(5, 1)
+    assert abs(cost.row(800)) < 0.0005
+
+
 def test_forward_times_fit_fixed_and_per_row() -> None:
     times = ForwardTimes()
     for rows in (1, 2, 4, 8, 16, 3, 5):
@@ -163,6 +203,29 @@ def test_a_far_draft_forward_does_not_rule_small_ones_out() -> None:
         times.observe(rows, 0.0018 + 0.00005 * rows)
     fixed, per_row = times.fit(1)
     assert fixed == pytest.approx(0.0018, rel=0.05)
+
+
+@pytest.mark.parametrize("first", [0.05, 0.1, 0.3, 0.5, 0.7, 0.9])
+def test_rows_are_priced_where_they_land(first: float) -> None:
+    """A batch-1 step on a CPU whose products are padded to 4 rows: 1..4 rows cost the same,
+    each row past them 4 ms. The first three drafts are free and later ones are not, which a
+    single slope cannot say (it cost 12% of the goodput at a 0.1 acceptance). The fitted
+    model smooths the kink a little, so the plan must reach the exhaustive optimum's goodput
+    under the true clock within 1.5% (exactly it, unless two counts are that close)."""
+
+    def clock(tokens: float) -> float:
+        return 0.040 + 0.004 * max(tokens - 4, 0)
+
+    controller = GoodputController(("external",), hurdle=0.0)
+    for _ in range(20):
+        for tokens in range(1, 10):
+            controller.observe_step(tokens, 1, 0.0, clock(tokens))
+    with_rates(controller, {0: first}, follow=0.8)
+    (choice,) = controller.plan([Candidate(0, 8, 0, [])], 1, 1, 0.0, budget=8)
+    gains = controller.acceptance.gains(0, "external", 8)
+    goodputs = [(1 + gains[:d].sum()) / clock(1 + d) for d in range(9)]
+    assert goodputs[choice.drafts] >= 0.985 * max(goodputs)
+    assert choice.drafts >= 3  # the free rows are always taken
 
 
 def test_no_drafts_when_rows_cost_more_than_they_return() -> None:
@@ -370,7 +433,7 @@ def test_a_backlog_costs_what_rows_cost_in_a_forward_of_its_size() -> None:
     costs = controller._options([behind], 1, 1).costs
     local = controller._draft_fit[1]
     assert local < 0.00002
-    first_row = controller._cost.row(100) + local
+    first_row = controller.row_seconds(100) + local
     assert costs[0, 0, 0] - first_row == pytest.approx(0.0001 * 40 / 10, rel=0.1)
 
 
