@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 import numpy as np
 
@@ -31,9 +33,11 @@ BANDWIDTH = 0.7
 FLOOR = 1e-9  # weight of a step however far: enough to fix a slope no close step varies
 PAIR_SCALE = 1e-4  # attention pairs are counted in units of 10^4
 MIN_STEPS = 3
-REFIT_EVERY = 4  # steps a fit is reused for while the step's shape stays within ~10%
+REFIT_EVERY = 8  # steps a fit is reused for while the step's shape stays within ~10%
 CACHE_WIDTH = 0.1  # of a cached fit's shape, in log tokens and log sequences
 CACHE_SIZE = 64
+
+Fit = TypeVar("Fit")
 # a draft forward's fit is trusted only near a measured row count (log distance: ~4x)
 EXTRAPOLATE = math.log(4.0)
 
@@ -65,27 +69,14 @@ class StepTimes:
         self._y = np.zeros(window)
         self._step = np.full(window, -1, dtype=np.int64)  # when each slot was measured
         self._count = 0
-        self._cached: dict[tuple[int, int], tuple[int, StepCost]] = {}  # shape -> (count, fit)
+        self._cache: _FitCache[StepCost] = _FitCache()
 
     def fit(self, tokens: float, seqs: float) -> StepCost:
         """The local linear model around a step of ``tokens`` tokens and ``seqs`` sequences
         (reused while one fitted within ~10% of that shape is at most ``REFIT_EVERY`` steps
         old: a fit costs ~100 us, a plan asks for one per draft position, and a decode step
         at batch 64 keeps its shape for many steps)."""
-        key = (
-            round(math.log(max(tokens, 1.0)) / CACHE_WIDTH),
-            round(math.log(max(seqs, 1.0)) / CACHE_WIDTH),
-        )
-        cached = self._cached.get(key)
-        if cached is not None and self._count - cached[0] < REFIT_EVERY:
-            return cached[1]
-        if len(self._cached) > CACHE_SIZE:
-            self._cached = {
-                k: v for k, v in self._cached.items() if self._count - v[0] < REFIT_EVERY
-            }
-        cost = self._fit(tokens, seqs)
-        self._cached[key] = (self._count, cost)
-        return cost
+        return self._cache.get((tokens, seqs), self._count, lambda: self._fit(tokens, seqs))
 
     @property
     def ready(self) -> bool:
@@ -124,6 +115,8 @@ class ForwardTimes:
         self._y = np.zeros(window)
         self._step = np.full(window, -1, dtype=np.int64)
         self._count = 0
+        # a draft forward or two a step: reused over fewer of them
+        self._cache: _FitCache[tuple[float, float]] = _FitCache(REFIT_EVERY // 2)
 
     @property
     def ready(self) -> bool:
@@ -137,7 +130,11 @@ class ForwardTimes:
         self._count += 1
 
     def fit(self, rows: float) -> tuple[float, float]:
-        """(seconds per forward, seconds per row) near forwards of ``rows`` rows."""
+        """(seconds per forward, seconds per row) near forwards of ``rows`` rows (cached as
+        :meth:`StepTimes.fit` is, over forwards)."""
+        return self._cache.get((rows,), self._count, lambda: self._fit(rows))
+
+    def _fit(self, rows: float) -> tuple[float, float]:
         used = self._step >= 0
         r, y = self._rows[used], self._y[used]
         if not len(y):
@@ -154,6 +151,26 @@ class ForwardTimes:
         if fixed < 0:  # a line through the origin's side: all of it per row
             fixed, per_row = 0.0, float((weight * y).sum() / (weight * r).sum())
         return fixed, per_row
+
+
+class _FitCache(Generic[Fit]):
+    """Fits by shape (log buckets of ``CACHE_WIDTH``), each reused for ``refit_every``
+    observations."""
+
+    def __init__(self, refit_every: int = REFIT_EVERY) -> None:
+        self._fits: dict[tuple[int, ...], tuple[int, Fit]] = {}
+        self._refit_every = refit_every
+
+    def get(self, shape: tuple[float, ...], count: int, compute: Callable[[], Fit]) -> Fit:
+        key = tuple(round(math.log(max(v, 1.0)) / CACHE_WIDTH) for v in shape)
+        cached = self._fits.get(key)
+        if cached is not None and count - cached[0] < self._refit_every:
+            return cached[1]
+        if len(self._fits) > CACHE_SIZE:
+            self._fits = {k: v for k, v in self._fits.items() if count - v[0] < self._refit_every}
+        fit = compute()
+        self._fits[key] = (count, fit)
+        return fit
 
 
 def _weighted_fit(design: np.ndarray, y: np.ndarray, weight: np.ndarray) -> np.ndarray:
