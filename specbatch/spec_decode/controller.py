@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from specbatch.spec_decode.acceptance import AcceptanceModel
-from specbatch.spec_decode.step_times import ForwardTimes, StepTimes
+from specbatch.spec_decode.step_times import SMALL_STEP, ForwardTimes, StepTimes
 
 LOOKUP_WAYS = ("lookup1", "lookup2", "lookup3")  # by match length: 1, 2, 3 or more tokens
 DRAFT = "draft"
@@ -198,14 +198,24 @@ class GoodputController:
     ) -> np.ndarray:
         """Seconds each candidate's draft j adds to the step (candidates x ``most``).
 
-        A row costs what it adds where it lands: draft j of every candidate takes the step from
-        ``base + count * j`` to ``base + count * (j + 1)`` rows, so its price is the difference
-        of the step-time model's predictions at those sizes (extra rows attending the mean
-        context), per row, plus the per-pair slope times how far the candidate's context is
-        from the mean. Differences of predicted times, not a slope: on this CPU's padded
-        products a batch-1 step of 1..4 rows costs the same and each row past them does not,
-        a kink that local fits predict well at the sizes themselves and badly as slopes."""
+        In a small step (at most ``SMALL_STEP`` tokens with every draft: batch 1 on a CPU) a
+        row costs what it adds where it lands: draft j takes the step from ``base + j`` to
+        ``base + j + 1`` rows per candidate, so its price is the difference of the model's
+        predicted step times at those sizes (extra rows attending the mean context), per
+        row, plus the per-pair slope times how far the candidate's context is from the mean.
+        Differences of predicted times, not a slope: with padded products a batch-1 step of
+        1..4 rows costs the same here and rows past them do not, a kink that local fits
+        predict well at the sizes themselves and badly as a slope. Larger steps are priced by
+        the local slope around the step with half the slots drafted (their time grows
+        smoothly with rows, and sizes several times the measured ones are extrapolations)."""
         count = len(context)
+        positions = np.arange(most)
+        if base_tokens + count * most > SMALL_STEP:
+            fit = self.times.fit(base_tokens + most / 2, base_seqs)
+            self._base_cost = fit
+            self._row_price = (fit.row(0.0), fit.per_pair, 0.0)
+            row = fit.per_token + fit.per_pair * (context[:, None] + positions[None, :])
+            return np.broadcast_to(row, (count, most))
         mean_context = float(context.mean())
         fits, seconds = [], []
         for j in range(most + 1):

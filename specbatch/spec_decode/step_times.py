@@ -26,11 +26,14 @@ import numpy as np
 
 WINDOW = 512  # steps remembered
 AGE_DECAY = 0.995  # weight of a step per step since it ran
-# of the log-distance kernel: in tokens narrow enough that a step of 2 tokens is judged by
-# steps of 1..3 (a batch-1 CPU step is flat to 4 rows, then rises), in sequences wider
-TOKEN_BANDWIDTH = 0.15
-BANDWIDTH = 0.7
-FLOOR = 1e-9  # weight of a step however far: enough to fix a slope no close step varies
+BANDWIDTH = 0.7  # of the log-distance kernel, in tokens and in sequences
+FLOOR = 1e-6  # weight of a step however far: enough to fix a slope no close step varies
+# Steps of at most SMALL_STEP tokens (where padded products make a CPU step flat to 4 rows,
+# then rise) are fitted with a kernel this narrow in tokens, so that a step of 2 tokens is
+# judged by steps of 1..3 (and the floor shrunk to match); above, the wide kernel
+SMALL_STEP = 16
+SMALL_BANDWIDTH = 0.15
+SMALL_FLOOR = 1e-9
 PAIR_SCALE = 1e-4  # attention pairs are counted in units of 10^4
 MIN_STEPS = 3
 REFIT_EVERY = 8  # steps a fit is reused for while the step's shape stays within ~10%
@@ -97,10 +100,12 @@ class StepTimes:
         if not len(y):
             return StepCost(0.0, 0.0, 0.0, 0.0)
         age = self._count - 1 - self._step[used]
-        near = (np.log(x[:, 0] / max(tokens, 1.0)) / TOKEN_BANDWIDTH) ** 2 + (
+        small = tokens <= SMALL_STEP
+        token_bandwidth, floor = (SMALL_BANDWIDTH, SMALL_FLOOR) if small else (BANDWIDTH, FLOOR)
+        near = (np.log(x[:, 0] / max(tokens, 1.0)) / token_bandwidth) ** 2 + (
             np.log(x[:, 1] / max(seqs, 1.0)) / BANDWIDTH
         ) ** 2
-        weight = AGE_DECAY**age * (np.exp(-near / 2) + FLOOR)
+        weight = AGE_DECAY**age * (np.exp(-near / 2) + floor)
         design = np.column_stack([np.ones(len(y)), x[:, 0], x[:, 1], x[:, 2] * PAIR_SCALE])
         coef = _weighted_fit(design, y, weight)
         fixed, per_token, per_seq, per_pair = coef
