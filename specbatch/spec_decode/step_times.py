@@ -36,7 +36,7 @@ SMALL_BANDWIDTH = 0.15
 SMALL_FLOOR = 1e-9
 PAIR_SCALE = 1e-4  # attention pairs are counted in units of 10^4
 MIN_STEPS = 3
-REFIT_EVERY = 8  # steps a fit is reused for while the step's shape stays within ~10%
+REFIT_EVERY = 4  # steps a fit is reused for while the step's shape stays within ~10%
 CACHE_WIDTH = 0.1  # of a cached fit's shape, in log tokens and log sequences
 CACHE_SIZE = 64
 
@@ -107,9 +107,14 @@ class StepTimes:
         ) ** 2
         weight = AGE_DECAY**age * (np.exp(-near / 2) + floor)
         design = np.column_stack([np.ones(len(y)), x[:, 0], x[:, 1], x[:, 2] * PAIR_SCALE])
-        coef = _weighted_fit(design, y, weight)
-        fixed, per_token, per_seq, per_pair = coef
-        return StepCost(fixed, per_token, per_seq, per_pair * PAIR_SCALE)
+        # constrained in small steps (where pairs ~ rows x context made the clamp misprice a
+        # row, see _weighted_fit); larger steps keep the clamp: there its bias is on the
+        # dear side, and with the fit unbiased the draft model was started at batch 8 and
+        # lost (humanities b=8 0.91x, c 2.0: its catch-up on whole histories)
+        fixed, per_token, per_seq, per_pair = _weighted_fit(design, y, weight, constrained=small)
+        return StepCost(
+            fixed, max(per_token, 0.0), max(per_seq, 0.0), max(per_pair, 0.0) * PAIR_SCALE
+        )
 
 
 class ForwardTimes:
@@ -120,8 +125,6 @@ class ForwardTimes:
         self._y = np.zeros(window)
         self._step = np.full(window, -1, dtype=np.int64)
         self._count = 0
-        # a draft forward or two a step: reused over fewer of them
-        self._cache: _FitCache[tuple[float, float]] = _FitCache(REFIT_EVERY // 2)
 
     @property
     def ready(self) -> bool:
@@ -135,11 +138,7 @@ class ForwardTimes:
         self._count += 1
 
     def fit(self, rows: float) -> tuple[float, float]:
-        """(seconds per forward, seconds per row) near forwards of ``rows`` rows (cached as
-        :meth:`StepTimes.fit` is, over forwards)."""
-        return self._cache.get((rows,), self._count, lambda: self._fit(rows))
-
-    def _fit(self, rows: float) -> tuple[float, float]:
+        """(seconds per forward, seconds per row) near forwards of ``rows`` rows."""
         used = self._step >= 0
         r, y = self._rows[used], self._y[used]
         if not len(y):
@@ -152,7 +151,10 @@ class ForwardTimes:
         age = self._count - 1 - self._step[used]
         near = np.log(r / max(rows, 1.0)) ** 2
         weight = AGE_DECAY**age * (np.exp(-near / (2 * BANDWIDTH**2)) + FLOOR)
-        fixed, per_row = _weighted_fit(np.column_stack([np.ones(len(y)), r]), y, weight)
+        fixed, per_row = _weighted_fit(
+            np.column_stack([np.ones(len(y)), r]), y, weight, constrained=False
+        )
+        per_row = max(per_row, 0.0)
         if fixed < 0:  # a line through the origin's side: all of it per row
             fixed, per_row = 0.0, float((weight * y).sum() / (weight * r).sum())
         return fixed, per_row
@@ -178,9 +180,11 @@ class _FitCache(Generic[Fit]):
         return fit
 
 
-def _weighted_fit(design: np.ndarray, y: np.ndarray, weight: np.ndarray) -> np.ndarray:
-    """Weighted least squares with every slope >= 0 (a free intercept), a whisper of ridge on
-    the slopes (a column that does not vary gets 0, not noise).
+def _weighted_fit(
+    design: np.ndarray, y: np.ndarray, weight: np.ndarray, constrained: bool = True
+) -> np.ndarray:
+    """Weighted least squares, with every slope >= 0 if ``constrained`` (a free intercept), a
+    whisper of ridge on the slopes (a column that does not vary gets 0, not noise).
 
     The slopes are constrained in the fit, not clamped after it: near a batch-1 step the
     attention pairs are nearly a multiple of the tokens (rows times the context), and an
@@ -201,7 +205,7 @@ def _weighted_fit(design: np.ndarray, y: np.ndarray, weight: np.ndarray) -> np.n
     gram += np.eye(gram.shape[0]) * (1e-9 * np.trace(gram) + 1e-30)
     moment = a.T @ b
     slopes = np.linalg.solve(gram, moment)
-    if (slopes < 0).any():
+    if constrained and (slopes < 0).any():
         slopes = _nonnegative_slopes(gram, moment, slopes)
     intercept = mean_y - float(mean_x[1:] @ slopes)
     return np.concatenate([[intercept], slopes])
