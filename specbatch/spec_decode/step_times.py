@@ -161,20 +161,19 @@ class ForwardTimes:
 
 
 class _FitCache(Generic[Fit]):
-    """Fits by shape (log buckets of ``CACHE_WIDTH``), each reused for ``refit_every``
+    """Fits by shape (log buckets of ``CACHE_WIDTH``), each reused for ``REFIT_EVERY``
     observations."""
 
-    def __init__(self, refit_every: int = REFIT_EVERY) -> None:
+    def __init__(self) -> None:
         self._fits: dict[tuple[int, ...], tuple[int, Fit]] = {}
-        self._refit_every = refit_every
 
     def get(self, shape: tuple[float, ...], count: int, compute: Callable[[], Fit]) -> Fit:
         key = tuple(round(math.log(max(v, 1.0)) / CACHE_WIDTH) for v in shape)
         cached = self._fits.get(key)
-        if cached is not None and count - cached[0] < self._refit_every:
+        if cached is not None and count - cached[0] < REFIT_EVERY:
             return cached[1]
         if len(self._fits) > CACHE_SIZE:
-            self._fits = {k: v for k, v in self._fits.items() if count - v[0] < self._refit_every}
+            self._fits = {k: v for k, v in self._fits.items() if count - v[0] < REFIT_EVERY}
         fit = compute()
         self._fits[key] = (count, fit)
         return fit
