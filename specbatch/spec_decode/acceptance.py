@@ -111,20 +111,22 @@ class AcceptanceModel:
 
     def made(self, way: str, count: int) -> np.ndarray:
         """Chance that draft ``j`` (0 .. count - 1) is made when ``count`` are allotted: the
-        proposer made every one before it and did not stop (1 until a proposer stops early:
-        a prior of one pseudo-outcome at "made")."""
+        proposer made every one before it and did not stop (1 until a proposer stops early
+        or drops a first draft: a prior of one pseudo-outcome at "made")."""
         rates = self._made.get(way, [])
         going_on = np.ones(count)
-        for j in range(1, min(count, len(rates))):
+        for j in range(min(count, len(rates))):
             going_on[j] = rates[j].rate(1.0, 1.0)
         return np.cumprod(going_on)
 
     def observe_made(self, way: str, allotted: int, made: int) -> None:
         """The proposer made ``made`` of the ``allotted`` drafts of ``way``."""
+        if allotted <= 0:
+            return
         rates = self._made.setdefault(way, [])
         while len(rates) < allotted:
             rates.append(DecayedRate())
-        for position in range(1, min(made + 1, allotted)):
+        for position in range(min(made + 1, allotted)):
             rates[position].observe(position < made, SHARED_DECAY)
 
     def gains(self, seq_id: int, way: str, count: int) -> np.ndarray:

@@ -171,6 +171,10 @@ class GoodputController:
         uncalibrated = np.where(valid, first[:, :, None] * follow[None], 0.0)
         made = np.stack([acceptance.made(way, most) for way in self.ways])[None]
         gains = np.minimum(calibration[None, :, None] * uncalibrated, 1.0) * made
+        # the proposer's work for draft j is done when j is made, and for the first whenever
+        # one is allotted (a draft model may drop a first draft it computed)
+        ran = made.copy()
+        ran[..., 0] = 1.0
         # a draft-model draft adds a row to a draft forward (the first: one catch-up row, see
         # the module docstring); an application's proposer its measured time per draft
         extra = [
@@ -181,7 +185,8 @@ class GoodputController:
             else 0.0
             for way in self.ways
         ]
-        costs = np.where(valid, row[:, None, :] + np.array(extra)[None, :, None], 0.0) * made
+        proposing = np.array(extra)[None, :, None] * ran
+        costs = np.where(valid, row[:, None, :] * made + proposing, 0.0)
         if DRAFT in self.ways:  # the backlog a draft model must catch up on, amortised
             backlog = np.array([_amortised_backlog(c) for c in candidates])
             # at the per-row cost of a forward of the catch-up's size, not of a one-row-per-
@@ -191,7 +196,7 @@ class GoodputController:
             if rows > len(candidates):
                 per_row = self.draft_times.fit(rows)[1]
             costs[:, self.ways.index(DRAFT), 0] += per_row * backlog
-        return _Options(gains, costs, valid, uncalibrated, made[0])
+        return _Options(gains, costs, valid, uncalibrated, made[0], ran[0])
 
     def _row_prices(
         self, base_tokens: int, base_seqs: int, base_pairs: float, context: np.ndarray, most: int
@@ -243,9 +248,10 @@ class GoodputController:
         forwards = np.zeros(gains.shape[2] + 1)
         if draft is not None:
             # draft forward j runs when any sequence allotted more than j drafts made j of
-            # them: exact for one sequence, an upper bound (all of them allotted) for more
+            # them (the first whenever one is allotted): exact for one sequence, an upper
+            # bound (all of them allotted) for more
             drafting = valid[:, draft].sum(axis=0)
-            runs = 1.0 - (1.0 - options.made[draft]) ** np.maximum(drafting, 1)
+            runs = 1.0 - (1.0 - options.ran[draft]) ** np.maximum(drafting, 1)
             forwards[1:] = np.cumsum(runs)
         per_forward = self._draft_fit[0]
         plain = seqs / base
@@ -347,6 +353,7 @@ class _Options:
     valid: np.ndarray  # whether it may be drafted
     uncalibrated: np.ndarray  # chance it is accepted once made, before calibration
     made: np.ndarray  # chance the proposer makes it when allotted
+    ran: np.ndarray  # chance the proposer works for it when allotted (made, or the first)
 
 
 def _amortised_backlog(candidate: Candidate) -> float:

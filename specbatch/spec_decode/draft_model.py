@@ -13,6 +13,17 @@ that crossed it is kept: its forward is paid, and a verify slot is cheap.) After
 verification the valid prefix shrinks to the accepted tokens the cache holds
 (``on_verified``): that is the draft's rollback.
 
+Priced first drafts (under the goodput controller, where a verify row costs something: the
+request's ``row_price``, in tokens): the first draft is made only if the draft's probability
+of it reaches the price, and the chain goes on only while its probability that every draft so
+far is right does too. The draft's probability of its likeliest token is close to the chance
+the target agrees (measured for the shipped draft on Spec-Bench answers: 0.31 accepted at
+0.3-0.4, 0.80 at 0.7-0.8), so this keeps the drafts that pay for their row and spends only
+the forward on the rest (which the catch-up would pay anyway). On greedy and seeded rows any
+rule is exact (the verifier matches the target's own token); on an unseeded random row a kept
+first draft is judged by q restricted to the tokens that reach the price (``_restricted``):
+what it was drawn from.
+
 Trees (``siblings``, under the goodput controller): beside the chain a sequence may get *leaf*
 siblings at each chain position, scored by the draft's probability that the chain up to there
 is right times the sibling's probability. On greedy and seeded rows they are the draft's next
@@ -157,6 +168,13 @@ class DraftModelProposer(Proposer):
         # (score, chain index, token) of each request's possible siblings
         siblings: list[list[tuple[float, int, int]]] = [[] for _ in requests]
         branching = {i for i, r in enumerate(requests) if self._may_branch(r)}
+        # first drafts priced (not an unseeded row's with siblings: those are further draws
+        # from the unrestricted q)
+        priced = {
+            i
+            for i, r in enumerate(requests)
+            if r.row_price > 0.0 and not (i in branching and _samples_unseeded(r.seq.params))
+        }
         for step in range(max(r.max_drafts for r in requests)):
             started = time.perf_counter()
             logits = self._draft_logits(runs, [requests[i].seq for i in active], step)
@@ -166,8 +184,19 @@ class DraftModelProposer(Proposer):
                 self._computed[requests[i].seq.seq_id] = run.start_position + len(run.token_ids)
             rows = [requests[i].seq.sampling_row(tokens[i]) for i in active]
             want = [row for row, i in enumerate(active) if i in branching]
-            drafted, q, chosen, likeliest = self._sample(logits, rows, keep_probs, want)
+            drafted, q, chosen, likeliest = self._sample(
+                logits, rows, keep_probs, want, need_chosen=bool(priced)
+            )
+            dropped = set()
             for row, i in enumerate(active):
+                if step == 0 and i in priced:
+                    price = requests[i].row_price
+                    if chosen[row] < price:  # not worth its verify row: no drafts this step
+                        dropped.add(i)
+                        branching.discard(i)
+                        continue
+                    if q is not None and _samples_unseeded(requests[i].seq.params):
+                        q[row] = _restricted(q[row], price)  # what a kept draft was drawn from
                 for p, token in likeliest.get(row, ()):
                     if token != drafted[row]:
                         siblings[i].append((confidence[i] * p, step, token))
@@ -180,7 +209,9 @@ class DraftModelProposer(Proposer):
             active = [
                 i
                 for i in active
-                if requests[i].max_drafts > step + 1 and confidence[i] >= self.confidence_threshold
+                if i not in dropped
+                and requests[i].max_drafts > step + 1
+                and confidence[i] >= max(self.confidence_threshold, requests[i].row_price)
             ]
             runs = [
                 TokenRun(
@@ -197,8 +228,9 @@ class DraftModelProposer(Proposer):
             drawn = _samples_unseeded(requests[i].seq.params)
             parents[i] = _with_siblings(tokens[i], probs[i], siblings[i], requests[i], drawn)
         draft_probs = None
-        if keep_probs:
-            draft_probs = torch.stack([row for per_request in probs for row in per_request])
+        q_rows = [row for per_request in probs for row in per_request]
+        if keep_probs and q_rows:  # (none when every first draft was dropped)
+            draft_probs = torch.stack(q_rows)
         trees = parents if any(p is not None for p in parents) else None
         return Proposal(tokens, draft_probs, trees)
 
@@ -297,12 +329,17 @@ class DraftModelProposer(Proposer):
         return self.siblings and r.max_nodes > r.max_drafts and r.node_price < 1.0
 
     def _sample(
-        self, logits: torch.Tensor, rows: list[SamplingRow], need_q: bool, likeliest: list[int]
+        self,
+        logits: torch.Tensor,
+        rows: list[SamplingRow],
+        need_q: bool,
+        likeliest: list[int],
+        need_chosen: bool = False,
     ) -> tuple[list[int], torch.Tensor | None, list[float], dict[int, list[tuple[float, int]]]]:
         """Draft tokens (drawn exactly as the target's sampler would draw from q), their
         distributions q (when ``need_q``: one-hot on greedy rows), the draft's probability of
-        each drafted token (for greedy rows: under its unscaled softmax; 1 without a threshold
-        or siblings), and for the rows ``likeliest`` sibling candidates with their
+        each drafted token (for greedy rows: under its unscaled softmax; 1 without a threshold,
+        siblings or ``need_chosen``), and for the rows ``likeliest`` sibling candidates with their
         probabilities: on greedy and seeded rows the draft's ``SIBLING_CANDIDATES + 1``
         likeliest tokens (unscaled softmax), on unseeded random rows ``SIBLING_CANDIDATES``
         further draws from q without replacement (the drafted token excluded), in draw order,
@@ -310,7 +347,7 @@ class DraftModelProposer(Proposer):
         t = SamplingTensors.build(rows, logits.shape[1], logits.device)
         q = target_probs(logits, t) if need_q or not t.all_greedy else None
         drafted = greedy_tokens(logits, t) if q is None else sample_rows(q, rows, t, self.generator)
-        if not (self.confidence_threshold or likeliest):
+        if not (self.confidence_threshold or likeliest or need_chosen):
             return drafted.tolist(), q, [1.0] * len(rows), {}
         chosen = None if q is None else q.gather(1, drafted[:, None])[:, 0]
         natural = None
@@ -376,6 +413,16 @@ class DraftModelProposer(Proposer):
 
 def _samples_unseeded(params: SamplingParams) -> bool:
     return not params.greedy and params.seed is None
+
+
+def _restricted(q: torch.Tensor, floor: float) -> torch.Tensor:
+    """``q`` given that the token drawn from it has a probability of at least ``floor``
+    (renormalised over those tokens): the distribution a draft kept for reaching a price was
+    drawn from, which the verifier must judge it by to stay exact (a dropped draft's
+    position is sampled from the target alone, so the two cases mix back to the target's
+    distribution)."""
+    kept = torch.where(q >= floor, q, torch.zeros_like(q))
+    return kept / kept.sum()
 
 
 TREE_CHILDREN = 4  # children per expanded node

@@ -16,12 +16,17 @@ class DraftRequest:
 
     A proposer that can draft trees may add nodes beside its ``max_drafts``-deep chain, up to
     ``max_nodes`` in all (slots the step reserved), each when it expects it to be accepted
-    with a chance above ``node_price`` (what the verify row it adds costs, in tokens)."""
+    with a chance above ``node_price`` (what the verify row it adds costs, in tokens).
+
+    ``row_price`` (in tokens, 0: none) is what one verify row costs the step: a proposer that
+    knows its own chance of being right may drop a draft that is not worth its row (a draft
+    model makes its first draft only when its probability of it reaches the price)."""
 
     seq: Sequence
     max_drafts: int
     max_nodes: int = 0  # 0: max_drafts (no nodes beside the chain)
     node_price: float = float("inf")
+    row_price: float = 0.0
 
 
 @dataclass

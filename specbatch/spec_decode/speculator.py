@@ -73,6 +73,8 @@ class Speculator:
         self._shadows: dict[int, _Shadow] = {}
         self._used: dict[int, str] = {}  # seq_id -> way of this step's drafts
         self._node_prices: dict[int, float] = {}  # seq_id -> price of a sibling, in tokens
+        self._row_prices: dict[int, float] = {}  # seq_id -> price of a draft model's row
+        self.price_rows = True  # the draft model may drop a first draft not worth its row
         self._draft_seconds = 0.0  # of the current step: draft model or external proposer
 
     @staticmethod
@@ -107,11 +109,15 @@ class Speculator:
         choices = self.controller.plan(candidates, tokens, len(out.scheduled), pairs, budget)
         drafts = [0] * len(out.scheduled)
         self._node_prices.clear()
+        self._row_prices.clear()
         for i, candidate, choice in zip(index, candidates, choices, strict=True):
             drafts[i] = choice.drafts
             self._plan[candidate.seq_id] = choice
-            price = self._node_price(choice, candidate)
-            if price < 1.0:  # slots for siblings beside the chain (used only where they pay)
+            price = self._draft_row_price(choice, candidate)
+            if price is not None and self.price_rows:
+                self._row_prices[candidate.seq_id] = price
+            if price is not None and price < 1.0 and self.drafter and self.drafter.siblings:
+                # slots for siblings beside the chain (used only where they pay)
                 drafts[i] = min(candidate.slots, choice.drafts + SIBLING_SLOTS)
                 self._node_prices[candidate.seq_id] = price
             found, n = self._lookups.get(candidate.seq_id, ([], 0))
@@ -120,15 +126,15 @@ class Speculator:
                 self._shadows[seq.seq_id] = _Shadow(lookup_way(n), found, seq.num_tokens)
         return drafts
 
-    def _node_price(self, choice: Choice, candidate: Candidate) -> float:
-        """What one more verify row for ``candidate`` costs, in tokens at the plan's goodput
-        (inf where no draft-model siblings may be added)."""
-        drafter, controller = self.drafter, self.controller
-        if drafter is None or not drafter.siblings or choice.way != DRAFT or controller is None:
-            return float("inf")
+    def _draft_row_price(self, choice: Choice, candidate: Candidate) -> float | None:
+        """What one more verify row for ``candidate`` costs, in tokens at the plan's goodput,
+        where it drafts with the draft model on measured times (else None)."""
+        controller = self.controller
+        if self.drafter is None or choice.way != DRAFT or controller is None:
+            return None
         rate = controller.report.tokens_per_second
         if rate <= 0.0:  # not planned on measured times yet
-            return float("inf")
+            return None
         return rate * controller.row_seconds(candidate.context)
 
     def _candidate(self, seq: Sequence, slots: int) -> Candidate:
@@ -209,12 +215,14 @@ class Speculator:
         return DraftRequest(seq, min(self.tree_depth, slots), max_nodes=slots, node_price=0.0)
 
     def _draft_request(self, seq: Sequence, slots: int) -> DraftRequest:
-        """The draft model's request: the planned chain, and the slots and price of siblings."""
+        """The draft model's request: the planned chain, the price of its rows, and the slots
+        and price of siblings."""
+        row_price = self._row_prices.get(seq.seq_id, 0.0)
         price = self._node_prices.get(seq.seq_id)
         if price is None:
-            return DraftRequest(seq, slots)
+            return DraftRequest(seq, slots, row_price=row_price)
         chain = min(self._plan[seq.seq_id].drafts, slots)
-        return DraftRequest(seq, chain, max_nodes=slots, node_price=price)
+        return DraftRequest(seq, chain, max_nodes=slots, node_price=price, row_price=row_price)
 
     def _timed(
         self,

@@ -461,13 +461,20 @@ def test_made_rates_follow_a_proposer_that_stops_early() -> None:
         model.observe_made("draft", 4, 2)
         model.observe_made("draft", 4, 3)
     assert model.made("draft", 4)[2] == pytest.approx(0.5, abs=0.05)
+    for _ in range(300):  # a priced first draft: dropped half the time, the rest as before
+        model.observe_made("draft", 4, 0)
+        model.observe_made("draft", 4, 3)
+    made = model.made("draft", 4)
+    assert made[0] == pytest.approx(0.5, abs=0.05)
+    assert made[2] == pytest.approx(0.5, abs=0.05)  # given the first: always the second
 
 
 @pytest.mark.parametrize("seed", range(20))
 def test_a_plan_counts_only_the_drafts_a_proposer_makes(seed: int) -> None:
     """A draft model with a confidence stop makes draft j only with chance made_j: a draft
-    it does not make costs no forward and no row. At batch 1 the plan must be the exact
-    optimum of expected tokens over expected seconds (both weighted by made)."""
+    it does not make costs no forward and no row, except the first, whose forward runs
+    whenever one is allotted (a priced first draft is dropped after it, in odd seeds). At
+    batch 1 the plan must be the exact optimum of expected tokens over expected seconds."""
     rng = np.random.default_rng(200 + seed)
     controller = GoodputController((DRAFT,), hurdle=0.0)
     fixed, per_token = float(rng.uniform(0.005, 0.03)), float(rng.choice([1e-5, 1e-4, 1e-3]))
@@ -479,19 +486,22 @@ def test_a_plan_counts_only_the_drafts_a_proposer_makes(seed: int) -> None:
     first, follow = float(rng.uniform(0.1, 0.6)), float(rng.uniform(0.3, 0.9))
     with_rates(controller, {0: first}, follow=follow)
     going_on = float(rng.uniform(0.1, 0.9))  # the proposer goes on past a draft this often
+    dropped = float(rng.uniform(0.2, 0.7)) if seed % 2 else 0.0  # a first draft not made
     slots = 6
     for _ in range(500):
         made = 1
         while made < slots and rng.random() < going_on:
             made += 1
-        controller.observe_made(DRAFT, slots, made)
+        controller.observe_made(DRAFT, slots, 0 if rng.random() < dropped else made)
     made = controller.acceptance.made(DRAFT, slots)
+    assert made[0] == pytest.approx(1 - dropped, abs=0.1)
     gains = controller.acceptance.gains(0, DRAFT, slots)
 
     def ratio(count: int) -> float:
         tokens = 1 + float((made[:count] * gains[:count]).sum())
         seconds = fixed + per_token * (1 + float(made[:count].sum()))
-        return tokens / (seconds + per_forward * float(made[:count].sum()))
+        forwards = float(count > 0) + float(made[1:count].sum())
+        return tokens / (seconds + per_forward * forwards)
 
     choice = controller.plan([Candidate(0, slots, 0, [])], 1, 1, 0.0, 100)[0]
     assert ratio(choice.drafts) == pytest.approx(max(ratio(n) for n in range(slots + 1)), 1e-6)
@@ -521,7 +531,7 @@ def test_calibration_settles_at_the_true_bias() -> None:
 
 @pytest.mark.parametrize("seed", range(10))
 def test_the_price_of_a_row_is_the_plans_goodput_times_its_seconds(seed: int) -> None:
-    """What a draft-model sibling must beat (``Speculator._node_price``): the plan's goodput,
+    """What a draft-model sibling must beat (``Speculator._draft_row_price``): the plan's goodput,
     reported, is the true expected goodput of the chosen plan, and one more row's seconds are
     the clock's."""
     rng = np.random.default_rng(100 + seed)

@@ -348,3 +348,79 @@ def test_mixed_rows_get_one_q_row_per_draft(tiny_draft_dir: Path) -> None:
     # the greedy row's q is one-hot on its draft
     assert proposal.draft_probs[:4].amax(-1).tolist() == [1.0] * 4
     assert proposal.draft_probs[torch.arange(4), proposal.tokens[0]].tolist() == [1.0] * 4
+
+
+def expected_priced_length(products: list[float], threshold: float, price: float, most: int) -> int:
+    """A priced chain: no drafts unless the first reaches the price, then on while the product
+    reaches both the threshold and the price."""
+    if products[0] < price:
+        return 0
+    return expected_length(products, max(threshold, price), most)
+
+
+def test_priced_first_drafts_match_slow_reference(tiny_draft_dir: Path) -> None:
+    """``row_price``: a first draft whose probability does not reach it is not made (nor is
+    anything after it); a chain goes on while its product reaches the price too."""
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(3, 300, int(rng.integers(2, 14))).tolist() for _ in range(10)]
+    reference = [reference_drafts(tiny_draft_dir, p, K) for p in prompts]
+    firsts = sorted(products[0] for _, products in reference)
+    prices = [0.0, firsts[3] + 1e-7, float(np.median(firsts)), firsts[-1] + 1e-7]
+    for threshold in (0.0, float(np.median([p[1] for _, p in reference]))):
+        for price in prices:
+            proposer = drafter(tiny_draft_dir, threshold)
+            seqs = sequences(prompts)
+            proposal = proposer.propose([DraftRequest(s, K, row_price=price) for s in seqs])
+            lengths = []
+            for (drafts, products), got in zip(reference, proposal.tokens, strict=True):
+                length = expected_priced_length(products, threshold, price, K)
+                assert got == drafts[:length], (threshold, price)
+                lengths.append(length)
+            made = sum(1 for n in lengths if n)
+            assert made == {0: 10, 1: 6, 2: 5, 3: 0}[prices.index(price)]
+
+
+def test_priced_unseeded_first_drafts_keep_the_target_distribution(tmp_path: Path) -> None:
+    """On an unseeded random row a first draft kept for reaching the price is judged by q
+    restricted to the tokens that reach it (what it was drawn from); a dropped one's token
+    comes from the target alone: together, exactly the target's distribution (chi-square on
+    the first token emitted; judged by the unrestricted q, the kept tokens are too likely)."""
+    from scipy.stats import chisquare
+
+    from specbatch.spec_decode.rejection import verify
+    from tests.helpers import write_tiny_model
+
+    vocab, n = 16, 20000
+    draft_dir = write_tiny_model(tmp_path / "draft", seed=21, vocab_size=vocab)
+    proposer = DraftModelProposer(
+        load_model(draft_dir), num_blocks=8, block_size=BLOCK, generator=torch.Generator()
+    )
+    params = SamplingParams(temperature=1.0, max_tokens=4)
+    prompt = [3, 9, 4, 11, 7]
+    seqs = [Sequence(i, str(i), 0, prompt, params, 0.0) for i in range(n)]
+    for seq in seqs:  # one prompt, one cache: every sequence reads the same blocks
+        seq.block_table = [0, 1, 2]
+    q = PagedHarness(load_model(draft_dir), 8, BLOCK).forward([(0, prompt)])[0][-1].softmax(-1)
+    price = float(q[:vocab].sort().values[vocab // 2])  # about half of the draws dropped
+    proposal = proposer.propose([DraftRequest(s, 1, row_price=price) for s in seqs])
+    kept = [i for i, t in enumerate(proposal.tokens) if t]
+    assert 0.2 * n < len(kept) < 0.8 * n
+    assert proposal.draft_probs is not None
+    assert len(proposal.draft_probs) == len(kept)
+    assert all(float(q[proposal.tokens[i][0]]) >= price - 1e-6 for i in kept)
+    target = torch.randn(q.shape[0], generator=torch.Generator().manual_seed(4)) * 1.5
+    target[vocab:] = float("-inf")
+    logits = target.repeat(n + len(kept), 1)  # a row per draft and one after, per sequence
+    rows = [
+        s.sampling_row(d[:j])
+        for s, d in zip(seqs, proposal.tokens, strict=True)
+        for j in range(len(d) + 1)
+    ]
+    result = verify(
+        logits, rows, proposal.tokens, proposal.draft_probs, torch.Generator().manual_seed(7)
+    )
+    first = [tokens[0] for tokens in result.tokens]  # the accepted draft or the correction
+    expected = torch.softmax(target.double(), -1)[:vocab].numpy()
+    expected *= n / expected.sum()
+    observed = np.bincount(first, minlength=vocab)[:vocab]
+    assert chisquare(observed, expected)[1] > 1e-3

@@ -510,3 +510,44 @@ def test_per_request_metrics_count_tree_nodes_and_depths(
         assert sum(m.num_accepted_tokens_per_pos) == m.num_accepted_tokens
         assert m.num_accepted_tokens <= m.num_draft_tokens <= 6 * m.num_drafts
         assert m.num_accepted_tokens_per_pos == sorted(m.num_accepted_tokens_per_pos, reverse=True)
+
+
+@pytest.mark.parametrize("seeded", [False, True])
+def test_priced_first_drafts_give_the_output_of_speculation_off(
+    tiny_model_dir: Path,
+    noisy_draft_dir: Path,
+    prompts: list[list[int]],
+    reference: list[list[int]],
+    seeded: bool,
+) -> None:
+    """A verify row priced at 0.02 tokens (this draft's likeliest tokens have 0.01-0.03): a
+    first draft the draft gives less is dropped after its forward (that sequence gets no
+    drafts, siblings neither), the others are verified. Greedy and seeded outputs stay
+    speculation off's."""
+    params = GREEDY.clone(temperature=0.8, seed=11) if seeded else GREEDY
+    if seeded:
+        off = LLMEngine(
+            EngineConfig(
+                model=str(tiny_model_dir), speculative_config={"method": "off"}, **engine_kwargs()
+            )
+        )
+        reference = run_engine(off, prompts, params, 8)
+    engine = sibling_engine(tiny_model_dir, noisy_draft_dir, threshold=0.0)
+    force_draft_chains(engine, 2, row_seconds=0.0002)
+    drafter = engine.speculator.drafter
+    assert drafter is not None
+    given: list[tuple[float, int]] = []
+    propose = drafter.propose
+
+    def counting(requests: list[DraftRequest]) -> Proposal:
+        proposal = propose(requests)
+        given.extend((r.row_price, len(t)) for r, t in zip(requests, proposal.tokens, strict=True))
+        return proposal
+
+    drafter.propose = counting  # type: ignore[method-assign]
+    assert run_engine(engine, prompts, params, 8) == reference
+    assert all(price == pytest.approx(0.02) for price, _ in given)
+    dropped = sum(1 for _, n in given if n == 0)
+    print("DROPPED", dropped, len(given))
+    print("DROPPED", dropped, len(given))
+    assert 0 < dropped < len(given)  # some first drafts were not worth their row, some were
