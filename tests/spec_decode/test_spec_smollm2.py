@@ -35,7 +35,8 @@ def test_greedy_identity_k_1_3_5_batch_16_and_1(
 ) -> None:
     prompts, reference = prompts_and_reference
     assert len(prompts) >= 30
-    for k in (1, 3, 5):
+    # k = 1 with prompt lookup only (suite time: the self-draft runs the target twice a step)
+    for k in (1, 3, 5) if method == "ngram" else (3, 5):
         spec: dict[str, Any] = {"method": "ngram", "num_speculative_tokens": k}
         if method == "self_draft":
             spec = {
