@@ -238,6 +238,20 @@ def main() -> None:
     for category, tokens, start in answers:
         texts.setdefault(category, []).append(measure_text(dense, tokens, start, args.k))
 
+    # how well the draft's probability of its likeliest token predicts that the target agrees
+    pooled = [
+        (prob, run > 0)
+        for group in texts.values()
+        for text in group
+        for prob, run in zip(text.draft_prob, text.draft_run, strict=True)
+    ]
+    print("\ndraft probability of its token -> share of positions, share the target agrees with")
+    for low in (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9):
+        rights = [right for prob, right in pooled if low <= prob < low + 0.1 or low == 0.9 < prob]
+        share = len(rights) / len(pooled)
+        agreed = sum(rights) / max(len(rights), 1)
+        print(f"  {low:.1f}-{low + 0.1:.1f}: {share:5.2f} of positions, agreed {agreed:.2f}")
+
     policies = ("oracle", "oracle+c", "lookup", "gated", "best")
     table = []
     print(f"\n{'category':>16} " + " ".join(f"{p:>9}" for p in policies) + "  gated's (t1, t, k)")

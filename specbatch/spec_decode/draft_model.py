@@ -17,12 +17,12 @@ Priced first drafts (under the goodput controller, where a verify row costs some
 request's ``row_price``, in tokens): the first draft is made only if the draft's probability
 of it reaches the price, and the chain goes on only while its probability that every draft so
 far is right does too. The draft's probability of its likeliest token is close to the chance
-the target agrees (measured for the shipped draft on Spec-Bench answers: 0.31 accepted at
-0.3-0.4, 0.80 at 0.7-0.8), so this keeps the drafts that pay for their row and spends only
-the forward on the rest (which the catch-up would pay anyway). On greedy and seeded rows any
-rule is exact (the verifier matches the target's own token); on an unseeded random row a kept
-first draft is judged by q restricted to the tokens that reach the price (``_restricted``):
-what it was drawn from.
+the target agrees (the shipped draft on Spec-Bench answers, ``benchmarks/draft_bound.py``:
+0.32 agreed at 0.3-0.4, 0.79 at 0.7-0.8), so this keeps the drafts that pay for their row
+and spends only the forward on the rest (which the catch-up would pay anyway). On greedy and
+seeded rows any rule is exact (the verifier matches the target's own token); on an unseeded
+random row a kept first draft is judged by q restricted to the tokens that reach the price
+(``_restricted``): what it was drawn from.
 
 Trees (``siblings``, under the goodput controller): beside the chain a sequence may get *leaf*
 siblings at each chain position, scored by the draft's probability that the chain up to there
