@@ -216,7 +216,7 @@ class GoodputController:
         count = len(context)
         positions = np.arange(most)
         if base_tokens + count * most > SMALL_STEP:
-            fit = self.times.fit(base_tokens + most / 2, base_seqs)
+            fit = self.times.fit(base_tokens + count * most / 2, base_seqs)
             self._base_cost = fit
             self._row_price = (fit.row(0.0), fit.per_pair, 0.0)
             row = fit.per_token + fit.per_pair * (context[:, None] + positions[None, :])

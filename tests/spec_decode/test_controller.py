@@ -549,3 +549,22 @@ def test_the_price_of_a_row_is_the_plans_goodput_times_its_seconds(seed: int) ->
     assert controller.row_seconds(context) == pytest.approx(
         clock.per_token + clock.per_pair * context, rel=1e-3, abs=1e-7
     )
+
+
+def test_rows_at_batch_8_are_priced_at_the_slope_of_the_steps_drafts_make() -> None:
+    """Batch 8 with 8 slots each, on a clock flat to 16 tokens (memory-bound) and 3 ms a
+    token past it: a row is priced at the slope around the step with half the slots drafted
+    (40 tokens), where the drafts a plan weighs land, not at a 12-token step (8 plus half of
+    one sequence's slots), where rows are free and every slot looked worth drafting."""
+
+    def clock(tokens: float, pairs: float) -> float:
+        return 0.05 + 0.003 * max(tokens - 16, 0.0) + 1e-7 * pairs
+
+    controller = GoodputController((DRAFT,), hurdle=0.0)
+    rng = np.random.default_rng(0)
+    for step in range(120):
+        tokens = int(rng.choice([8, 8, 8, 9, 10, 12, 16, 24, 40, 72]))
+        pairs = tokens * (100 + step)
+        controller.observe_step(tokens, 8, pairs, clock(tokens, pairs))
+    controller.plan(candidates([8] * 8, context=200), 8, 8, 8 * 200, 1000)
+    assert controller.row_seconds(200) == pytest.approx(0.003 + 1e-7 * 200, rel=0.25)
