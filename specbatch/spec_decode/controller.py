@@ -256,6 +256,8 @@ class GoodputController:
         per_forward = self._draft_fit[0]
         plain = seqs / base
         best: tuple[list[tuple[int, int]], float] = ([(0, -1)] * seqs, plain * (1 + self.hurdle))
+        if not _any_beats(cum_gains, cum_costs, valid, best[1]):
+            return [(0, -1)] * seqs, plain
         for depth in depths:
             allowed = valid
             if draft is not None:
@@ -362,6 +364,18 @@ def _amortised_backlog(candidate: Candidate) -> float:
     draft is a bet that drafting goes on, not that it lasts the whole sequence."""
     steps = min(candidate.remaining / 2, AMORTISE_STEPS)
     return (max(candidate.catch_up, 1) - 1) / max(steps, 1.0)
+
+
+def _any_beats(
+    cum_gains: np.ndarray, cum_costs: np.ndarray, valid: np.ndarray, ratio: float
+) -> bool:
+    """Whether any plan can have a goodput above ``ratio`` (at least the plain step's): one
+    needs a prefix of drafts worth more than ``ratio`` times its seconds, since the plain
+    part of the step and any draft forward's fixed cost only pull a plan below it. Where no
+    candidate has one (the common case at larger batches) every depth's solve would find
+    nothing, so the plan skips them."""
+    values = np.where(valid, cum_gains - ratio * cum_costs, -np.inf)
+    return bool(values.max(initial=-np.inf) > EPSILON * max(ratio, 1.0))
 
 
 def _dinkelbach(

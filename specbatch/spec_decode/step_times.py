@@ -125,6 +125,7 @@ class ForwardTimes:
         self._y = np.zeros(window)
         self._step = np.full(window, -1, dtype=np.int64)
         self._count = 0
+        self._cache: _FitCache[tuple[float, float]] = _FitCache()
 
     @property
     def ready(self) -> bool:
@@ -138,7 +139,12 @@ class ForwardTimes:
         self._count += 1
 
     def fit(self, rows: float) -> tuple[float, float]:
-        """(seconds per forward, seconds per row) near forwards of ``rows`` rows."""
+        """(seconds per forward, seconds per row) near forwards of ``rows`` rows (reused like
+        the target's: a plan asks for it every step, drafting or not, and while the draft
+        model is not used nothing new is measured)."""
+        return self._cache.get((rows,), self._count, lambda: self._fit(rows))
+
+    def _fit(self, rows: float) -> tuple[float, float]:
         used = self._step >= 0
         r, y = self._rows[used], self._y[used]
         if not len(y):
