@@ -112,15 +112,22 @@ def test_three_ranks_with_speculation_caching_chunks_and_preemption(
     shared = [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23]
     prompts = [shared + [30, 31], shared + [40], [5, 6, 7, 5, 6, 7, 5, 6, 7], [50, 51]]
     tight = {
-        "num_kv_blocks": 14,  # four sequences of ~40 tokens do not fit: preemption
+        "num_kv_blocks": 12,  # four sequences of ~40 tokens and 8 lookahead slots each do not fit
         "max_model_len": 64,
         "max_num_batched_tokens": 12,  # prompts in chunks
         "enable_prefix_caching": True,
     }
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=3)
+    # a fixed k (every slot drafted): whether the goodput controller drafts depends on the
+    # step times it measures, and this test is about what drafts do to every rank's cache
     for speculative in (
-        {"method": "ngram"},
-        {"method": "draft_model", "model": str(tiny_draft_dir)},
+        {"method": "ngram", "num_speculative_tokens": 8, "adaptive_k": False},
+        {
+            "method": "draft_model",
+            "model": str(tiny_draft_dir),
+            "num_speculative_tokens": 8,
+            "adaptive_k": False,
+        },
     ):
         reference = generate(
             make_engine(model, 1, speculative_config=speculative, **tight),
