@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -10,6 +11,22 @@ import pytest
 import torch
 
 from specbatch.models import LlamaForCausalLM, load_model
+
+
+def _share_cores_between_workers() -> None:
+    """Under pytest-xdist each worker gets its share of the cores (and so does every process
+    a test starts: the server, the CLI): workers each running torch's default of one thread
+    per core would oversubscribe the machine, and OpenMP's spinning threads slow down far
+    more than they share."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers <= 1:
+        return
+    threads = max(1, (os.cpu_count() or 1) // workers)
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    torch.set_num_threads(threads)
+
+
+_share_cores_between_workers()
 
 
 @pytest.fixture(scope="session")
