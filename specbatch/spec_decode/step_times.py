@@ -100,21 +100,41 @@ class StepTimes:
         if not len(y):
             return StepCost(0.0, 0.0, 0.0, 0.0)
         age = self._count - 1 - self._step[used]
-        small = tokens <= SMALL_STEP
-        token_bandwidth, floor = (SMALL_BANDWIDTH, SMALL_FLOOR) if small else (BANDWIDTH, FLOOR)
-        near = (np.log(x[:, 0] / max(tokens, 1.0)) / token_bandwidth) ** 2 + (
-            np.log(x[:, 1] / max(seqs, 1.0)) / BANDWIDTH
-        ) ** 2
-        weight = AGE_DECAY**age * (np.exp(-near / 2) + floor)
         design = np.column_stack([np.ones(len(y)), x[:, 0], x[:, 1], x[:, 2] * PAIR_SCALE])
-        # constrained in small steps (where pairs ~ rows x context made the clamp misprice a
-        # row, see _weighted_fit); larger steps keep the clamp: there its bias is on the
-        # dear side, and with the fit unbiased the draft model was started at batch 8 and
-        # lost (humanities b=8 0.91x, c 2.0: its catch-up on whole histories)
-        fixed, per_token, per_seq, per_pair = _weighted_fit(design, y, weight, constrained=small)
-        return StepCost(
-            fixed, max(per_token, 0.0), max(per_seq, 0.0), max(per_pair, 0.0) * PAIR_SCALE
+        if tokens > SMALL_STEP:
+            # larger steps keep the clamp: there its bias is on the dear side, and with the
+            # fit unbiased the draft model was started at batch 8 and lost (humanities b=8
+            # 0.91x, c 2.0: its catch-up on whole histories)
+            weight = AGE_DECAY**age * (np.exp(-_nearness(x, tokens, seqs, BANDWIDTH)) + FLOOR)
+            fixed, per_token, per_seq, per_pair = _weighted_fit(design, y, weight, False)
+            return StepCost(
+                fixed, max(per_token, 0.0), max(per_seq, 0.0), max(per_pair, 0.0) * PAIR_SCALE
+            )
+        # Small steps: the narrow kernel in tokens leaves few close steps (at batch 1, those
+        # of one size), whose attention pairs barely vary: a per-pair slope fitted on them is
+        # their noise, and a row's price extrapolates it to another context (two warm-up
+        # steps of 2 tokens at context ~60, 1 ms apart, priced a row at context 229 at 83 ms,
+        # three decode steps, and the plan stopped drafting for good). The per-pair cost of
+        # attention is one number whatever the step's size, so it is fitted on the wide
+        # kernel, and the narrow one fits the rest, all slopes >= 0 (see _weighted_fit).
+        wide = AGE_DECAY**age * (np.exp(-_nearness(x, tokens, seqs, BANDWIDTH)) + FLOOR)
+        per_pair = _weighted_fit(design, y, wide, constrained=True)[3]
+        narrow = AGE_DECAY**age * (
+            np.exp(-_nearness(x, tokens, seqs, SMALL_BANDWIDTH)) + SMALL_FLOOR
         )
+        fixed, per_token, per_seq = _weighted_fit(
+            design[:, :3], y - per_pair * design[:, 3], narrow, constrained=True
+        )
+        return StepCost(fixed, per_token, per_seq, per_pair * PAIR_SCALE)
+
+
+def _nearness(x: np.ndarray, tokens: float, seqs: float, token_bandwidth: float) -> np.ndarray:
+    """Half the squared log-distance of each step's (tokens, sequences) from the shape asked
+    about, in bandwidths (``token_bandwidth`` in tokens, ``BANDWIDTH`` in sequences)."""
+    return (
+        (np.log(x[:, 0] / max(tokens, 1.0)) / token_bandwidth) ** 2
+        + (np.log(x[:, 1] / max(seqs, 1.0)) / BANDWIDTH) ** 2
+    ) / 2
 
 
 class ForwardTimes:

@@ -173,6 +173,29 @@ def test_a_free_row_at_a_long_context_is_priced_free() -> None:
     assert abs(cost.row(800)) < 0.0005
 
 
+def test_two_close_steps_do_not_price_rows_at_another_context() -> None:
+    """The steps a fresh engine measured (SmolLM2 at batch 1, spec_decode.py's warm-up then a
+    217-token prompt): the only 2-token steps ran at contexts 61 and 63, 1.1 ms apart. A
+    per-pair slope fitted on those two alone (all the narrow kernel sees at 2 tokens) priced a
+    row at context 229 at 83 ms, three decode steps, so the plan never drafted again and no
+    2-token step came to correct it. The per-pair cost is fitted where contexts vary: a row
+    costs what the 2-token steps cost over the 1-token ones (~5 ms), and a lookup that is
+    right 85% of the time gets drafts."""
+    times = StepTimes()
+    steps = [(56, 0, 74.5), (5, 56, 29.0), (2, 61, 29.1), (2, 63, 30.2), (1, 65, 29.6)]
+    steps += [(217, 0, 151.4)] + [(1, context, 24.0) for context in range(218, 230)]
+    for tokens, start, ms in steps:
+        times.observe(tokens, 1, tokens * start + tokens * (tokens + 1) / 2, ms / 1000)
+    two, one = times.fit(2, 1).seconds(2, 1, 2 * 229 + 3), times.fit(1, 1).seconds(1, 1, 230)
+    assert 0.0 <= two - one < 0.007
+    controller = GoodputController(LOOKUP_WAYS, hurdle=0.0)
+    controller.times = times
+    with_rates(controller, {0: 0.85})
+    choice = controller.plan([Candidate(0, 8, 229, [5] * 8, 3)], 1, 1, 230.0, budget=8)[0]
+    assert choice.way == "lookup3"
+    assert choice.drafts >= 1
+
+
 def test_forward_times_fit_fixed_and_per_row() -> None:
     times = ForwardTimes()
     for rows in (1, 2, 4, 8, 16, 3, 5):
