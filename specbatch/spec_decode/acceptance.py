@@ -25,6 +25,11 @@ confident ones, whose follow-on rates (learned from verifies of made drafts only
 
 There is no separate exploration: a way a sequence has not used for a while drifts back to the
 population's rate, and is tried again if that rate pays at the current batch size. The
+per-position rates (follow-on, made) drift back to their priors the same way while no plan
+reaches their position: a follow-on rate is only learned from verifies of at least two drafts,
+so one early miss at position 1 (0.25 with its prior) would otherwise keep every plan at one
+draft, and never be corrected (seen with the draft model at batch 1: its true follow-on rate
+given a made draft is ~0.8). The
 population's rate starts at 0.5 with the weight of ``SHARED_WEIGHT`` outcomes, so that two
 unlucky first verifies (a new engine, one sequence) do not rule a way out: at batch 1, where a
 draft is cheap, it is tried again; at batch 32, where only a likely draft pays, it is not.
@@ -66,9 +71,22 @@ class DecayedRate:
 
 
 @dataclass
-class _SequenceRate:
+class _TimedRate:
+    """A rate and the step of its last outcome: its counts decay by ``IDLE_DECAY`` per step
+    since then, so an estimate that nothing refreshes returns to its prior."""
+
     rate: DecayedRate
     step: int  # when it last had an outcome
+
+    def observe(self, accepted: bool, decay: float, step: int) -> None:
+        scale = IDLE_DECAY ** max(step - self.step, 0)
+        self.rate.hits *= scale
+        self.rate.total *= scale
+        self.rate.observe(accepted, decay)
+        self.step = step
+
+    def value(self, prior: float, weight: float, step: int) -> float:
+        return self.rate.rate(prior, weight, IDLE_DECAY ** max(step - self.step, 0))
 
 
 class AcceptanceModel:
@@ -79,10 +97,10 @@ class AcceptanceModel:
         a longer memory than bursty ones (a lookup: right through a copied span, then not)."""
         self._decay = {way: STEADY_DECAY for way in steady}
         self._prior_weight = {way: STEADY_PRIOR_WEIGHT for way in steady}
-        self._first: dict[tuple[int, str], _SequenceRate] = {}
+        self._first: dict[tuple[int, str], _TimedRate] = {}
         self._shared_first: dict[str, DecayedRate] = {}
-        self._follow: dict[str, list[DecayedRate]] = {}
-        self._made: dict[str, list[DecayedRate]] = {}
+        self._follow: dict[str, list[_TimedRate]] = {}
+        self._made: dict[str, list[_TimedRate]] = {}
         # way -> (accepted, expected, step of the last update)
         self._calibration: dict[str, tuple[float, float, int]] = {}
         self.step = 0  # advanced by the controller once per planned step
@@ -97,8 +115,7 @@ class AcceptanceModel:
         state = self._first.get((seq_id, way))
         if state is None:
             return prior
-        scale = IDLE_DECAY ** max(self.step - state.step, 0)
-        return state.rate.rate(prior, self._prior_weight.get(way, PRIOR_WEIGHT), scale)
+        return state.value(prior, self._prior_weight.get(way, PRIOR_WEIGHT), self.step)
 
     def follow(self, way: str, count: int) -> np.ndarray:
         """Chance that draft ``j`` (1 .. count - 1) is accepted given draft ``j - 1`` was;
@@ -106,7 +123,9 @@ class AcceptanceModel:
         rates = self._follow.get(way, [])
         out = np.ones(count)
         for j in range(1, count):
-            out[j] = rates[j].rate(SHARED_PRIOR, 1.0) if j < len(rates) else SHARED_PRIOR
+            out[j] = (
+                rates[j].value(SHARED_PRIOR, 1.0, self.step) if j < len(rates) else SHARED_PRIOR
+            )
         return out
 
     def made(self, way: str, count: int) -> np.ndarray:
@@ -116,7 +135,7 @@ class AcceptanceModel:
         rates = self._made.get(way, [])
         going_on = np.ones(count)
         for j in range(min(count, len(rates))):
-            going_on[j] = rates[j].rate(1.0, 1.0)
+            going_on[j] = rates[j].value(1.0, 1.0, self.step)
         return np.cumprod(going_on)
 
     def observe_made(self, way: str, allotted: int, made: int) -> None:
@@ -125,9 +144,9 @@ class AcceptanceModel:
             return
         rates = self._made.setdefault(way, [])
         while len(rates) < allotted:
-            rates.append(DecayedRate())
+            rates.append(_TimedRate(DecayedRate(), self.step))
         for position in range(min(made + 1, allotted)):
-            rates[position].observe(position < made, SHARED_DECAY)
+            rates[position].observe(position < made, SHARED_DECAY, self.step)
 
     def gains(self, seq_id: int, way: str, count: int) -> np.ndarray:
         """Chance that each of the next ``count`` drafts is emitted (it and every one before
@@ -142,18 +161,14 @@ class AcceptanceModel:
         first = num_accepted > 0
         state = self._first.get((seq_id, way))
         if state is None:
-            state = self._first[(seq_id, way)] = _SequenceRate(DecayedRate(), self.step)
-        scale = IDLE_DECAY ** max(self.step - state.step, 0)
-        state.rate.hits *= scale
-        state.rate.total *= scale
-        state.rate.observe(first, self._decay.get(way, DECAY))
-        state.step = self.step
+            state = self._first[(seq_id, way)] = _TimedRate(DecayedRate(), self.step)
+        state.observe(first, self._decay.get(way, DECAY), self.step)
         self._shared_first.setdefault(way, DecayedRate()).observe(first, SHARED_DECAY)
         follow = self._follow.setdefault(way, [])
         while len(follow) < num_drafts:
-            follow.append(DecayedRate())
+            follow.append(_TimedRate(DecayedRate(), self.step))
         for position in range(1, min(num_accepted + 1, num_drafts)):
-            follow[position].observe(position < num_accepted, SHARED_DECAY)
+            follow[position].observe(position < num_accepted, SHARED_DECAY, self.step)
 
     def calibration(self, way: str) -> float:
         """Drafts of ``way`` accepted per draft the plans expected to be by the uncalibrated

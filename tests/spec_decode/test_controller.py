@@ -370,6 +370,31 @@ def test_acceptance_is_per_position_and_decays() -> None:
     assert model.first(1, "lookup2") == pytest.approx(model.population("lookup2"))
 
 
+def test_one_early_miss_does_not_keep_plans_at_one_draft() -> None:
+    """A follow-on rate is learned only from verifies of two or more drafts. One miss at
+    position 1 on a new engine (0.25 with its prior) made every later plan allot a single
+    draft, so position 1 was never verified again: the draft model stayed at one draft a
+    step at batch 1. Unrefreshed per-position rates drift back to their priors, and the
+    plan allots a second draft again within a bounded number of steps."""
+    controller = GoodputController((DRAFT,), hurdle=0.0)
+    for tokens in (1, 2, 3, 4, 5, 8):  # a row costs a 20th of a step, a draft forward a 10th
+        controller.observe_step(tokens, 1, 0.0, 0.020 + 0.001 * (tokens - 1))
+    controller.observe_draft_forward(1, 0.002)
+    acceptance = controller.acceptance
+    acceptance.first = lambda seq_id, way: 0.6  # type: ignore[method-assign]
+    acceptance.observe_made(DRAFT, 2, 2)
+    acceptance.observe(0, DRAFT, 2, 1)  # the second draft was wrong, once
+    assert acceptance.follow(DRAFT, 2)[1] == pytest.approx(0.25)
+    drafts = []
+    for _ in range(200):  # plans that allot one draft do not refresh position 1
+        choice = controller.plan([Candidate(0, 8, 100, [])], 1, 1, 100.0, budget=8)[0]
+        drafts.append(choice.drafts)
+        acceptance.observe_made(DRAFT, choice.drafts, min(choice.drafts, 1))
+    assert drafts[0] == 1
+    assert max(drafts) >= 2
+    assert drafts.index(max(drafts)) < 60
+
+
 # ------------------------------------------------------------------ re-probing
 
 
@@ -516,7 +541,8 @@ def test_a_plan_counts_only_the_drafts_a_proposer_makes(seed: int) -> None:
         while made < slots and rng.random() < going_on:
             made += 1
         controller.observe_made(DRAFT, slots, 0 if rng.random() < dropped else made)
-    made = controller.acceptance.made(DRAFT, slots)
+    choice = controller.plan([Candidate(0, slots, 0, [])], 1, 1, 0.0, 100)[0]
+    made = controller.acceptance.made(DRAFT, slots)  # as the plan saw them (its step)
     assert made[0] == pytest.approx(1 - dropped, abs=0.1)
     gains = controller.acceptance.gains(0, DRAFT, slots)
 
@@ -526,7 +552,6 @@ def test_a_plan_counts_only_the_drafts_a_proposer_makes(seed: int) -> None:
         forwards = float(count > 0) + float(made[1:count].sum())
         return tokens / (seconds + per_forward * forwards)
 
-    choice = controller.plan([Candidate(0, slots, 0, [])], 1, 1, 0.0, 100)[0]
     assert ratio(choice.drafts) == pytest.approx(max(ratio(n) for n in range(slots + 1)), 1e-6)
     # the choice is the same whatever made is (gain and cost carry the same factor); what the
     # plan expects of it is not: its goodput over the plain step's
