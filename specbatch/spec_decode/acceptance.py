@@ -23,16 +23,18 @@ stops once its own probability that every draft so far is right falls below a th
 (``made``): a draft that is not made costs nothing, and the drafts that are made are the
 confident ones, whose follow-on rates (learned from verifies of made drafts only) are higher.
 
-There is no separate exploration: a way a sequence has not used for a while drifts back to the
-population's rate, and is tried again if that rate pays at the current batch size. The
-per-position rates (follow-on, made) drift back to their priors the same way while no plan
-reaches their position: a follow-on rate is only learned from verifies of at least two drafts,
-so one early miss at position 1 (0.25 with its prior) would otherwise keep every plan at one
-draft, and never be corrected (seen with the draft model at batch 1: its true follow-on rate
-given a made draft is ~0.8). The
-population's rate starts at 0.5 with the weight of ``SHARED_WEIGHT`` outcomes, so that two
-unlucky first verifies (a new engine, one sequence) do not rule a way out: at batch 1, where a
-draft is cheap, it is tried again; at batch 32, where only a likely draft pays, it is not.
+There is no separate exploration: every estimate that nothing refreshes drifts back to its
+prior (``IDLE_DECAY`` per step since its last outcome): a sequence's rate to its population's,
+a population's to 0.5, a per-position rate (follow-on, made) to its prior. So a way or a depth
+that a few early outcomes ruled out is tried again once its prior pays at the current batch
+size, and its true rate is learned. Both were seen: at batch 4 the draft model's first five
+verifies (the first answer token of four sequences in lockstep, which it rarely gets right)
+put its population at 0.22 against ~0.45 in steady state, and it was not used for 100 steps;
+one early miss at position 1 (0.25 with its prior; a follow-on rate is learned only from
+verifies of two or more drafts) kept every batch-1 plan at one draft, where its true
+follow-on rate given a made draft is ~0.8. The population's rate starts at 0.5 with the
+weight of ``SHARED_WEIGHT`` outcomes, so that two unlucky first verifies (a new engine, one
+sequence) do not rule a way out at once.
 """
 
 from __future__ import annotations
@@ -98,7 +100,7 @@ class AcceptanceModel:
         self._decay = {way: STEADY_DECAY for way in steady}
         self._prior_weight = {way: STEADY_PRIOR_WEIGHT for way in steady}
         self._first: dict[tuple[int, str], _TimedRate] = {}
-        self._shared_first: dict[str, DecayedRate] = {}
+        self._shared_first: dict[str, _TimedRate] = {}
         self._follow: dict[str, list[_TimedRate]] = {}
         self._made: dict[str, list[_TimedRate]] = {}
         # way -> (accepted, expected, step of the last update)
@@ -107,7 +109,9 @@ class AcceptanceModel:
 
     def population(self, way: str) -> float:
         shared = self._shared_first.get(way)
-        return SHARED_PRIOR if shared is None else shared.rate(SHARED_PRIOR, SHARED_WEIGHT)
+        if shared is None:
+            return SHARED_PRIOR
+        return shared.value(SHARED_PRIOR, SHARED_WEIGHT, self.step)
 
     def first(self, seq_id: int, way: str) -> float:
         """The chance that the sequence's next first draft drafted ``way`` is accepted."""
@@ -163,7 +167,8 @@ class AcceptanceModel:
         if state is None:
             state = self._first[(seq_id, way)] = _TimedRate(DecayedRate(), self.step)
         state.observe(first, self._decay.get(way, DECAY), self.step)
-        self._shared_first.setdefault(way, DecayedRate()).observe(first, SHARED_DECAY)
+        shared = self._shared_first.setdefault(way, _TimedRate(DecayedRate(), self.step))
+        shared.observe(first, SHARED_DECAY, self.step)
         follow = self._follow.setdefault(way, [])
         while len(follow) < num_drafts:
             follow.append(_TimedRate(DecayedRate(), self.step))

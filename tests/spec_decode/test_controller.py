@@ -395,6 +395,30 @@ def test_one_early_miss_does_not_keep_plans_at_one_draft() -> None:
     assert drafts.index(max(drafts)) < 60
 
 
+def test_a_way_that_missed_in_lockstep_is_tried_again() -> None:
+    """Four sequences in lockstep missed their first draft-model drafts five times (the first
+    answer token, which a draft model rarely gets right): the population's rate fell to
+    ~0.22, under what a draft costs at batch 4, so no sequence drafted and nothing refreshed
+    it (the draft model went unused for 100 steps at batch 4). Unrefreshed, it drifts back
+    to its prior, and the plan drafts again within a bounded number of steps."""
+    controller = GoodputController((DRAFT,), hurdle=0.0)
+    for tokens in (4, 5, 6, 8, 10, 12):  # a row costs a 10th of a sequence's share of a step
+        controller.observe_step(tokens, 4, 0.0, 0.040 + 0.001 * (tokens - 4))
+    controller.observe_draft_forward(4, 0.002)
+    acceptance = controller.acceptance
+    for _ in range(5):
+        for seq_id in range(4):
+            acceptance.observe(seq_id, DRAFT, 1, 0)
+    assert acceptance.population(DRAFT) < 0.25
+    drafting = []
+    for _ in range(200):  # a plan without drafts refreshes nothing
+        choices = controller.plan([Candidate(i, 4, 100, []) for i in range(4)], 4, 4, 400.0, 16)
+        drafting.append(sum(c.drafts > 0 for c in choices))
+    assert drafting[0] == 0
+    assert max(drafting) == 4
+    assert drafting.index(4) < 60
+
+
 # ------------------------------------------------------------------ re-probing
 
 
