@@ -73,6 +73,7 @@ class StepTimes:
         self._step = np.full(window, -1, dtype=np.int64)  # when each slot was measured
         self._count = 0
         self._cache: _FitCache[StepCost] = _FitCache()
+        self._pair_cache: _FitCache[float] = _FitCache()
 
     def fit(self, tokens: float, seqs: float) -> StepCost:
         """The local linear model around a step of ``tokens`` tokens and ``seqs`` sequences
@@ -116,9 +117,11 @@ class StepTimes:
         # steps of 2 tokens at context ~60, 1 ms apart, priced a row at context 229 at 83 ms,
         # three decode steps, and the plan stopped drafting for good). The per-pair cost of
         # attention is one number whatever the step's size, so it is fitted on the wide
-        # kernel, and the narrow one fits the rest, all slopes >= 0 (see _weighted_fit).
-        wide = AGE_DECAY**age * (np.exp(-_nearness(x, tokens, seqs, BANDWIDTH)) + FLOOR)
-        per_pair = _weighted_fit(design, y, wide, constrained=True)[3]
+        # kernel around the plain step of ``seqs`` sequences (decodes at every context), and
+        # the narrow one fits the rest, all slopes >= 0 (see _weighted_fit).
+        per_pair = self._pair_cache.get(
+            (seqs,), self._count, lambda: _pair_slope(x, y, design, age, seqs)
+        )
         narrow = AGE_DECAY**age * (
             np.exp(-_nearness(x, tokens, seqs, SMALL_BANDWIDTH)) + SMALL_FLOOR
         )
@@ -135,6 +138,15 @@ def _nearness(x: np.ndarray, tokens: float, seqs: float, token_bandwidth: float)
         (np.log(x[:, 0] / max(tokens, 1.0)) / token_bandwidth) ** 2
         + (np.log(x[:, 1] / max(seqs, 1.0)) / BANDWIDTH) ** 2
     ) / 2
+
+
+def _pair_slope(
+    x: np.ndarray, y: np.ndarray, design: np.ndarray, age: np.ndarray, seqs: float
+) -> float:
+    """The per-pair slope (in units of ``PAIR_SCALE`` pairs) of the wide, constrained fit
+    around the plain step of ``seqs`` sequences."""
+    weight = AGE_DECAY**age * (np.exp(-_nearness(x, seqs, seqs, BANDWIDTH)) + FLOOR)
+    return float(_weighted_fit(design, y, weight, constrained=True)[3])
 
 
 class ForwardTimes:
