@@ -3,12 +3,16 @@
     python benchmarks/serve.py --dataset ../shared/data/specbench_dev.jsonl \
         --rates 0.5 2 4 --num-requests 40 --speculative off auto
 
-For each speculation setting a server is started (``specbatch serve`` in a subprocess, on a
-free port), warmed up, then for each request rate ``--num-requests`` streaming chat requests
-arrive as a Poisson process (bounded by ``--max-seconds``). Reported: TTFT, TPOT (per request,
-after the first token), ITL (between streamed chunks) at p50/p99, request throughput and output
-tok/s — per setting and rate, in one table, then each setting's TTFT and TPOT p50 over the
-first setting's at the same rate (``auto`` is the default: the goodput controller).
+A server is started per speculation setting (``specbatch serve`` in a subprocess, on a free
+port), all at once (an idle server waits on an event), and warmed up. Then for each request
+rate, ``--repeats`` times, each setting in turn gets ``--num-requests`` streaming chat
+requests arriving as a Poisson process (the same arrival times and prompts for every setting,
+new arrival times per repeat; bounded by ``--max-seconds``): runs interleaved, so that the
+drift of a shared machine hits every setting alike. Reported: TTFT, TPOT (per request, after
+the first token), ITL (between streamed chunks) at p50/p99, request throughput and output
+tok/s per run, in one table, then each setting's TTFT p50, TPOT p50 and output tok/s over the
+first setting's at the same rate and repeat: the median of those ratios and their range
+(``auto`` is the default: the goodput controller).
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import httpx
 
 from benchmarks.common import load_specbench, print_conditions, write_json
+
+NAMES = ("TTFT p50", "TPOT p50", "output tok/s")  # the ratios printed per setting and rate
 
 
 def free_port() -> int:
@@ -156,6 +162,9 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=32)
     parser.add_argument("--speculative", nargs="+", default=["off", "auto"])
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--repeats", type=int, default=1, help="runs of every (setting, rate), interleaved"
+    )
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     prompts = [p.text for p in load_specbench(args.dataset)]
@@ -168,50 +177,57 @@ def main() -> None:
         max_tokens=args.max_tokens,
         max_num_seqs=args.max_num_seqs,
         speculative=args.speculative,
+        repeats=args.repeats,
         dataset=args.dataset,
     )
+    servers = {}
     rows = []
-    for setting in args.speculative:
-        process, url = start_server(args, setting)
-        try:
-            asyncio.run(
-                run_rate(
-                    url,
-                    prompts[:2],
-                    10.0,
-                    argparse.Namespace(**{**vars(args), "num_requests": 2, "max_tokens": 8}),
-                )
-            )  # warm-up
-            for rate in args.rates:
-                result = asyncio.run(run_rate(url, prompts, rate, args))
-                rows.append({"speculative": setting, "rate": rate, **result})
-                print(f"{setting} @ {rate} req/s: {result}", flush=True)
-        finally:
+    try:
+        for setting in args.speculative:
+            servers[setting] = start_server(args, setting)
+            warm_up = argparse.Namespace(**{**vars(args), "num_requests": 2, "max_tokens": 8})
+            asyncio.run(run_rate(servers[setting][1], prompts[:2], 10.0, warm_up))
+        for rate in args.rates:
+            for repeat in range(args.repeats):  # new arrival times per repeat, alike per setting
+                run_args = argparse.Namespace(**{**vars(args), "seed": args.seed + repeat})
+                for setting in args.speculative:
+                    result = asyncio.run(run_rate(servers[setting][1], prompts, rate, run_args))
+                    rows.append({"speculative": setting, "rate": rate, "repeat": repeat, **result})
+                    print(f"{setting} @ {rate} req/s #{repeat}: {result}", flush=True)
+    finally:
+        for process, _ in servers.values():
             process.terminate()
             process.wait(timeout=60)
     print()
     print(
-        f"{'spec':>6} {'rate':>5} {'req/s':>6} {'tok/s':>7} {'TTFT p50':>9} {'p99':>7} "
+        f"{'spec':>6} {'rate':>5} {'#':>2} {'req/s':>6} {'tok/s':>7} {'TTFT p50':>9} {'p99':>7} "
         f"{'TPOT p50':>9} {'p99':>7} {'ITL p50':>8} {'p99':>7}"
     )
     for r in rows:
         print(
-            f"{r['speculative']:>6} {r['rate']:>5} {r['req_s']:>6.2f} {r['out_tok_s']:>7.1f} "
+            f"{r['speculative']:>6} {r['rate']:>5} {r['repeat']:>2} {r['req_s']:>6.2f} "
+            f"{r['out_tok_s']:>7.1f} "
             f"{1000 * r['ttft_p50']:>8.0f}ms {1000 * r['ttft_p99']:>6.0f}ms "
             f"{1000 * r['tpot_p50']:>8.1f}ms {1000 * r['tpot_p99']:>6.1f}ms "
             f"{1000 * r['itl_p50']:>7.1f}ms {1000 * r['itl_p99']:>6.1f}ms"
         )
-    base = {r["rate"]: r for r in rows if r["speculative"] == args.speculative[0]}
+    first = args.speculative[0]
+    base = {(r["rate"], r["repeat"]): r for r in rows if r["speculative"] == first}
     print()
-    for r in rows:
-        if r["speculative"] == args.speculative[0]:
-            continue
-        b = base[r["rate"]]
-        print(
-            f"{r['speculative']} / {args.speculative[0]} @ {r['rate']} req/s: TTFT p50 "
-            f"x{r['ttft_p50'] / b['ttft_p50']:.2f}, TPOT p50 x{r['tpot_p50'] / b['tpot_p50']:.2f}, "
-            f"output tok/s x{r['out_tok_s'] / b['out_tok_s']:.2f}"
-        )
+    for setting in args.speculative[1:]:
+        for rate in args.rates:
+            runs = [r for r in rows if r["speculative"] == setting and r["rate"] == rate]
+            ratios = {
+                key: sorted(r[key] / base[(rate, r["repeat"])][key] for r in runs)
+                for key in ("ttft_p50", "tpot_p50", "out_tok_s")
+            }
+            print(
+                f"{setting} / {first} @ {rate} req/s, {len(runs)} runs: "
+                + ", ".join(
+                    f"{name} x{statistics.median(v):.2f} ({v[0]:.2f}..{v[-1]:.2f})"
+                    for name, v in zip(NAMES, ratios.values(), strict=True)
+                )
+            )
     write_json(args.json, {"conditions": vars(args), "rows": rows})
 
 
