@@ -36,7 +36,8 @@ import httpx
 
 from benchmarks.common import load_specbench, print_conditions, write_json
 
-NAMES = ("TTFT p50", "TPOT p50", "output tok/s")  # the ratios printed per setting and rate
+# the ratios printed per setting and rate: (row key, label)
+RATIOS = (("ttft_p50", "TTFT p50"), ("tpot_p50", "TPOT p50"), ("out_tok_s", "output tok/s"))
 
 
 def free_port() -> int:
@@ -218,14 +219,14 @@ def main() -> None:
         for rate in args.rates:
             runs = [r for r in rows if r["speculative"] == setting and r["rate"] == rate]
             ratios = {
-                key: sorted(r[key] / base[(rate, r["repeat"])][key] for r in runs)
-                for key in ("ttft_p50", "tpot_p50", "out_tok_s")
+                label: sorted(r[key] / base[(rate, r["repeat"])][key] for r in runs)
+                for key, label in RATIOS
             }
             print(
                 f"{setting} / {first} @ {rate} req/s, {len(runs)} runs: "
                 + ", ".join(
-                    f"{name} x{statistics.median(v):.2f} ({v[0]:.2f}..{v[-1]:.2f})"
-                    for name, v in zip(NAMES, ratios.values(), strict=True)
+                    f"{label} x{statistics.median(v):.2f} ({v[0]:.2f}..{v[-1]:.2f})"
+                    for label, v in ratios.items()
                 )
             )
     write_json(args.json, {"conditions": vars(args), "rows": rows})
