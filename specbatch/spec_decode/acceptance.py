@@ -39,6 +39,7 @@ sequence) do not rule a way out at once.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -91,6 +92,41 @@ class _TimedRate:
         return self.rate.rate(prior, weight, IDLE_DECAY ** max(step - self.step, 0))
 
 
+class _PositionRates:
+    """One way's timed rates per draft position (follow-on or made), kept in plain lists: a
+    plan reads every position of every way each step, a handful of floats each, where
+    numpy's per-call cost and a loop over per-position objects each cost more than the
+    rest of the plan's estimates."""
+
+    def __init__(self) -> None:
+        self.hits: list[float] = []
+        self.total: list[float] = []
+        self.step: list[int] = []  # when each position last had an outcome
+
+    def observe(self, start: int, stop: int, right_below: int, decay: float, step: int) -> None:
+        """Outcomes at positions ``start .. stop - 1``: right below position ``right_below``,
+        wrong from it on (a position seen for the first time starts empty at ``step``)."""
+        grow = stop - len(self.hits)
+        if grow > 0:
+            self.hits += [0.0] * grow
+            self.total += [0.0] * grow
+            self.step += [step] * grow
+        for position in range(start, stop):
+            scale = IDLE_DECAY ** max(step - self.step[position], 0)
+            self.hits[position] = decay * (self.hits[position] * scale) + (position < right_below)
+            self.total[position] = decay * (self.total[position] * scale) + 1.0
+            self.step[position] = step
+
+    def values(self, count: int, prior: float, weight: float, step: int) -> list[float]:
+        """The rates of positions ``0 .. count - 1`` (``prior`` where none was seen)."""
+        out = []
+        seen = zip(self.hits[:count], self.total[:count], self.step[:count], strict=True)
+        for hits, total, last in seen:
+            scale = IDLE_DECAY ** max(step - last, 0)
+            out.append((scale * hits + weight * prior) / (scale * total + weight))
+        return out + [prior] * (count - len(out))
+
+
 class AcceptanceModel:
     """Per (sequence, way) first-draft rates and per (way, position) follow-on rates."""
 
@@ -101,8 +137,8 @@ class AcceptanceModel:
         self._prior_weight = {way: STEADY_PRIOR_WEIGHT for way in steady}
         self._first: dict[tuple[int, str], _TimedRate] = {}
         self._shared_first: dict[str, _TimedRate] = {}
-        self._follow: dict[str, list[_TimedRate]] = {}
-        self._made: dict[str, list[_TimedRate]] = {}
+        self._follow: dict[str, _PositionRates] = {}
+        self._made: dict[str, _PositionRates] = {}
         # way -> (accepted, expected, step of the last update)
         self._calibration: dict[str, tuple[float, float, int]] = {}
         self.step = 0  # advanced by the controller once per planned step
@@ -115,42 +151,67 @@ class AcceptanceModel:
 
     def first(self, seq_id: int, way: str) -> float:
         """The chance that the sequence's next first draft drafted ``way`` is accepted."""
+        return self.firsts(way, (seq_id,))[0]
+
+    def firsts(self, way: str, seq_ids: Iterable[int]) -> list[float]:
+        """``first`` of each of ``seq_ids`` drafting ``way`` (a plan asks for every
+        candidate's each step: one pass, the population's rate found once)."""
         prior = self.population(way)
-        state = self._first.get((seq_id, way))
-        if state is None:
-            return prior
-        return state.value(prior, self._prior_weight.get(way, PRIOR_WEIGHT), self.step)
+        weight = self._prior_weight.get(way, PRIOR_WEIGHT)
+        states, step = self._first, self.step
+        out = []
+        for seq_id in seq_ids:
+            state = states.get((seq_id, way))
+            if state is None:
+                out.append(prior)
+                continue
+            scale = IDLE_DECAY ** max(step - state.step, 0)
+            rate = state.rate
+            out.append((scale * rate.hits + weight * prior) / (scale * rate.total + weight))
+        return out
 
     def follow(self, way: str, count: int) -> np.ndarray:
         """Chance that draft ``j`` (1 .. count - 1) is accepted given draft ``j - 1`` was;
         entry 0 is 1."""
-        rates = self._follow.get(way, [])
-        out = np.ones(count)
-        for j in range(1, count):
-            out[j] = (
-                rates[j].value(SHARED_PRIOR, 1.0, self.step) if j < len(rates) else SHARED_PRIOR
-            )
+        return self.follow_rows((way,), count)[0]
+
+    def follow_rows(self, ways: tuple[str, ...], count: int) -> np.ndarray:
+        """``follow`` of each of ``ways`` (ways x count), in one array."""
+        rows = []
+        for way in ways:
+            rates = self._follow.get(way)
+            if rates is None:
+                rows.append([SHARED_PRIOR] * count)
+            else:
+                rows.append(rates.values(count, SHARED_PRIOR, 1.0, self.step))
+        out = np.array(rows, dtype=np.float64).reshape(len(ways), count)
+        out[:, :1] = 1.0
         return out
 
     def made(self, way: str, count: int) -> np.ndarray:
         """Chance that draft ``j`` (0 .. count - 1) is made when ``count`` are allotted: the
         proposer made every one before it and did not stop (1 until a proposer stops early
         or drops a first draft: a prior of one pseudo-outcome at "made")."""
-        rates = self._made.get(way, [])
-        going_on = np.ones(count)
-        for j in range(min(count, len(rates))):
-            going_on[j] = rates[j].value(1.0, 1.0, self.step)
-        return np.cumprod(going_on)
+        return self.made_rows((way,), count)[0]
+
+    def made_rows(self, ways: tuple[str, ...], count: int) -> np.ndarray:
+        """``made`` of each of ``ways`` (ways x count), in one array."""
+        rows = []
+        for way in ways:
+            rates = self._made.get(way)
+            if rates is None:
+                rows.append([1.0] * count)
+            else:
+                rows.append(rates.values(count, 1.0, 1.0, self.step))
+        going_on = np.array(rows, dtype=np.float64).reshape(len(ways), count)
+        return np.cumprod(going_on, axis=1)
 
     def observe_made(self, way: str, allotted: int, made: int) -> None:
         """The proposer made ``made`` of the ``allotted`` drafts of ``way``."""
         if allotted <= 0:
             return
-        rates = self._made.setdefault(way, [])
-        while len(rates) < allotted:
-            rates.append(_TimedRate(DecayedRate(), self.step))
-        for position in range(min(made + 1, allotted)):
-            rates[position].observe(position < made, SHARED_DECAY, self.step)
+        rates = self._made.setdefault(way, _PositionRates())
+        rates.observe(0, min(made + 1, allotted), made, SHARED_DECAY, self.step)
 
     def gains(self, seq_id: int, way: str, count: int) -> np.ndarray:
         """Chance that each of the next ``count`` drafts is emitted (it and every one before
@@ -169,11 +230,8 @@ class AcceptanceModel:
         state.observe(first, self._decay.get(way, DECAY), self.step)
         shared = self._shared_first.setdefault(way, _TimedRate(DecayedRate(), self.step))
         shared.observe(first, SHARED_DECAY, self.step)
-        follow = self._follow.setdefault(way, [])
-        while len(follow) < num_drafts:
-            follow.append(_TimedRate(DecayedRate(), self.step))
-        for position in range(1, min(num_accepted + 1, num_drafts)):
-            follow[position].observe(position < num_accepted, SHARED_DECAY, self.step)
+        follow = self._follow.setdefault(way, _PositionRates())
+        follow.observe(1, min(num_accepted + 1, num_drafts), num_accepted, SHARED_DECAY, self.step)
 
     def calibration(self, way: str) -> float:
         """Drafts of ``way`` accepted per draft the plans expected to be by the uncalibrated

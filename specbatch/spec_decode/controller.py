@@ -19,7 +19,9 @@ planned slower per token than speculation off. The maximum of that ratio is foun
 (Dinkelbach's method: for a trial ratio ``r`` each sequence independently takes the prefix of
 drafts maximising ``sum(gain - r * cost)``; the ratio of that choice is the next ``r`` until it
 stops rising), once per possible depth of the draft model's forwards, whose fixed cost is
-shared by every sequence drafting that deep.
+shared by every sequence drafting that deep; one pass over every depth first finds those at
+which no plan can beat the plain step, whose solves are skipped (most steps' every depth, at
+batches where drafting seldom pays).
 
 Times come from :mod:`step_times` (measured as the engine runs), chances from
 :mod:`acceptance` (measured from verifies, and for prompt lookup also from steps where the
@@ -146,30 +148,37 @@ class GoodputController:
         """Per candidate, way and draft position: the chance it is emitted, the seconds it
         adds (the draft model's per-forward cost aside), whether it may be drafted; each
         weighted by the chance that the proposer makes it when allotted."""
-        most = max(c.slots for c in candidates)
-        context = np.array([c.context for c in candidates], dtype=np.float64)
+        count = len(candidates)
+        table = np.array(
+            [(c.slots, c.context, c.catch_up, c.remaining) for c in candidates], dtype=np.float64
+        ).reshape(count, 4)
+        slots, context = table[:, 0].astype(np.int64), table[:, 1]
+        most = int(slots.max())
         row = self._row_prices(base_tokens, base_seqs, base_pairs, context, most)
-        self._draft_fit = self.draft_times.fit(len(candidates)) if DRAFT in self.ways else (0, 0)
+        self._draft_fit = self.draft_times.fit(count) if DRAFT in self.ways else (0, 0)
         acceptance = self.acceptance
-        usable = np.zeros((len(candidates), len(self.ways)), dtype=np.int64)
+        usable = np.zeros((count, len(self.ways)), dtype=np.int64)
         first = np.zeros(usable.shape)
-        model_ways = [(w, way) for w, way in enumerate(self.ways) if way not in LOOKUP_WAYS]
-        lookup_index = {way: self.ways.index(way) for way in LOOKUP_WAYS if way in self.ways}
+        seq_ids = [c.seq_id for c in candidates]
+        for w, way in enumerate(self.ways):
+            if way not in LOOKUP_WAYS:
+                usable[:, w] = slots
+                first[:, w] = acceptance.firsts(way, seq_ids)
+        # each candidate with a match: its lookup's way (by match length) and what it drafts
+        lookups: dict[int, list[int]] = {}
         for i, c in enumerate(candidates):
-            for w, way in model_ways:
-                usable[i, w] = c.slots
-                first[i, w] = acceptance.first(c.seq_id, way)
-            if c.lookup and lookup_index:
-                way = lookup_way(c.lookup_n)
-                w = lookup_index[way]
+            if c.lookup and lookup_way(c.lookup_n) in self.ways:
+                w = self.ways.index(lookup_way(c.lookup_n))
+                lookups.setdefault(w, []).append(i)
                 usable[i, w] = min(c.slots, len(c.lookup))
-                first[i, w] = acceptance.first(c.seq_id, way)
-        follow = np.stack([np.cumprod(acceptance.follow(way, most)) for way in self.ways])
+        for w, index in lookups.items():
+            first[index, w] = acceptance.firsts(self.ways[w], [seq_ids[i] for i in index])
+        follow = np.cumprod(acceptance.follow_rows(self.ways, most), axis=1)
         positions = np.arange(most)
         valid = positions[None, None, :] < usable[:, :, None]
         calibration = np.array([acceptance.calibration(way) for way in self.ways])
         uncalibrated = np.where(valid, first[:, :, None] * follow[None], 0.0)
-        made = np.stack([acceptance.made(way, most) for way in self.ways])[None]
+        made = acceptance.made_rows(self.ways, most)[None]
         gains = np.minimum(calibration[None, :, None] * uncalibrated, 1.0) * made
         # the proposer's work for draft j is done when j is made, and for the first whenever
         # one is allotted (a draft model may drop a first draft it computed)
@@ -188,12 +197,13 @@ class GoodputController:
         proposing = np.array(extra)[None, :, None] * ran
         costs = np.where(valid, row[:, None, :] * made + proposing, 0.0)
         if DRAFT in self.ways:  # the backlog a draft model must catch up on, amortised
-            backlog = np.array([_amortised_backlog(c) for c in candidates])
+            catch_up = np.maximum(table[:, 2], 1.0)
+            backlog = _amortised_backlog(catch_up, table[:, 3])
             # at the per-row cost of a forward of the catch-up's size, not of a one-row-per-
             # sequence forward (whose slope, near one row, says little about 40 rows)
-            rows = sum(max(c.catch_up, 1) for c in candidates)
+            rows = float(catch_up.sum())
             per_row = self._draft_fit[1]
-            if rows > len(candidates):
+            if rows > count:
                 per_row = self.draft_times.fit(rows)[1]
             costs[:, self.ways.index(DRAFT), 0] += per_row * backlog
         return _Options(gains, costs, valid, uncalibrated, made[0], ran[0])
@@ -255,9 +265,10 @@ class GoodputController:
             forwards[1:] = np.cumsum(runs)
         per_forward = self._draft_fit[0]
         plain = seqs / base
-        best: tuple[list[tuple[int, int]], float] = ([(0, -1)] * seqs, plain * (1 + self.hurdle))
-        if not _any_beats(cum_gains, cum_costs, valid, best[1]):
-            return [(0, -1)] * seqs, plain
+        floor = plain * (1 + self.hurdle)
+        best: tuple[list[tuple[int, int]], float] = ([(0, -1)] * seqs, floor)
+        bases = base + per_forward * forwards[: len(depths)]
+        promising = _promising_depths(cum_gains, cum_costs, valid, draft, bases, seqs, floor)
         for depth in depths:
             allowed = valid
             if draft is not None:
@@ -265,12 +276,12 @@ class GoodputController:
                 allowed[:, draft, depth:] = False
             if depth and not allowed[:, draft].any():
                 break
-            chosen, ratio = _dinkelbach(
-                cum_gains, cum_costs, allowed, seqs, base + per_forward * forwards[depth], best[1]
-            )
+            if not promising[depth]:
+                continue
+            chosen, ratio = _dinkelbach(cum_gains, cum_costs, allowed, seqs, bases[depth], best[1])
             if ratio > best[1] * (1 + EPSILON):
                 best = chosen, ratio
-        if best[1] <= plain * (1 + self.hurdle):  # nothing cleared the hurdle: the plain step
+        if best[1] <= floor:  # nothing cleared the hurdle: the plain step
             return [(0, -1)] * seqs, plain
         return best
 
@@ -358,24 +369,42 @@ class _Options:
     ran: np.ndarray  # chance the proposer works for it when allotted (made, or the first)
 
 
-def _amortised_backlog(candidate: Candidate) -> float:
-    """Catch-up rows beyond the one a step costs anyway, spread over the steps left to the
-    sequence (about two tokens a step while it drafts), at most ``AMORTISE_STEPS``: a first
-    draft is a bet that drafting goes on, not that it lasts the whole sequence."""
-    steps = min(candidate.remaining / 2, AMORTISE_STEPS)
-    return (max(candidate.catch_up, 1) - 1) / max(steps, 1.0)
+def _amortised_backlog(catch_up: np.ndarray, remaining: np.ndarray) -> np.ndarray:
+    """Per candidate, catch-up rows beyond the one a step costs anyway (``catch_up``: at
+    least 1), spread over the steps left to the sequence (about two tokens a step while it
+    drafts), at most ``AMORTISE_STEPS``: a first draft is a bet that drafting goes on, not
+    that it lasts the whole sequence."""
+    steps = np.minimum(remaining / 2, AMORTISE_STEPS)
+    return (catch_up - 1) / np.maximum(steps, 1.0)
 
 
-def _any_beats(
-    cum_gains: np.ndarray, cum_costs: np.ndarray, valid: np.ndarray, ratio: float
-) -> bool:
-    """Whether any plan can have a goodput above ``ratio`` (at least the plain step's): one
-    needs a prefix of drafts worth more than ``ratio`` times its seconds, since the plain
-    part of the step and any draft forward's fixed cost only pull a plan below it. Where no
-    candidate has one (the common case at larger batches) every depth's solve would find
-    nothing, so the plan skips them."""
-    values = np.where(valid, cum_gains - ratio * cum_costs, -np.inf)
-    return bool(values.max(initial=-np.inf) > EPSILON * max(ratio, 1.0))
+def _promising_depths(
+    cum_gains: np.ndarray,
+    cum_costs: np.ndarray,
+    valid: np.ndarray,
+    draft: int | None,
+    bases: np.ndarray,
+    seqs: int,
+    floor: float,
+) -> np.ndarray:
+    """Per depth of the draft model's forwards (``bases``: the step's seconds with them),
+    whether a plan of that depth can have a goodput above ``floor``: some choice of one
+    prefix per candidate must be worth more than ``floor`` times its seconds by more than
+    the plain part of the step falls short, ``sum(max(0, best prefix's gain - floor *
+    cost)) > floor * base - seqs``. A depth that fails it fails at any higher ratio too (a
+    prefix's value only falls as the ratio rises), so its solve would find nothing: one
+    pass over all depths replaces a solve per depth (at larger batches, most steps' every
+    depth). A depth allows the draft model's positions below it and every other way's."""
+    values = np.where(valid, cum_gains - floor * cum_costs, -np.inf)
+    if draft is None:
+        per_depth = values.max(axis=(1, 2), initial=-np.inf)[:, None]
+    else:
+        others = np.delete(values, draft, axis=1).max(axis=(1, 2), initial=-np.inf)
+        deeper = np.maximum.accumulate(values[:, draft], axis=1)
+        per_depth = np.maximum(others[:, None], np.concatenate([others[:, None], deeper], 1))
+    worth = np.maximum(per_depth, 0.0).sum(axis=0)
+    # a hair of slack, so that rounding never skips a depth the solve would take
+    return worth > (floor * bases - seqs) * (1 - 1e-9)
 
 
 def _dinkelbach(

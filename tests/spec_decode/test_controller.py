@@ -15,12 +15,18 @@ import pytest
 from specbatch.sampling_params import SamplingParams
 from specbatch.scheduler import ScheduledSequence, SchedulerOutput
 from specbatch.sequence import Sequence
-from specbatch.spec_decode.acceptance import AcceptanceModel
+from specbatch.spec_decode.acceptance import (
+    AcceptanceModel,
+    DecayedRate,
+    _PositionRates,
+    _TimedRate,
+)
 from specbatch.spec_decode.controller import (
     DRAFT,
     LOOKUP_WAYS,
     Candidate,
     GoodputController,
+    _promising_depths,
 )
 from specbatch.spec_decode.ngram import NgramProposer
 from specbatch.spec_decode.speculator import Speculator
@@ -62,9 +68,11 @@ def with_rates(
     (given the one before) with ``follow`` (default: the same rate as the first, for one
     sequence: independent drafts)."""
     acceptance = controller.acceptance
-    acceptance.first = lambda seq_id, way: rates[seq_id]  # type: ignore[method-assign]
+    acceptance.firsts = lambda way, seq_ids: [rates[i] for i in seq_ids]  # type: ignore[method-assign]
     later = next(iter(rates.values())) if follow is None else follow
-    acceptance.follow = lambda way, count: np.r_[1.0, np.full(count - 1, later)]  # type: ignore[method-assign]
+    acceptance.follow_rows = lambda ways, count: np.array(  # type: ignore[method-assign]
+        [np.r_[1.0, np.full(count - 1, later)] for _ in ways]
+    )
 
 
 def candidates(slots: list[int], context: int = 0) -> list[Candidate]:
@@ -325,8 +333,10 @@ def test_hybrid_plan_is_the_exhaustive_optimum(seed: int) -> None:
             rates[(i, way)] = float(rng.choice([0.1, 0.5, 0.9]))
     follows = {way: float(rng.choice([0.3, 0.8, 1.0])) for way in (*LOOKUP_WAYS, DRAFT)}
     acceptance = controller.acceptance
-    acceptance.first = lambda seq_id, way: rates[(seq_id, way)]  # type: ignore[method-assign]
-    acceptance.follow = lambda way, count: np.r_[1.0, np.full(count - 1, follows[way])]  # type: ignore[method-assign]
+    acceptance.firsts = lambda way, seq_ids: [rates[(i, way)] for i in seq_ids]  # type: ignore[method-assign]
+    acceptance.follow_rows = lambda ways, count: np.array(  # type: ignore[method-assign]
+        [np.r_[1.0, np.full(count - 1, follows[way])] for way in ways]
+    )
     choices = controller.plan(cands, count, count, 0.0, 1000)
 
     def ratio(plan: list[tuple[str, int]]) -> float:
@@ -381,7 +391,7 @@ def test_one_early_miss_does_not_keep_plans_at_one_draft() -> None:
         controller.observe_step(tokens, 1, 0.0, 0.020 + 0.001 * (tokens - 1))
     controller.observe_draft_forward(1, 0.002)
     acceptance = controller.acceptance
-    acceptance.first = lambda seq_id, way: 0.6  # type: ignore[method-assign]
+    acceptance.firsts = lambda way, seq_ids: [0.6 for _ in seq_ids]  # type: ignore[method-assign]
     acceptance.observe_made(DRAFT, 2, 2)
     acceptance.observe(0, DRAFT, 2, 1)  # the second draft was wrong, once
     assert acceptance.follow(DRAFT, 2)[1] == pytest.approx(0.25)
@@ -640,3 +650,57 @@ def test_rows_at_batch_8_are_priced_at_the_slope_of_the_steps_drafts_make() -> N
         controller.observe_step(tokens, 8, pairs, clock(tokens, pairs))
     controller.plan(candidates([8] * 8, context=200), 8, 8, 8 * 200, 1000)
     assert controller.row_seconds(200) == pytest.approx(0.003 + 1e-7 * 200, rel=0.25)
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_depths_skipped_are_those_no_plan_of_that_depth_beats(seed: int) -> None:
+    """The one-pass test that spares a solve per depth against brute force: a depth is kept
+    exactly when some choice of one prefix (or none) per candidate, the draft model's below
+    the depth, has a goodput above the floor."""
+    rng = np.random.default_rng(seed)
+    count, ways, positions = (int(rng.integers(1, n)) for n in (4, 4, 5))
+    draft = None if rng.random() < 0.3 else int(rng.integers(0, ways))
+    usable = rng.integers(0, positions + 1, (count, ways))
+    valid = np.arange(positions)[None, None, :] < usable[:, :, None]
+    # many drafts worth little, so that a longer prefix is often worth less than a shorter
+    cum_gains = np.cumsum(rng.uniform(0, 1, (count, ways, positions)) ** 3, axis=2)
+    cum_costs = np.cumsum(rng.uniform(0, 0.004, (count, ways, positions)), axis=2)
+    depths = positions + 1 if draft is not None else 1
+    bases = 0.02 + np.cumsum(np.r_[0.0, rng.uniform(0, 0.003, depths - 1)])
+    floor = count / bases[0] * float(rng.uniform(1.0, 1.6))
+    promising = _promising_depths(cum_gains, cum_costs, valid, draft, bases, count, floor)
+    for depth in range(depths):
+        per_candidate = []
+        for i in range(count):
+            mine = [(0.0, 0.0)]
+            for w in range(ways):
+                for j in range(positions):
+                    if valid[i, w, j] and (w != draft or j < depth):
+                        mine.append((cum_gains[i, w, j], cum_costs[i, w, j]))
+            per_candidate.append(mine)
+        beaten = any(
+            (count + sum(g for g, _ in plan)) / (bases[depth] + sum(c for _, c in plan)) > floor
+            for plan in itertools.product(*per_candidate)
+        )
+        assert promising[depth] == beaten, depth
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_position_rates_are_one_timed_rate_per_position(seed: int) -> None:
+    """The per-position lists a plan reads against one ``_TimedRate`` object per position
+    (the obvious form), over random outcomes, idle steps and reads past what was seen."""
+    rng = random.Random(seed)
+    fast, slow = _PositionRates(), []
+    step = 0
+    for _ in range(100):
+        step += rng.choice([0, 1, 1, 5])
+        start, stop = rng.randint(0, 3), rng.randint(0, 7)
+        right_below, decay = rng.randint(0, 7), rng.choice([0.9, 0.99])
+        fast.observe(start, stop, right_below, decay, step)
+        while len(slow) < stop:
+            slow.append(_TimedRate(DecayedRate(), step))
+        for position in range(start, stop):
+            slow[position].observe(position < right_below, decay, step)
+        count = rng.randint(0, 9)
+        want = [slow[j].value(0.5, 1.0, step + 3) if j < len(slow) else 0.5 for j in range(count)]
+        assert fast.values(count, 0.5, 1.0, step + 3) == pytest.approx(want, rel=1e-12)
