@@ -1,17 +1,19 @@
 """Where a speculative engine's time goes, step by step, against speculation off in the same run.
 
     python benchmarks/spec_steps.py --dataset ../shared/data/specbench_dev.jsonl \
-        --category writing --proposers default hybrid:k=4,min=2,conf=0.5
+        --category writing --proposers default hybrid:k=4,min=2,conf=0.5 [--batch 4]
 
 For each engine (speculation off, then each proposer, specs as in ``spec_decode.py``) the
-category's prompts are generated greedily one at a time (batch 1) after a warm-up run, and every
-step is recorded: the way and number of drafts its plan gave (the controller's, or ``fixed``
-with the number the proposer made), the tokens it emitted and its wall time. Printed per
-engine: steps, seconds, the mean time a step spends in the speculator's plan / propose / verify
-and in the target's forward, and per (way, drafts) group the steps, ms per step, tokens per
-step and ms per token. Outputs are identical across engines (greedy), so step counts and times
-compare equal work. It explains a gap between two configurations; ``spec_decode.py`` measures
-it.
+category's prompts are generated greedily one at a time (batch 1; ``--batch N``: N at once,
+the prompts cycled) after a warm-up run, and every step is recorded: the way and number of
+drafts its plan gave (the controller's, or ``fixed`` with the number the proposer made; with
+a batch, the drafts of all its sequences, grouped as ``batch``), the tokens it emitted and its
+wall time. Printed per engine: steps, seconds, the mean time a step spends in the speculator's
+plan / propose / verify, in the controller's plan (part of plan) and in the target's forward,
+and the host time (the step's time outside the forward and the proposer), then per (way,
+drafts) group the steps, ms per step, tokens per step and ms per token. Outputs are identical
+across engines (greedy), so step counts and times compare equal work. It explains a gap
+between two configurations; ``spec_decode.py`` measures it.
 """
 
 from __future__ import annotations
@@ -33,11 +35,11 @@ from specbatch import LLMEngine, SamplingParams
 from specbatch.config import EngineConfig
 from specbatch.spec_decode.speculator import Speculator
 
-PARTS = ("plan", "propose", "verify")
+PARTS = ("plan", "propose", "verify", "controller")
 
 
-def timed(owner: Any, name: str, totals: dict[str, float]) -> None:
-    """Wrap ``owner.name`` so that its time adds to ``totals[name]``."""
+def timed(owner: Any, name: str, totals: dict[str, float], key: str | None = None) -> None:
+    """Wrap ``owner.name`` so that its time adds to ``totals[key or name]``."""
     original: Callable[..., Any] = getattr(owner, name)
 
     def wrapped(*args: Any, **kwargs: Any) -> Any:
@@ -45,7 +47,7 @@ def timed(owner: Any, name: str, totals: dict[str, float]) -> None:
         try:
             return original(*args, **kwargs)
         finally:
-            totals[name] += time.perf_counter() - start
+            totals[key or name] += time.perf_counter() - start
 
     setattr(owner, name, wrapped)
 
@@ -53,8 +55,10 @@ def timed(owner: Any, name: str, totals: dict[str, float]) -> None:
 def instrument(engine: LLMEngine, totals: dict[str, float], verdicts: list[tuple]) -> None:
     """Time the speculator's parts and the forward; record each sequence's verdict."""
     speculator = engine.speculator
-    for part in PARTS:
+    for part in ("plan", "propose", "verify"):
         timed(speculator, part, totals)
+    if speculator.controller is not None:  # the plan's own time, inside the speculator's
+        timed(speculator.controller, "plan", totals, "controller")
     if engine.scheduler.draft_planner is not None:  # bound before the wrapper existed
         engine.scheduler.draft_planner = speculator.plan
     timed(engine.runner, "forward", totals)
@@ -82,41 +86,62 @@ class Recorder:
         instrument(engine, self.totals, self.verdicts)
 
 
-def run(recorder: Recorder, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
+def run(
+    recorder: Recorder, prompts: list[list[int]], max_tokens: int, batch: int
+) -> dict[str, Any]:
+    """The prompts one at a time (``batch`` 1) or ``batch`` at once, cycled."""
     engine, totals, verdicts = recorder.engine, recorder.totals, recorder.verdicts
     totals.clear()
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    steps: list[tuple[tuple, float, float]] = []
-    outputs = []
-    for i, prompt in enumerate(prompts):
-        engine.add_request(f"steps-{time.monotonic_ns()}-{i}", prompt, params)
+    steps: list[tuple[tuple, float, float, float]] = []
+    outputs: dict[str, list[int]] = {}
+    groups = [[p] for p in prompts] if batch == 1 else [(prompts * batch)[:batch]]
+    for g, group in enumerate(groups):
+        for i, prompt in enumerate(group):
+            engine.add_request(f"steps-{g}-{i:03d}-{time.monotonic_ns()}", prompt, params)
         while engine.has_unfinished_requests():
             verdicts.clear()
-            forward = totals["forward"]
+            forward, propose = totals["forward"], totals["propose"]
             start = time.perf_counter()
             for out in engine.step():
                 if out.finished:
-                    outputs.append(list(out.outputs[0].token_ids))
-            verdict = verdicts[0] if verdicts else ("prompt", 0, -1)
+                    outputs[out.request_id.rsplit("-", 1)[0]] = list(out.outputs[0].token_ids)
             elapsed = time.perf_counter() - start
-            steps.append((verdict, elapsed, totals["forward"] - forward))
-    return {"steps": steps, "totals": dict(totals), "outputs": outputs}
+            if not verdicts:
+                verdict: tuple = ("prompt", 0, -1)
+            elif batch == 1:
+                verdict = verdicts[0]
+            else:  # the batch's drafts and accepted drafts, summed
+                drafted = sum(v[1] for v in verdicts)
+                verdict = ("batch" if drafted else None, drafted, sum(v[2] for v in verdicts))
+            steps.append(
+                (verdict, elapsed, totals["forward"] - forward, totals["propose"] - propose)
+            )
+    return {
+        "steps": steps,
+        "totals": dict(totals),
+        "outputs": [outputs[k] for k in sorted(outputs)],
+    }
 
 
-def report(name: str, result: dict[str, Any]) -> None:
+def report(name: str, result: dict[str, Any], batch: int) -> None:
     steps, totals = result["steps"], result["totals"]
     seconds = sum(step[1] for step in steps)
+    host = seconds - sum(step[2] + step[3] for step in steps)
     parts = ", ".join(
         f"{part} {1000 * totals.get(part, 0.0) / len(steps):.2f}" for part in (*PARTS, "forward")
     )
-    print(f"{name}: {len(steps)} steps, {seconds:.2f} s, ms per step: {parts}")
+    print(
+        f"{name}: {len(steps)} steps, {seconds:.2f} s, ms per step: {parts}, "
+        f"host {1000 * host / len(steps):.2f}"
+    )
     groups: dict[tuple, list[float]] = defaultdict(lambda: [0, 0.0, 0.0, 0])
-    for (way, drafts, accepted), dt, forward in steps:
+    for (way, drafts, accepted), dt, forward, _ in steps:
         group = groups[(way, drafts)]
         group[0] += 1
         group[1] += dt
         group[2] += forward
-        group[3] += accepted + 1
+        group[3] += accepted + (batch if way != "prompt" else 1)
     for (way, drafts), (count, total, fwd, tokens) in sorted(
         groups.items(), key=lambda g: -g[1][0]
     )[:12]:
@@ -136,6 +161,7 @@ def main() -> None:
     parser.add_argument("--proposers", nargs="+", default=["default"])
     parser.add_argument("--prompts", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=1, help="sequences at once (cycled)")
     parser.add_argument("--draft-model", default=None)
     parser.add_argument("-k", type=int, default=4)
     parser.add_argument("--ngram-min", type=int, default=1)
@@ -146,7 +172,7 @@ def main() -> None:
 
     common: dict[str, Any] = {
         "max_model_len": 2048,
-        "max_num_seqs": 1,
+        "max_num_seqs": args.batch,
         "enable_prefix_caching": False,
     }
     engines = {"off": LLMEngine(EngineConfig(**common, speculative_config={"method": "off"}))}
@@ -165,7 +191,8 @@ def main() -> None:
     if not prompts:
         raise SystemExit(f"no prompts of category {args.category!r}")
     print_conditions(
-        "per-step breakdown of speculative decoding (batch 1, greedy)",
+        "per-step breakdown of speculative decoding (greedy)",
+        batch=args.batch,
         category=args.category,
         prompts=len(prompts),
         max_tokens=args.max_tokens,
@@ -174,12 +201,12 @@ def main() -> None:
     )
     recorders = {name: Recorder(engine) for name, engine in engines.items()}
     for recorder in recorders.values():  # warm-up
-        run(recorder, prompts[:1], 8)
-    results = {name: run(r, prompts, args.max_tokens) for name, r in recorders.items()}
+        run(recorder, prompts[:1], 8, 1)
+    results = {name: run(r, prompts, args.max_tokens, args.batch) for name, r in recorders.items()}
     base = sum(step[1] for step in results["off"]["steps"])
     for name, result in results.items():
         same = result["outputs"] == results["off"]["outputs"]
-        report(name, result)
+        report(name, result, args.batch)
         seconds = sum(step[1] for step in result["steps"])
         print(f"  speedup over off x{base / seconds:.2f}" + ("" if same else "  OUTPUT DIFFERS"))
 
