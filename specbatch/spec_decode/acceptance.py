@@ -25,13 +25,9 @@ confident ones, whose follow-on rates (learned from verifies of made drafts only
 
 There is no separate exploration: every estimate that nothing refreshes drifts back to its
 prior (``IDLE_DECAY`` per step since its last outcome): a sequence's rate to its population's,
-a population's to 0.5, a made rate to its prior, a follow-on rate to the rate of the position
-before it (position 1's to 0.5): a plan that drafts two never verifies a third, and the rate
-one position shallower is the best evidence there is of how drafts go on (at batch 1 on
-math_reasoning the draft model's positions 2 and 3 sat at a prior of 0.5, on one or two
-decayed outcomes, while plans drafted one or two). So a way or a depth that a few early
-outcomes ruled out is tried again once its prior pays at the current batch size, and its true
-rate is learned. Both were seen: at batch 4 the draft model's first five
+a population's to 0.5, a per-position rate (follow-on, made) to its prior. So a way or a depth
+that a few early outcomes ruled out is tried again once its prior pays at the current batch
+size, and its true rate is learned. Both were seen: at batch 4 the draft model's first five
 verifies (the first answer token of four sequences in lockstep, which it rarely gets right)
 put its population at 0.22 against ~0.45 in steady state, and it was not used for 100 steps;
 one early miss at position 1 (0.25 with its prior; a follow-on rate is learned only from
@@ -121,19 +117,13 @@ class _PositionRates:
             self.total[position] = decay * (self.total[position] * scale) + 1.0
             self.step[position] = step
 
-    def values(
-        self, count: int, prior: float, weight: float, step: int, chained: bool = False
-    ) -> list[float]:
-        """The rates of positions ``0 .. count - 1``, each pulled towards ``prior`` (where
-        none was seen: ``prior``); ``chained``: towards the rate of the position before it
-        instead, from position 1 on."""
+    def values(self, count: int, prior: float, weight: float, step: int) -> list[float]:
+        """The rates of positions ``0 .. count - 1`` (``prior`` where none was seen)."""
         out = []
         seen = zip(self.hits[:count], self.total[:count], self.step[:count], strict=True)
         for hits, total, last in seen:
             scale = IDLE_DECAY ** max(step - last, 0)
             out.append((scale * hits + weight * prior) / (scale * total + weight))
-            if chained:
-                prior = out[-1]
         return out + [prior] * (count - len(out))
 
 
@@ -193,7 +183,7 @@ class AcceptanceModel:
             if rates is None:
                 rows.append([SHARED_PRIOR] * count)
             else:
-                rows.append(rates.values(count, SHARED_PRIOR, 1.0, self.step, chained=True))
+                rows.append(rates.values(count, SHARED_PRIOR, 1.0, self.step))
         out = np.array(rows, dtype=np.float64).reshape(len(ways), count)
         out[:, :1] = 1.0
         return out

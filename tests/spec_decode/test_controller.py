@@ -380,25 +380,6 @@ def test_acceptance_is_per_position_and_decays() -> None:
     assert model.first(1, "lookup2") == pytest.approx(model.population("lookup2"))
 
 
-def test_a_position_never_verified_takes_the_rate_of_the_one_before() -> None:
-    """Plans that draft two never verify a third draft; its rate is then the second's (the
-    best evidence of how drafts go on), not the prior of 0.5, which at batch 1 kept the
-    draft model at one or two drafts whatever its follow-on rate; seen positions, and the
-    way back when idle, chain the same way."""
-    model = AcceptanceModel()
-    for i in range(40):
-        model.observe(0, DRAFT, 2, 2 if i % 10 else 1)  # position 1 right ~0.9
-    follow = model.follow(DRAFT, 5)
-    assert follow[1] == pytest.approx(0.9, abs=0.05)
-    assert follow[2:].tolist() == pytest.approx([follow[1]] * 3)
-    for _ in range(40):
-        model.observe(0, DRAFT, 3, 1)  # position 1 now wrong every time
-    assert model.follow(DRAFT, 3)[2] == pytest.approx(model.follow(DRAFT, 3)[1])
-    assert model.follow(DRAFT, 3)[1] < 0.4
-    model.step += 1000  # long idle: every position back to the first prior, chained
-    assert model.follow(DRAFT, 4)[1:].tolist() == pytest.approx([0.5] * 3, abs=1e-6)
-
-
 def test_one_early_miss_does_not_keep_plans_at_one_draft() -> None:
     """A follow-on rate is learned only from verifies of two or more drafts. One miss at
     position 1 on a new engine (0.25 with its prior) made every later plan allot a single
