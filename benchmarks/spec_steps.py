@@ -93,12 +93,12 @@ def run(
     engine, totals, verdicts = recorder.engine, recorder.totals, recorder.verdicts
     totals.clear()
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    steps: list[tuple[tuple, float, float, float]] = []
+    steps: list[tuple[tuple, float, float, float, int]] = []
     outputs: dict[str, list[int]] = {}
     groups = [[p] for p in prompts] if batch == 1 else [(prompts * batch)[:batch]]
     for g, group in enumerate(groups):
         for i, prompt in enumerate(group):
-            engine.add_request(f"steps-{g}-{i:03d}-{time.monotonic_ns()}", prompt, params)
+            engine.add_request(f"steps-{g:03d}-{i:03d}-{time.monotonic_ns()}", prompt, params)
         while engine.has_unfinished_requests():
             verdicts.clear()
             forward, propose = totals["forward"], totals["propose"]
@@ -114,9 +114,9 @@ def run(
             else:  # the batch's drafts and accepted drafts, summed
                 drafted = sum(v[1] for v in verdicts)
                 verdict = ("batch" if drafted else None, drafted, sum(v[2] for v in verdicts))
-            steps.append(
-                (verdict, elapsed, totals["forward"] - forward, totals["propose"] - propose)
-            )
+            sampled = len(verdicts)  # sequences that emitted a token (none: a prompt chunk)
+            forwarded, proposed = totals["forward"] - forward, totals["propose"] - propose
+            steps.append((verdict, elapsed, forwarded, proposed, sampled))
     return {
         "steps": steps,
         "totals": dict(totals),
@@ -124,10 +124,10 @@ def run(
     }
 
 
-def report(name: str, result: dict[str, Any], batch: int) -> None:
+def report(name: str, result: dict[str, Any]) -> None:
     steps, totals = result["steps"], result["totals"]
     seconds = sum(step[1] for step in steps)
-    host = seconds - sum(step[2] + step[3] for step in steps)
+    host = seconds - sum(forward + proposed for _, _, forward, proposed, _ in steps)
     parts = ", ".join(
         f"{part} {1000 * totals.get(part, 0.0) / len(steps):.2f}" for part in (*PARTS, "forward")
     )
@@ -136,12 +136,12 @@ def report(name: str, result: dict[str, Any], batch: int) -> None:
         f"host {1000 * host / len(steps):.2f}"
     )
     groups: dict[tuple, list[float]] = defaultdict(lambda: [0, 0.0, 0.0, 0])
-    for (way, drafts, accepted), dt, forward, _ in steps:
+    for (way, drafts, accepted), dt, forward, _, sampled in steps:
         group = groups[(way, drafts)]
         group[0] += 1
         group[1] += dt
         group[2] += forward
-        group[3] += accepted + (batch if way != "prompt" else 1)
+        group[3] += max(accepted, 0) + sampled
     for (way, drafts), (count, total, fwd, tokens) in sorted(
         groups.items(), key=lambda g: -g[1][0]
     )[:12]:
@@ -194,7 +194,7 @@ def main() -> None:
         "per-step breakdown of speculative decoding (greedy)",
         batch=args.batch,
         category=args.category,
-        prompts=len(prompts),
+        prompts=len(prompts) if args.batch == 1 else min(len(prompts), args.batch),
         max_tokens=args.max_tokens,
         proposers=args.proposers,
         speculator=Speculator.__module__,
@@ -206,7 +206,7 @@ def main() -> None:
     base = sum(step[1] for step in results["off"]["steps"])
     for name, result in results.items():
         same = result["outputs"] == results["off"]["outputs"]
-        report(name, result, args.batch)
+        report(name, result)
         seconds = sum(step[1] for step in result["steps"])
         print(f"  speedup over off x{base / seconds:.2f}" + ("" if same else "  OUTPUT DIFFERS"))
 

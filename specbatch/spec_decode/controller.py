@@ -20,8 +20,8 @@ planned slower per token than speculation off. The maximum of that ratio is foun
 drafts maximising ``sum(gain - r * cost)``; the ratio of that choice is the next ``r`` until it
 stops rising), once per possible depth of the draft model's forwards, whose fixed cost is
 shared by every sequence drafting that deep; one pass over every depth first finds those at
-which no plan can beat the plain step, whose solves are skipped (most steps' every depth, at
-batches where drafting seldom pays).
+which no plan can beat the plain step's goodput raised by the hurdle, whose solves are skipped
+(most steps' every depth, at batches where drafting seldom pays).
 
 Times come from :mod:`step_times` (measured as the engine runs), chances from
 :mod:`acceptance` (measured from verifies, and for prompt lookup also from steps where the
@@ -98,6 +98,8 @@ class GoodputController:
     """Chooses each step's drafts; learns step times and acceptance from the engine."""
 
     def __init__(self, ways: tuple[str, ...], hurdle: float = HURDLE) -> None:
+        if hurdle < 0:  # the plain step is always a candidate: no plan may be worth less
+            raise ValueError(f"hurdle must be >= 0, got {hurdle}")
         self.ways = ways
         self.hurdle = hurdle
         self.times = StepTimes()
@@ -270,14 +272,14 @@ class GoodputController:
         bases = base + per_forward * forwards[: len(depths)]
         promising = _promising_depths(cum_gains, cum_costs, valid, draft, bases, seqs, floor)
         for depth in depths:
+            if depth and not valid[:, draft, :depth].any():
+                break
+            if not promising[depth]:
+                continue
             allowed = valid
             if draft is not None:
                 allowed = valid.copy()
                 allowed[:, draft, depth:] = False
-            if depth and not allowed[:, draft].any():
-                break
-            if not promising[depth]:
-                continue
             chosen, ratio = _dinkelbach(cum_gains, cum_costs, allowed, seqs, bases[depth], best[1])
             if ratio > best[1] * (1 + EPSILON):
                 best = chosen, ratio
