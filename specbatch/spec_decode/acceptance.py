@@ -70,7 +70,13 @@ class DecayedRate:
         self.total = decay * self.total + 1.0
 
     def rate(self, prior: float, weight: float, scale: float = 1.0) -> float:
-        return (scale * self.hits + weight * prior) / (scale * self.total + weight)
+        return _pulled(self.hits, self.total, scale, prior, weight)
+
+
+def _pulled(hits: float, total: float, scale: float, prior: float, weight: float) -> float:
+    """Counts scaled by ``scale`` (their idle decay), pulled towards ``prior`` with the
+    weight of ``weight`` outcomes."""
+    return (scale * hits + weight * prior) / (scale * total + weight)
 
 
 @dataclass
@@ -122,9 +128,24 @@ class _PositionRates:
         out = []
         seen = zip(self.hits[:count], self.total[:count], self.step[:count], strict=True)
         for hits, total, last in seen:
-            scale = IDLE_DECAY ** max(step - last, 0)
-            out.append((scale * hits + weight * prior) / (scale * total + weight))
+            out.append(_pulled(hits, total, IDLE_DECAY ** max(step - last, 0), prior, weight))
         return out + [prior] * (count - len(out))
+
+    @staticmethod
+    def rows(
+        table: dict[str, _PositionRates],
+        ways: tuple[str, ...],
+        count: int,
+        prior: float,
+        step: int,
+    ) -> np.ndarray:
+        """``values`` of each of ``ways`` in ``table`` (ways x count; a way not in it: all
+        ``prior``), with the weight of one outcome."""
+        rows = []
+        for way in ways:
+            rates = table.get(way)
+            rows.append([prior] * count if rates is None else rates.values(count, prior, 1.0, step))
+        return np.array(rows, dtype=np.float64).reshape(len(ways), count)
 
 
 class AcceptanceModel:
@@ -162,12 +183,7 @@ class AcceptanceModel:
         out = []
         for seq_id in seq_ids:
             state = states.get((seq_id, way))
-            if state is None:
-                out.append(prior)
-                continue
-            scale = IDLE_DECAY ** max(step - state.step, 0)
-            rate = state.rate
-            out.append((scale * rate.hits + weight * prior) / (scale * rate.total + weight))
+            out.append(prior if state is None else state.value(prior, weight, step))
         return out
 
     def follow(self, way: str, count: int) -> np.ndarray:
@@ -177,14 +193,7 @@ class AcceptanceModel:
 
     def follow_rows(self, ways: tuple[str, ...], count: int) -> np.ndarray:
         """``follow`` of each of ``ways`` (ways x count), in one array."""
-        rows = []
-        for way in ways:
-            rates = self._follow.get(way)
-            if rates is None:
-                rows.append([SHARED_PRIOR] * count)
-            else:
-                rows.append(rates.values(count, SHARED_PRIOR, 1.0, self.step))
-        out = np.array(rows, dtype=np.float64).reshape(len(ways), count)
+        out = _PositionRates.rows(self._follow, ways, count, SHARED_PRIOR, self.step)
         out[:, :1] = 1.0
         return out
 
@@ -196,14 +205,7 @@ class AcceptanceModel:
 
     def made_rows(self, ways: tuple[str, ...], count: int) -> np.ndarray:
         """``made`` of each of ``ways`` (ways x count), in one array."""
-        rows = []
-        for way in ways:
-            rates = self._made.get(way)
-            if rates is None:
-                rows.append([1.0] * count)
-            else:
-                rows.append(rates.values(count, 1.0, 1.0, self.step))
-        going_on = np.array(rows, dtype=np.float64).reshape(len(ways), count)
+        going_on = _PositionRates.rows(self._made, ways, count, 1.0, self.step)
         return np.cumprod(going_on, axis=1)
 
     def observe_made(self, way: str, allotted: int, made: int) -> None:

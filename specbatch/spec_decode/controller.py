@@ -168,11 +168,12 @@ class GoodputController:
                 first[:, w] = acceptance.firsts(way, seq_ids)
         # each candidate with a match: its lookup's way (by match length) and what it drafts
         lookups: dict[int, list[int]] = {}
+        index_of = {way: w for w, way in enumerate(self.ways)}
         for i, c in enumerate(candidates):
-            if c.lookup and lookup_way(c.lookup_n) in self.ways:
-                w = self.ways.index(lookup_way(c.lookup_n))
-                lookups.setdefault(w, []).append(i)
-                usable[i, w] = min(c.slots, len(c.lookup))
+            match = index_of.get(lookup_way(c.lookup_n)) if c.lookup else None
+            if match is not None:
+                lookups.setdefault(match, []).append(i)
+                usable[i, match] = min(c.slots, len(c.lookup))
         for w, index in lookups.items():
             first[index, w] = acceptance.firsts(self.ways[w], [seq_ids[i] for i in index])
         follow = np.cumprod(acceptance.follow_rows(self.ways, most), axis=1)
