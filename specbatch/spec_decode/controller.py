@@ -232,8 +232,7 @@ class GoodputController:
             fit = self.times.fit(base_tokens + count * most / 2, base_seqs)
             self._base_cost = fit
             self._row_price = (fit.row(0.0), fit.per_pair, 0.0)
-            row = fit.per_token + fit.per_pair * (context[:, None] + positions[None, :])
-            return np.broadcast_to(row, (count, most))
+            return fit.per_token + fit.per_pair * (context[:, None] + positions[None, :])
         mean_context = float(context.mean())
         fits, seconds = [], []
         for j in range(most + 1):
@@ -272,11 +271,9 @@ class GoodputController:
         best: tuple[list[tuple[int, int]], float] = ([(0, -1)] * seqs, floor)
         bases = base + per_forward * forwards[: len(depths)]
         promising = _promising_depths(cum_gains, cum_costs, valid, draft, bases, seqs, floor)
-        for depth in depths:
-            if depth and not valid[:, draft, :depth].any():
-                break
-            if not promising[depth]:
-                continue
+        if draft is not None and not valid[:, draft, 0].any():
+            promising = promising[:1]  # no candidate may draft with the draft model
+        for depth in np.flatnonzero(promising).tolist():
             allowed = valid
             if draft is not None:
                 allowed = valid.copy()
@@ -402,7 +399,8 @@ def _promising_depths(
     if draft is None:
         per_depth = values.max(axis=(1, 2), initial=-np.inf)[:, None]
     else:
-        others = np.delete(values, draft, axis=1).max(axis=(1, 2), initial=-np.inf)
+        rest = [w for w in range(values.shape[1]) if w != draft]
+        others = values[:, rest].max(axis=(1, 2), initial=-np.inf)
         deeper = np.maximum.accumulate(values[:, draft], axis=1)
         per_depth = np.maximum(others[:, None], np.concatenate([others[:, None], deeper], 1))
     worth = np.maximum(per_depth, 0.0).sum(axis=0)
