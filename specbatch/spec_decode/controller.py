@@ -27,7 +27,10 @@ Times come from :mod:`step_times` (measured as the engine runs), chances from
 :mod:`acceptance` (measured from verifies, and for prompt lookup also from steps where the
 lookup was not used: what it would have drafted is compared with what the target emitted, which
 judges a point-mass draft exactly as a verify would). Until the step-time model has a few
-steps it drafts every slot, so that it sees what drafts cost.
+steps it drafts every slot, so that it sees what drafts cost. The step-time model learns a
+drafted step's shape only from drafted steps, so every ``PROBE_AFTER`` plans one draft more
+than the plan chose is run (the exception to "never planned slower": one row in so many
+steps), and a shape measured slow once is measured again.
 """
 
 from __future__ import annotations
@@ -48,7 +51,20 @@ MAX_ITERATIONS = 32
 # drafted, so their estimates are biased up), and a plan within the error gains nothing sure.
 HURDLE = 0.03
 AMORTISE_STEPS = 16  # at most, over which a draft model's catch-up backlog is charged
+# Every this many plans, one draft more than the plan chose (the first of a sequence that got
+# none, or one past a sequence's last): the one whose gain falls least short of its cost at
+# the plan's goodput. The step-time model learns a step's shape only from steps of that shape,
+# so a shape measured slow (another process had the cores, a cold start) would otherwise stay
+# slow while no plan chose it, until it left the step-time window (measured: 3 s of two busy
+# processes at the start of a batch-1 run priced a row at 2.6 steps, and drafting stopped for
+# ~500 steps: 47-77 tok/s against 137). The probe's cost is bounded: one row in so many steps.
+PROBE_AFTER = 16
 EPSILON = 1e-12
+
+
+def planned_drafts(choice: tuple[int, int]) -> int:
+    """The drafts of a (way, last draft index) choice."""
+    return choice[1] + 1
 
 
 def lookup_way(match_length: int) -> str:
@@ -78,6 +94,15 @@ class Choice:
     # accepted drafts expected, by the uncalibrated estimates it was chosen on, if the
     # proposer makes 1, 2, ... drafts
     expected: tuple[float, ...] = ()
+    # the drafts the plan chose where a probe added one (``PROBE_AFTER``); acceptance is
+    # learned from those only: the probe's draft is one no plan would choose, and counted it
+    # would pull the rate of its position down for the drafts plans do choose
+    planned: int | None = None
+
+    @property
+    def learned(self) -> int:
+        """The drafts acceptance is learned from (the planned ones)."""
+        return self.drafts if self.planned is None else self.planned
 
 
 @dataclass
@@ -107,6 +132,7 @@ class GoodputController:
         self.acceptance = AcceptanceModel(steady=(DRAFT, EXTERNAL))
         self.external_seconds_per_draft = 0.0
         self.report = PlanReport()
+        self.plans_since_probe = 0  # see PROBE_AFTER
 
     def plan(
         self,
@@ -132,17 +158,55 @@ class GoodputController:
             base = self._base_cost.seconds(base_tokens, base_seqs, base_pairs)
             chosen, ratio = self._solve(options, len(candidates), base)
             expected_gain = ratio * base / len(candidates)
-        chosen = _within_budget(chosen, gains, costs, max(budget, 0))
+        planned = chosen = _within_budget(chosen, gains, costs, max(budget, 0))
+        if self.times.ready and sum(d + 1 for _, d in chosen) < budget:
+            chosen = self._probed(chosen, options, ratio)
         expected = np.cumsum(options.uncalibrated, axis=2)
         choices = [
-            Choice(self.ways[w], d + 1, tuple(expected[i, w, : d + 1].tolist()))
+            Choice(
+                self.ways[w],
+                d + 1,
+                tuple(expected[i, w, : d + 1].tolist()),
+                None if was == (w, d) else planned_drafts(was),
+            )
             if d >= 0
             else Choice(None, 0)
-            for i, (w, d) in enumerate(chosen)
+            for i, ((w, d), was) in enumerate(zip(chosen, planned, strict=True))
         ]
         self._report(candidates, choices, base_tokens, base_seqs, base_pairs, expected_gain)
         self.report.tokens_per_second = ratio
         return choices
+
+    def _probed(
+        self, chosen: list[tuple[int, int]], options: _Options, ratio: float
+    ) -> list[tuple[int, int]]:
+        """``chosen``, with one draft more every ``PROBE_AFTER`` plans (see there)."""
+        self.plans_since_probe += 1
+        if self.plans_since_probe < PROBE_AFTER:
+            return chosen
+        gains, costs, valid = options.gains, options.costs, options.valid
+        _count, ways, slots = gains.shape
+        draft = self.ways.index(DRAFT) if DRAFT in self.ways else None
+        depth = max((d + 1 for w, d in chosen if w == draft and d >= 0), default=0)
+        best, probe = -np.inf, None
+        for i, (w, d) in enumerate(chosen):
+            for way in range(ways) if d < 0 else (w,):
+                j = d + 1
+                if j >= slots or not valid[i, way, j]:
+                    continue
+                cost = costs[i, way, j]
+                if way == draft and j + 1 > depth:  # one more draft-model forward
+                    cost += self._draft_fit[0]
+                value = gains[i, way, j] - ratio * cost
+                if value > best:
+                    best, probe = value, (i, way, j)
+        if probe is None:
+            return chosen
+        self.plans_since_probe = 0
+        i, way, j = probe
+        probed = list(chosen)
+        probed[i] = (way, j)
+        return probed
 
     def _options(
         self, candidates: list[Candidate], base_tokens: int, base_seqs: int, base_pairs: float = 0.0

@@ -121,7 +121,7 @@ class Speculator:
                 drafts[i] = min(candidate.slots, choice.drafts + SIBLING_SLOTS)
                 self._node_prices[candidate.seq_id] = price
             found, n = self._lookups.get(candidate.seq_id, ([], 0))
-            if found and not (choice.way in LOOKUP_WAYS and choice.drafts):
+            if found and not (choice.way in LOOKUP_WAYS and choice.learned):
                 seq = out.scheduled[i].seq
                 self._shadows[seq.seq_id] = _Shadow(lookup_way(n), found, seq.num_tokens)
         return drafts
@@ -331,12 +331,17 @@ class Speculator:
         way = self._used.get(seq.seq_id)
         choice = self._plan.get(seq.seq_id)
         if self.controller is not None and way is not None and choice is not None:
-            self.controller.observe_made(way, choice.drafts, num_drafts)
-            if num_drafts:
+            # learned from the drafts the plan chose (a probe's extra one is not: Choice)
+            planned = choice.learned
+            judged = min(num_drafts, planned)
+            if planned:
+                self.controller.observe_made(way, planned, judged)
+            if judged:
                 # what the plan expected of the drafts the proposer did give (a draft model
                 # may stop early): an early stop is not a miss
-                expected = choice.expected[min(num_drafts, len(choice.expected)) - 1]
-                self.controller.observe_verify(seq.seq_id, way, num_drafts, num_accepted, expected)
+                expected = choice.expected[min(judged, len(choice.expected)) - 1]
+                accepted = min(num_accepted, judged)
+                self.controller.observe_verify(seq.seq_id, way, judged, accepted, expected)
         shadow = self._shadows.pop(seq.seq_id, None)
         if shadow is not None and self.controller is not None:
             emitted = seq.token_ids[shadow.start : shadow.start + len(shadow.tokens)]

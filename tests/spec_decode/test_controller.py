@@ -23,7 +23,9 @@ from specbatch.spec_decode.acceptance import (
 )
 from specbatch.spec_decode.controller import (
     DRAFT,
+    HURDLE,
     LOOKUP_WAYS,
+    PROBE_AFTER,
     Candidate,
     GoodputController,
     _promising_depths,
@@ -359,6 +361,76 @@ def test_hybrid_plan_is_the_exhaustive_optimum(seed: int) -> None:
     best = max(ratio(list(plan)) for plan in itertools.product(*options))
     chosen = [(c.way or "none", c.drafts) for c in choices]
     assert ratio(chosen) == pytest.approx(best, rel=1e-6)
+
+
+def steps_until_drafting(controller: GoodputController, clock: FakeClock, steps: int) -> int:
+    """Batch-1 steps planned and run on ``clock`` until a plan drafts other than by a probe
+    (``steps``: none did)."""
+    for step in range(steps):
+        choice = controller.plan([Candidate(0, 8, 200, [])], 1, 1, 201.0, 1000)[0]
+        tokens = 1 + choice.drafts
+        pairs = float(_pair_count(200, tokens))
+        controller.observe_step(tokens, 1, pairs, clock(tokens, 1, pairs))
+        if choice.drafts and controller.plans_since_probe:
+            return step
+    return steps
+
+
+def _pair_count(start: int, count: int) -> int:
+    return count * start + count * (count + 1) // 2
+
+
+def test_a_drafted_shape_measured_slow_is_measured_again() -> None:
+    """Batch 1, drafts that pay (rate 0.6, a row 3% of a step): after 64 drafted steps
+    measured 4x slow (another process had the cores), every plan is plain, and plain steps
+    never measure a drafted shape again. Every ``PROBE_AFTER`` plans one draft is added all
+    the same; its steps are measured at their usual cost and drafting resumes in a bounded
+    number of probes, where without probes it does not within 400 steps (not until the
+    slow steps leave the step-time window)."""
+    clock = FakeClock(0.015, 0.0004, 0.0, 1e-6)
+
+    def poisoned() -> GoodputController:
+        controller = trained(clock)
+        controller.hurdle = HURDLE
+        with_rates(controller, {0: 0.6})
+        for tokens in list(range(2, 10)) * 8:
+            pairs = float(_pair_count(200, tokens))
+            controller.observe_step(tokens, 1, pairs, 4.0 * clock(tokens, 1, pairs))
+        return controller
+
+    probing = poisoned()
+    assert probing.plan([Candidate(0, 8, 200, [])], 1, 1, 201.0, 1000)[0].drafts == 0
+    assert steps_until_drafting(probing, clock, 400) <= 20 * PROBE_AFTER
+    after = [probing.plan([Candidate(0, 8, 200, [])], 1, 1, 201.0, 1000)[0] for _ in range(3)]
+    assert all(choice.drafts for choice in after)  # planned, not a probe
+
+    never = poisoned()
+    never.plans_since_probe = -(10**9)  # no probe in this test's lifetime
+    assert steps_until_drafting(never, clock, 400) == 400
+
+
+def test_a_probe_adds_one_draft_that_acceptance_does_not_learn_from() -> None:
+    """Every ``PROBE_AFTER`` plans: one draft more than the plan chose, within the budget,
+    marked so that acceptance learns from the planned drafts only."""
+    clock = FakeClock(0.015, 0.0004, 0.0, 1e-6)
+    controller = trained(clock)
+    with_rates(controller, {0: 0.6, 1: 0.05})
+    cands = [Candidate(0, 8, 200, []), Candidate(1, 8, 200, [])]
+    plans = [controller.plan(cands, 2, 2, 402.0, 1000) for _ in range(PROBE_AFTER)]
+    for choices in plans[:-1]:
+        assert all(c.planned is None and c.learned == c.drafts for c in choices)
+    planned = [c.drafts for c in plans[0]]
+    probed = plans[-1]
+    assert sum(c.drafts for c in probed) == sum(planned) + 1
+    extra = [i for i, c in enumerate(probed) if c.drafts != planned[i]]
+    assert len(extra) == 1
+    assert probed[extra[0]].learned == planned[extra[0]]
+    # no room in the budget: no probe
+    tight = trained(clock)
+    with_rates(tight, {0: 0.6, 1: 0.05})
+    for _ in range(PROBE_AFTER):
+        last = tight.plan(cands, 2, 2, 402.0, sum(planned))
+    assert [c.drafts for c in last] == planned
 
 
 def test_acceptance_is_per_position_and_decays() -> None:
