@@ -62,11 +62,6 @@ PROBE_AFTER = 16
 EPSILON = 1e-12
 
 
-def planned_drafts(choice: tuple[int, int]) -> int:
-    """The drafts of a (way, last draft index) choice."""
-    return choice[1] + 1
-
-
 def lookup_way(match_length: int) -> str:
     return LOOKUP_WAYS[min(match_length, len(LOOKUP_WAYS)) - 1]
 
@@ -167,7 +162,7 @@ class GoodputController:
                 self.ways[w],
                 d + 1,
                 tuple(expected[i, w, : d + 1].tolist()),
-                None if was == (w, d) else planned_drafts(was),
+                None if was == (w, d) else was[1] + 1,
             )
             if d >= 0
             else Choice(None, 0)

@@ -31,7 +31,7 @@ from specbatch.spec_decode.controller import (
     _promising_depths,
 )
 from specbatch.spec_decode.ngram import NgramProposer
-from specbatch.spec_decode.speculator import Speculator
+from specbatch.spec_decode.speculator import Speculator, _pairs
 from specbatch.spec_decode.step_times import ForwardTimes, StepTimes, _weighted_fit
 
 
@@ -369,15 +369,11 @@ def steps_until_drafting(controller: GoodputController, clock: FakeClock, steps:
     for step in range(steps):
         choice = controller.plan([Candidate(0, 8, 200, [])], 1, 1, 201.0, 1000)[0]
         tokens = 1 + choice.drafts
-        pairs = float(_pair_count(200, tokens))
+        pairs = float(_pairs(200, tokens))
         controller.observe_step(tokens, 1, pairs, clock(tokens, 1, pairs))
         if choice.drafts and controller.plans_since_probe:
             return step
     return steps
-
-
-def _pair_count(start: int, count: int) -> int:
-    return count * start + count * (count + 1) // 2
 
 
 def test_a_drafted_shape_measured_slow_is_measured_again() -> None:
@@ -394,7 +390,7 @@ def test_a_drafted_shape_measured_slow_is_measured_again() -> None:
         controller.hurdle = HURDLE
         with_rates(controller, {0: 0.6})
         for tokens in list(range(2, 10)) * 8:
-            pairs = float(_pair_count(200, tokens))
+            pairs = float(_pairs(200, tokens))
             controller.observe_step(tokens, 1, pairs, 4.0 * clock(tokens, 1, pairs))
         return controller
 
