@@ -220,8 +220,8 @@ class _FitCache(Generic[Fit]):
 def _weighted_fit(
     design: np.ndarray, y: np.ndarray, weight: np.ndarray, constrained: bool = True
 ) -> np.ndarray:
-    """Weighted least squares, with every slope >= 0 if ``constrained`` (a free intercept), a
-    whisper of ridge on the slopes (a column that does not vary gets 0, not noise).
+    """Weighted least squares, with every coefficient >= 0 if ``constrained``, a whisper of
+    ridge on the slopes (a column that does not vary gets 0, not noise).
 
     The slopes are constrained in the fit, not clamped after it: near a batch-1 step the
     attention pairs are nearly a multiple of the tokens (rows times the context), and an
@@ -245,6 +245,20 @@ def _weighted_fit(
     if constrained and (slopes < 0).any():
         slopes = _nonnegative_slopes(gram, moment, slopes)
     intercept = mean_y - float(mean_x[1:] @ slopes)
+    if constrained and intercept < 0:
+        # no forward takes negative time: the optimum with the intercept >= 0 too has it at
+        # 0 (the problem is convex and its optimum without that bound is past it), so the
+        # slopes are refitted through the origin. Without it a few far steps (a fresh
+        # engine's prefills and drafted steps, a CPU spell among them) extrapolated a
+        # batch-1 decode step to -1.5 s, and a plan priced rows against a free step
+        raw = design[:, 1:] * root
+        gram = raw.T @ raw
+        gram += np.eye(gram.shape[0]) * (1e-9 * np.trace(gram) + 1e-30)
+        moment = raw.T @ (y * root[:, 0])
+        slopes = np.linalg.solve(gram, moment)
+        if (slopes < 0).any():
+            slopes = _nonnegative_slopes(gram, moment, slopes)
+        intercept = 0.0
     return np.concatenate([[intercept], slopes])
 
 
