@@ -249,6 +249,7 @@ class LLMEngine:
         if self.dead is not None:
             raise TensorParallelError(self.dead)
         started = time.perf_counter()
+        cpu_started = time.process_time()
         try:
             plan = self.scheduler.schedule()
         except Exception as exc:  # the queues may be half-updated: fail what was running
@@ -260,7 +261,7 @@ class LLMEngine:
             self._update_gauges()
             return []
         try:
-            return self._run(plan, started)
+            return self._run(plan, started, cpu_started)
         except TensorParallelError as exc:  # a rank is gone: nothing more can run
             self.dead = f"the engine is down: {exc}"
             self._fail(set(self.requests), exc)
@@ -275,7 +276,9 @@ class LLMEngine:
         if self._tp is not None:
             self._tp.shutdown()
 
-    def _run(self, plan: SchedulerOutput, started: float) -> list[RequestOutput]:
+    def _run(
+        self, plan: SchedulerOutput, started: float, cpu_started: float
+    ) -> list[RequestOutput]:
         scheduled = plan.scheduled
         sampling = [s for s in scheduled if s.completes_sequence]
         proposal = self.speculator.propose(
@@ -316,15 +319,25 @@ class LLMEngine:
             self.speculator.on_verified(s.seq, len(drafted), n, depth)
         for seq in finished:
             self.speculator.forget(seq)
+        seconds = time.perf_counter() - started
         self.speculator.observe_step(
             [(r.start_position, len(r.token_ids)) for r in runs],
-            time.perf_counter() - started,
+            seconds,
             sum(len(t) for t in proposal.tokens),
+            self._core_share(seconds, time.process_time() - cpu_started),
         )
         self.stats.num_steps += 1
         self._record_plan()
         self._update_gauges()
         return self._outputs(touched)
+
+    def _core_share(self, seconds: float, cpu_seconds: float) -> float:
+        """The process's CPU seconds over the step's wall seconds on a CPU (what tells a step
+        slowed by another process from a dear one, see ``spec_decode.step_times``); 1.0 on
+        an accelerator, whose steps wait on the device."""
+        if self.device.type != "cpu" or seconds <= 0:
+            return 1.0
+        return cpu_seconds / seconds
 
     def _move_accepted_paths(self, sampling: list[ScheduledSequence], result: VerifyResult) -> None:
         """A tree's accepted path was computed at the cache slots of its nodes' indices: its

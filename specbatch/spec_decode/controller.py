@@ -379,12 +379,15 @@ class GoodputController:
         self.acceptance.step += 1
         self.report = PlanReport()
 
-    def observe_step(self, tokens: int, seqs: int, pairs: float, seconds: float) -> None:
-        """A finished step: its forward's size and its time without a draft model's."""
-        self.times.observe(tokens, seqs, pairs, seconds)
+    def observe_step(
+        self, tokens: int, seqs: int, pairs: float, seconds: float, share: float = 1.0
+    ) -> None:
+        """A finished step: its forward's size, its time without a draft model's, and the
+        process's share of the cores meanwhile (see ``step_times``)."""
+        self.times.observe(tokens, seqs, pairs, seconds, share)
 
-    def observe_draft_forward(self, rows: int, seconds: float) -> None:
-        self.draft_times.observe(rows, seconds)
+    def observe_draft_forward(self, rows: int, seconds: float, share: float = 1.0) -> None:
+        self.draft_times.observe(rows, seconds, share)
 
     def observe_external(self, drafts: int, seconds: float) -> None:
         if drafts:

@@ -301,10 +301,13 @@ class Speculator:
 
     # ------------------------------------------------------------------ learning
 
-    def observe_step(self, runs: list[tuple[int, int]], seconds: float, num_drafts: int) -> None:
+    def observe_step(
+        self, runs: list[tuple[int, int]], seconds: float, num_drafts: int, share: float = 1.0
+    ) -> None:
         """A finished step: ``(start position, tokens)`` of each sequence's run in the
-        forward, the step's whole time (the draft model's or external proposer's included)
-        and its draft tokens."""
+        forward, the step's whole time (the draft model's or external proposer's included),
+        its draft tokens, and the process's share of the cores meanwhile (CPU over wall
+        seconds; 1.0 where not measured)."""
         if self.controller is None:
             return
         tokens = sum(n for _, n in runs)
@@ -312,10 +315,10 @@ class Speculator:
         drafter_seconds = self._draft_seconds
         if self.drafter is not None:
             for rows, forward_seconds in self.drafter.take_forward_times():
-                self.controller.observe_draft_forward(rows, forward_seconds)
+                self.controller.observe_draft_forward(rows, forward_seconds, share)
         elif EXTERNAL in self.controller.ways:
             self.controller.observe_external(num_drafts, drafter_seconds)
-        self.controller.observe_step(tokens, len(runs), pairs, seconds - drafter_seconds)
+        self.controller.observe_step(tokens, len(runs), pairs, seconds - drafter_seconds, share)
 
     def on_verified(
         self, seq: Sequence, num_drafts: int, num_accepted: int, depth: int | None = None

@@ -12,6 +12,18 @@ ones (prefills: many tokens, few sequences) still weigh a little, which separate
 row from the cost of a sequence when every close step had as many tokens as sequences.
 
 A draft model's forwards are fitted the same way on their row count.
+
+Contention: another process that takes the cores for a few seconds makes every step timed
+meanwhile slow, and a shape is timed again only when a plan asks for it, so a spell's samples
+priced drafting out of batch-1 plans for hundreds of steps after it (a drafted shape's only
+samples were slow). On a CPU the engine measures it directly: each step's share of the cores
+(the process's CPU seconds over its wall seconds; ~1.0 per thread on a free machine, half that
+while two busy processes share two cores with it), and a sample taken at a share below
+``CONTENDED`` of the usual one (a high quantile of the window's, so that a slow machine's
+usual is its own) weighs much less in every fit (``CONTENTION_POWER``): a spell's samples
+inform a fit while nothing else is known, and a step timed on a free machine outweighs them
+at once (``benchmarks/contention.py``). Under lasting contention every share is the usual
+one and nothing is weighed down.
 """
 
 from __future__ import annotations
@@ -35,6 +47,14 @@ SMALL_STEP = 16
 SMALL_BANDWIDTH = 0.15
 SMALL_FLOOR = 1e-9
 PAIR_SCALE = 1e-4  # attention pairs are counted in units of 10^4
+# a sample whose share of the cores is below CONTENDED times the usual (USUAL_QUANTILE of the
+# window's shares) weighs (share / usual / CONTENDED) ** CONTENTION_POWER: at half the usual
+# (two busy processes on two cores) 0.002, so that one step timed on a free machine outweighs
+# a spell's samples of its shape; at 3/4 of it 0.2. On a free machine shares vary by a few
+# percent (0.95-1.05 at batch 1, 0.98-1.01 at batch 64): no sample is weighed down
+CONTENDED = 0.85
+CONTENTION_POWER = 12
+USUAL_QUANTILE = 0.9
 MIN_STEPS = 3
 REFIT_EVERY = 4  # steps a fit is reused for while the step's shape stays within ~10%
 CACHE_WIDTH = 0.1  # of a cached fit's shape, in log tokens and log sequences
@@ -70,8 +90,10 @@ class StepTimes:
     def __init__(self, window: int = WINDOW) -> None:
         self._x = np.zeros((window, 3))  # tokens, seqs, pairs
         self._y = np.zeros(window)
+        self._share = np.ones(window)  # the process's share of the cores (see the module)
         self._step = np.full(window, -1, dtype=np.int64)  # when each slot was measured
         self._count = 0
+        self._clean = _Contention(self._share, self._step)
         self._cache: _FitCache[StepCost] = _FitCache()
         self._pair_cache: _FitCache[float] = _FitCache()
 
@@ -86,12 +108,17 @@ class StepTimes:
     def ready(self) -> bool:
         return self._count >= MIN_STEPS
 
-    def observe(self, tokens: int, seqs: int, pairs: float, seconds: float) -> None:
+    def observe(
+        self, tokens: int, seqs: int, pairs: float, seconds: float, share: float = 1.0
+    ) -> None:
+        """A step of ``tokens`` tokens of ``seqs`` sequences attending ``pairs`` pairs took
+        ``seconds``, with ``share`` of the cores (CPU over wall seconds; 1.0 where unknown)."""
         if tokens <= 0 or seconds <= 0 or not math.isfinite(seconds):
             return
         slot = self._count % len(self._y)
         self._x[slot] = (tokens, max(seqs, 1), pairs)
         self._y[slot] = seconds
+        self._share[slot] = share if share > 0 and math.isfinite(share) else 1.0
         self._step[slot] = self._count
         self._count += 1
 
@@ -101,12 +128,15 @@ class StepTimes:
         if not len(y):
             return StepCost(0.0, 0.0, 0.0, 0.0)
         age = self._count - 1 - self._step[used]
+        clean = self._clean.weights(self._count)[used]
         design = np.column_stack([np.ones(len(y)), x[:, 0], x[:, 1], x[:, 2] * PAIR_SCALE])
         if tokens > SMALL_STEP:
             # larger steps keep the clamp: there its bias is on the dear side, and with the
             # fit unbiased the draft model was started at batch 8 and lost (humanities b=8
             # 0.91x, c 2.0: its catch-up on whole histories)
-            weight = AGE_DECAY**age * (np.exp(-_nearness(x, tokens, seqs, BANDWIDTH)) + FLOOR)
+            weight = (
+                clean * AGE_DECAY**age * (np.exp(-_nearness(x, tokens, seqs, BANDWIDTH)) + FLOOR)
+            )
             fixed, per_token, per_seq, per_pair = _weighted_fit(design, y, weight, False)
             return StepCost(
                 fixed, max(per_token, 0.0), max(per_seq, 0.0), max(per_pair, 0.0) * PAIR_SCALE
@@ -120,10 +150,12 @@ class StepTimes:
         # kernel around the plain step of ``seqs`` sequences (decodes at every context), and
         # the narrow one fits the rest, all slopes >= 0 (see _weighted_fit).
         per_pair = self._pair_cache.get(
-            (seqs,), self._count, lambda: _pair_slope(x, y, design, age, seqs)
+            (seqs,), self._count, lambda: _pair_slope(x, y, design, clean * AGE_DECAY**age, seqs)
         )
-        narrow = AGE_DECAY**age * (
-            np.exp(-_nearness(x, tokens, seqs, SMALL_BANDWIDTH)) + SMALL_FLOOR
+        narrow = (
+            clean
+            * AGE_DECAY**age
+            * (np.exp(-_nearness(x, tokens, seqs, SMALL_BANDWIDTH)) + SMALL_FLOOR)
         )
         fixed, per_token, per_seq = _weighted_fit(
             design[:, :3], y - per_pair * design[:, 3], narrow, constrained=True
@@ -141,11 +173,12 @@ def _nearness(x: np.ndarray, tokens: float, seqs: float, token_bandwidth: float)
 
 
 def _pair_slope(
-    x: np.ndarray, y: np.ndarray, design: np.ndarray, age: np.ndarray, seqs: float
+    x: np.ndarray, y: np.ndarray, design: np.ndarray, prior: np.ndarray, seqs: float
 ) -> float:
     """The per-pair slope (in units of ``PAIR_SCALE`` pairs) of the wide, constrained fit
-    around the plain step of ``seqs`` sequences."""
-    weight = AGE_DECAY**age * (np.exp(-_nearness(x, seqs, seqs, BANDWIDTH)) + FLOOR)
+    around the plain step of ``seqs`` sequences (``prior``: each step's weight before
+    nearness)."""
+    weight = prior * (np.exp(-_nearness(x, seqs, seqs, BANDWIDTH)) + FLOOR)
     return float(_weighted_fit(design, y, weight, constrained=True)[3])
 
 
@@ -155,19 +188,22 @@ class ForwardTimes:
     def __init__(self, window: int = WINDOW) -> None:
         self._rows = np.zeros(window)
         self._y = np.zeros(window)
+        self._share = np.ones(window)
         self._step = np.full(window, -1, dtype=np.int64)
         self._count = 0
+        self._clean = _Contention(self._share, self._step)
         self._cache: _FitCache[tuple[float, float]] = _FitCache()
 
     @property
     def ready(self) -> bool:
         return self._count > 0
 
-    def observe(self, rows: int, seconds: float) -> None:
+    def observe(self, rows: int, seconds: float, share: float = 1.0) -> None:
         if rows <= 0 or seconds <= 0 or not math.isfinite(seconds):
             return
         slot = self._count % len(self._y)
         self._rows[slot], self._y[slot], self._step[slot] = rows, seconds, self._count
+        self._share[slot] = share if share > 0 and math.isfinite(share) else 1.0
         self._count += 1
 
     def fit(self, rows: float) -> tuple[float, float]:
@@ -188,7 +224,8 @@ class ForwardTimes:
             return 0.0, float((y / r).min())
         age = self._count - 1 - self._step[used]
         near = np.log(r / max(rows, 1.0)) ** 2
-        weight = AGE_DECAY**age * (np.exp(-near / (2 * BANDWIDTH**2)) + FLOOR)
+        clean = self._clean.weights(self._count)[used]
+        weight = clean * AGE_DECAY**age * (np.exp(-near / (2 * BANDWIDTH**2)) + FLOOR)
         fixed, per_row = _weighted_fit(
             np.column_stack([np.ones(len(y)), r]), y, weight, constrained=False
         )
@@ -196,6 +233,25 @@ class ForwardTimes:
         if fixed < 0:  # a line through the origin's side: all of it per row
             fixed, per_row = 0.0, float((weight * y).sum() / (weight * r).sum())
         return fixed, per_row
+
+
+class _Contention:
+    """Each stored sample's weight by the share of the cores it was timed with (see the
+    module docstring), recomputed once per new sample."""
+
+    def __init__(self, share: np.ndarray, step: np.ndarray) -> None:
+        self._share, self._step = share, step
+        self._count = -1
+        self._weights = np.ones(len(share))
+
+    def weights(self, count: int) -> np.ndarray:
+        if count != self._count:
+            self._count = count
+            used = self._step >= 0
+            usual = float(np.quantile(self._share[used], USUAL_QUANTILE)) if used.any() else 1.0
+            ratio = self._share / (usual * CONTENDED)
+            self._weights = np.minimum(ratio, 1.0) ** CONTENTION_POWER
+        return self._weights
 
 
 class _FitCache(Generic[Fit]):

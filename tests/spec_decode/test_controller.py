@@ -420,6 +420,79 @@ def test_a_drafted_shape_measured_slow_is_measured_again() -> None:
     assert steps_until_drafting(never, clock, 400) == 400
 
 
+def test_steps_timed_with_half_the_cores_do_not_stall_drafting() -> None:
+    """The stall above, with the slow steps timed (as the engine measures them on a CPU) at
+    half the usual share of the cores: the steps of neighbouring shapes timed on a free
+    machine outweigh them, and plans draft at once, no probe needed."""
+    clock = FakeClock(0.015, 0.0004, 0.0, 1e-6)
+    controller = trained(clock)
+    controller.hurdle = HURDLE
+    controller.plans_since_probe = -(10**9)
+    with_rates(controller, {0: 0.6})
+    for tokens in list(range(2, 10)) * 8:
+        pairs = float(_pairs(200, tokens))
+        controller.observe_step(tokens, 1, pairs, 4.0 * clock(tokens, 1, pairs), share=0.5)
+    assert steps_until_drafting(controller, clock, 400) == 0
+
+
+def spell(times: StepTimes, clock: FakeClock, shares: tuple[float, float]) -> None:
+    """20 clean plain steps, then 8 of each drafted shape (2..9 tokens) timed 4x slow at
+    ``shares[0]`` of the cores, then one of each timed clean at ``shares[1]``."""
+    for _ in range(20):
+        times.observe(1, 1, 200.0, clock(1, 1, 200.0))
+    for tokens in list(range(2, 10)) * 8:
+        pairs = float(_pairs(200, tokens))
+        times.observe(tokens, 1, pairs, 4.0 * clock(tokens, 1, pairs), shares[0])
+    for tokens in range(2, 10):
+        pairs = float(_pairs(200, tokens))
+        times.observe(tokens, 1, pairs, clock(tokens, 1, pairs), shares[1])
+
+
+def test_a_step_timed_on_a_free_machine_outweighs_a_spells_steps() -> None:
+    """Steps timed while another process had the cores (half the usual share of them, and 4x
+    slow) inform a shape while nothing else is known there; one step of that shape timed at
+    the usual share outweighs eight of them. Without shares (all 1.0: not measured) the
+    spell's steps keep the shape at more than twice its cost."""
+    clock = FakeClock(0.015, 0.0004, 0.0, 1e-6)
+    pairs = float(_pairs(200, 5))
+    during = StepTimes()
+    for _ in range(20):
+        during.observe(1, 1, 200.0, clock(1, 1, 200.0))
+    for tokens in list(range(2, 10)) * 8:
+        step_pairs = float(_pairs(200, tokens))
+        during.observe(tokens, 1, step_pairs, 4.0 * clock(tokens, 1, step_pairs), 0.5)
+    assert during.fit(5, 1).seconds(5, 1, pairs) > 3.0 * clock(5, 1, pairs)
+
+    measured, unmeasured = StepTimes(), StepTimes()
+    spell(measured, clock, (0.5, 1.0))
+    spell(unmeasured, clock, (1.0, 1.0))
+    assert measured.fit(5, 1).seconds(5, 1, pairs) == pytest.approx(clock(5, 1, pairs), rel=0.05)
+    assert unmeasured.fit(5, 1).seconds(5, 1, pairs) > 2.0 * clock(5, 1, pairs)
+
+
+@pytest.mark.parametrize("share", [0.5, 0.9, 2.0])
+def test_lasting_contention_weighs_nothing_down(share: float) -> None:
+    """When every step runs at the same share of the cores (a loaded machine, one thread,
+    or a server's other threads), the fits are those of unmeasured shares, exactly: the
+    usual share is the machine's own."""
+    clock = FakeClock(0.015, 0.0004, 0.0005, 1e-6)
+    rng = random.Random(0)
+    plain, shared = StepTimes(), StepTimes()
+    plain_draft, shared_draft = ForwardTimes(), ForwardTimes()
+    for _ in range(100):
+        seqs = rng.randint(1, 16)
+        tokens = seqs + rng.randint(0, 3 * seqs)
+        pairs = rng.uniform(0, 200) * tokens
+        seconds = clock(tokens, seqs, pairs) * rng.uniform(0.9, 1.1)
+        plain.observe(tokens, seqs, pairs, seconds)
+        shared.observe(tokens, seqs, pairs, seconds, share)
+        plain_draft.observe(seqs, seconds / 10)
+        shared_draft.observe(seqs, seconds / 10, share)
+    for tokens, seqs in [(1, 1), (4, 1), (8, 8), (40, 16)]:
+        assert shared.fit(tokens, seqs) == plain.fit(tokens, seqs)
+        assert shared_draft.fit(seqs) == plain_draft.fit(seqs)
+
+
 def test_a_probe_adds_one_draft_that_acceptance_does_not_learn_from() -> None:
     """Every ``PROBE_AFTER`` plans: one draft more than the plan chose, within the budget,
     marked so that acceptance learns from the planned drafts only."""

@@ -256,3 +256,39 @@ def test_incompatible_drafts_are_refused(tiny_model_dir: Path, tmp_path: Path) -
             speculative_config={"method": "ngram", "num_speculative_tokens": 0},
             **engine_kwargs(),
         )
+
+
+def test_each_step_reports_its_share_of_the_cores(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a CPU the engine hands the controller each step's CPU seconds over its wall
+    seconds (what tells a step slowed by another process from a dear one): with a process
+    clock running at half the wall clock's rate every timed step reports a share of 0.5."""
+    import time
+    from types import SimpleNamespace
+
+    from specbatch.engine import llm_engine
+
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(tiny_model_dir),
+            speculative_config={"method": "ngram", "num_speculative_tokens": 3},
+            **engine_kwargs(),
+        )
+    )
+    controller = engine.speculator.controller
+    assert controller is not None
+    shares: list[float] = []
+    observe = controller.observe_step
+
+    def recording(tokens: int, seqs: int, pairs: float, seconds: float, share: float) -> None:
+        shares.append(share)
+        observe(tokens, seqs, pairs, seconds, share)
+
+    monkeypatch.setattr(controller, "observe_step", recording)
+    clock = SimpleNamespace(**vars(time))
+    clock.process_time = lambda: 0.5 * time.perf_counter()
+    monkeypatch.setattr(llm_engine, "time", clock)
+    run_all(engine, prompts_with_repeats(4), GREEDY)
+    assert len(shares) == engine.stats.num_steps > 0
+    assert shares == pytest.approx([0.5] * len(shares), abs=1e-3)
