@@ -327,19 +327,9 @@ class GoodputController:
         per_forward = self._draft_fit[0]
         plain = seqs / base
         floor = plain * (1 + self.hurdle)
-        best: tuple[list[tuple[int, int]], float] = ([(0, -1)] * seqs, floor)
         bases = base + per_forward * forwards[: len(depths)]
-        promising = _promising_depths(cum_gains, cum_costs, valid, draft, bases, seqs, floor)
-        if draft is not None and not valid[:, draft, 0].any():
-            promising = promising[:1]  # no candidate may draft with the draft model
-        for depth in np.flatnonzero(promising).tolist():
-            allowed = valid
-            if draft is not None:
-                allowed = valid.copy()
-                allowed[:, draft, depth:] = False
-            chosen, ratio = _dinkelbach(cum_gains, cum_costs, allowed, seqs, bases[depth], best[1])
-            if ratio > best[1] * (1 + EPSILON):
-                best = chosen, ratio
+        solve = _best_single if len(gains) == 1 else _best_by_depth
+        best = solve(cum_gains, cum_costs, valid, draft, bases, seqs, floor)
         if best[1] <= floor:  # nothing cleared the hurdle: the plain step
             return [(0, -1)] * seqs, plain
         return best
@@ -468,6 +458,56 @@ def _promising_depths(
     worth = np.maximum(per_depth, 0.0).sum(axis=0)
     # a hair of slack, so that rounding never skips a depth the solve would take
     return worth > (floor * bases - seqs) * (1 - 1e-9)
+
+
+def _best_by_depth(
+    cum_gains: np.ndarray,
+    cum_costs: np.ndarray,
+    valid: np.ndarray,
+    draft: int | None,
+    bases: np.ndarray,
+    seqs: int,
+    floor: float,
+) -> tuple[list[tuple[int, int]], float]:
+    """The best plan above ``floor`` (else no drafts at ``floor``): per depth of the draft
+    model's forwards that may pay (``bases[depth]``: the step's seconds with them), the
+    exact optimum of the plans drafting no deeper with it."""
+    best: tuple[list[tuple[int, int]], float] = ([(0, -1)] * seqs, floor)
+    promising = _promising_depths(cum_gains, cum_costs, valid, draft, bases, seqs, floor)
+    if draft is not None and not valid[:, draft, 0].any():
+        promising = promising[:1]  # no candidate may draft with the draft model
+    for depth in np.flatnonzero(promising).tolist():
+        allowed = valid
+        if draft is not None:
+            allowed = valid.copy()
+            allowed[:, draft, depth:] = False
+        chosen, ratio = _dinkelbach(cum_gains, cum_costs, allowed, seqs, bases[depth], best[1])
+        if ratio > best[1] * (1 + EPSILON):
+            best = chosen, ratio
+    return best
+
+
+def _best_single(
+    cum_gains: np.ndarray,
+    cum_costs: np.ndarray,
+    valid: np.ndarray,
+    draft: int | None,
+    bases: np.ndarray,
+    seqs: int,
+    floor: float,
+) -> tuple[list[tuple[int, int]], float]:
+    """``_best_by_depth`` for one candidate, in one pass: the goodput of each of its plans
+    directly (a draft-model chain of j + 1 drafts at ``bases[j + 1]``, any other way's at
+    ``bases[0]``). Batch 1 plans every ~18 ms, and a solve per depth cost ~0.2 ms of it."""
+    depth = np.zeros(valid.shape[1:], dtype=np.int64)
+    if draft is not None:
+        depth[draft] = np.arange(1, valid.shape[2] + 1)
+    ratios = np.where(valid[0], (seqs + cum_gains[0]) / (bases[depth] + cum_costs[0]), -np.inf)
+    index = int(ratios.argmax())
+    if ratios.flat[index] <= floor * (1 + EPSILON):
+        return [(0, -1)], floor
+    way, last = divmod(index, valid.shape[2])
+    return [(way, last)], float(ratios.flat[index])
 
 
 def _dinkelbach(

@@ -88,25 +88,25 @@ class StepTimes:
     """The target's step times: (tokens, sequences, attention pairs) -> seconds."""
 
     def __init__(self, window: int = WINDOW) -> None:
-        self._x = np.zeros((window, 3))  # tokens, seqs, pairs
+        # each step's row of the fit's design: 1, tokens, sequences, pairs (in PAIR_SCALE)
+        self._design = np.zeros((window, 4))
+        self._design[:, 0] = 1.0
+        self._log = np.zeros((window, 2))  # log tokens, log sequences (for nearness)
         self._y = np.zeros(window)
-        self._share = np.ones(window)  # the process's share of the cores (see the module)
-        self._step = np.full(window, -1, dtype=np.int64)  # when each slot was measured
-        self._count = 0
-        self._clean = _Contention(self._share, self._step)
+        self._priors = _Priors(window)
         self._cache: _FitCache[StepCost] = _FitCache()
         self._pair_cache: _FitCache[float] = _FitCache()
 
     def fit(self, tokens: float, seqs: float) -> StepCost:
         """The local linear model around a step of ``tokens`` tokens and ``seqs`` sequences
         (reused while one fitted within ~10% of that shape is at most ``REFIT_EVERY`` steps
-        old: a fit costs ~100 us, a plan asks for one per draft position, and a decode step
-        at batch 64 keeps its shape for many steps)."""
-        return self._cache.get((tokens, seqs), self._count, lambda: self._fit(tokens, seqs))
+        old: a plan asks for one per draft position at batch 1, and a decode step at batch
+        64 keeps its shape for many steps)."""
+        return self._cache.get((tokens, seqs), self._priors.count, lambda: self._fit(tokens, seqs))
 
     @property
     def ready(self) -> bool:
-        return self._count >= MIN_STEPS
+        return self._priors.count >= MIN_STEPS
 
     def observe(
         self, tokens: int, seqs: int, pairs: float, seconds: float, share: float = 1.0
@@ -115,28 +115,22 @@ class StepTimes:
         ``seconds``, with ``share`` of the cores (CPU over wall seconds; 1.0 where unknown)."""
         if tokens <= 0 or seconds <= 0 or not math.isfinite(seconds):
             return
-        slot = self._count % len(self._y)
-        self._x[slot] = (tokens, max(seqs, 1), pairs)
+        slot = self._priors.add(share)
+        seqs = max(seqs, 1)
+        self._design[slot, 1:] = (tokens, seqs, pairs * PAIR_SCALE)
+        self._log[slot] = (math.log(tokens), math.log(seqs))
         self._y[slot] = seconds
-        self._share[slot] = share if share > 0 and math.isfinite(share) else 1.0
-        self._step[slot] = self._count
-        self._count += 1
 
     def _fit(self, tokens: float, seqs: float) -> StepCost:
-        used = self._step >= 0
-        x, y = self._x[used], self._y[used]
-        if not len(y):
+        if not self._priors.count:
             return StepCost(0.0, 0.0, 0.0, 0.0)
-        age = self._count - 1 - self._step[used]
-        clean = self._clean.weights(self._count)[used]
-        design = np.column_stack([np.ones(len(y)), x[:, 0], x[:, 1], x[:, 2] * PAIR_SCALE])
+        prior = self._priors.weights()  # 0 where no step is stored yet
+        design, y = self._design, self._y
         if tokens > SMALL_STEP:
             # larger steps keep the clamp: there its bias is on the dear side, and with the
             # fit unbiased the draft model was started at batch 8 and lost (humanities b=8
             # 0.91x, c 2.0: its catch-up on whole histories)
-            weight = (
-                clean * AGE_DECAY**age * (np.exp(-_nearness(x, tokens, seqs, BANDWIDTH)) + FLOOR)
-            )
+            weight = prior * (np.exp(-self._nearness(tokens, seqs, BANDWIDTH)) + FLOOR)
             fixed, per_token, per_seq, per_pair = _weighted_fit(design, y, weight, False)
             return StepCost(
                 fixed, max(per_token, 0.0), max(per_seq, 0.0), max(per_pair, 0.0) * PAIR_SCALE
@@ -150,108 +144,123 @@ class StepTimes:
         # kernel around the plain step of ``seqs`` sequences (decodes at every context), and
         # the narrow one fits the rest, all slopes >= 0 (see _weighted_fit).
         per_pair = self._pair_cache.get(
-            (seqs,), self._count, lambda: _pair_slope(x, y, design, clean * AGE_DECAY**age, seqs)
+            (seqs,), self._priors.count, lambda: self._pair_slope(prior, seqs)
         )
-        narrow = (
-            clean
-            * AGE_DECAY**age
-            * (np.exp(-_nearness(x, tokens, seqs, SMALL_BANDWIDTH)) + SMALL_FLOOR)
-        )
+        narrow = prior * (np.exp(-self._nearness(tokens, seqs, SMALL_BANDWIDTH)) + SMALL_FLOOR)
         fixed, per_token, per_seq = _weighted_fit(
             design[:, :3], y - per_pair * design[:, 3], narrow, constrained=True
         )
         return StepCost(fixed, per_token, per_seq, per_pair * PAIR_SCALE)
 
+    def _nearness(self, tokens: float, seqs: float, token_bandwidth: float) -> np.ndarray:
+        """Half the squared log-distance of each step's (tokens, sequences) from the shape
+        asked about, in bandwidths (``token_bandwidth`` in tokens, ``BANDWIDTH`` in
+        sequences)."""
+        log = self._log
+        return (
+            ((log[:, 0] - math.log(max(tokens, 1.0))) / token_bandwidth) ** 2
+            + ((log[:, 1] - math.log(max(seqs, 1.0))) / BANDWIDTH) ** 2
+        ) / 2
 
-def _nearness(x: np.ndarray, tokens: float, seqs: float, token_bandwidth: float) -> np.ndarray:
-    """Half the squared log-distance of each step's (tokens, sequences) from the shape asked
-    about, in bandwidths (``token_bandwidth`` in tokens, ``BANDWIDTH`` in sequences)."""
-    return (
-        (np.log(x[:, 0] / max(tokens, 1.0)) / token_bandwidth) ** 2
-        + (np.log(x[:, 1] / max(seqs, 1.0)) / BANDWIDTH) ** 2
-    ) / 2
-
-
-def _pair_slope(
-    x: np.ndarray, y: np.ndarray, design: np.ndarray, prior: np.ndarray, seqs: float
-) -> float:
-    """The per-pair slope (in units of ``PAIR_SCALE`` pairs) of the wide, constrained fit
-    around the plain step of ``seqs`` sequences (``prior``: each step's weight before
-    nearness)."""
-    weight = prior * (np.exp(-_nearness(x, seqs, seqs, BANDWIDTH)) + FLOOR)
-    return float(_weighted_fit(design, y, weight, constrained=True)[3])
+    def _pair_slope(self, prior: np.ndarray, seqs: float) -> float:
+        """The per-pair slope (in units of ``PAIR_SCALE`` pairs) of the wide, constrained
+        fit around the plain step of ``seqs`` sequences."""
+        weight = prior * (np.exp(-self._nearness(seqs, seqs, BANDWIDTH)) + FLOOR)
+        return float(_weighted_fit(self._design, self._y, weight, constrained=True)[3])
 
 
 class ForwardTimes:
     """A draft model's forward times: rows -> seconds, fitted locally like the target's."""
 
     def __init__(self, window: int = WINDOW) -> None:
-        self._rows = np.zeros(window)
+        self._design = np.ones((window, 2))  # 1, rows
         self._y = np.zeros(window)
-        self._share = np.ones(window)
-        self._step = np.full(window, -1, dtype=np.int64)
-        self._count = 0
-        self._clean = _Contention(self._share, self._step)
+        self._priors = _Priors(window)
         self._cache: _FitCache[tuple[float, float]] = _FitCache()
 
     @property
     def ready(self) -> bool:
-        return self._count > 0
+        return self._priors.count > 0
 
     def observe(self, rows: int, seconds: float, share: float = 1.0) -> None:
         if rows <= 0 or seconds <= 0 or not math.isfinite(seconds):
             return
-        slot = self._count % len(self._y)
-        self._rows[slot], self._y[slot], self._step[slot] = rows, seconds, self._count
-        self._share[slot] = share if share > 0 and math.isfinite(share) else 1.0
-        self._count += 1
+        slot = self._priors.add(share)
+        self._design[slot, 1], self._y[slot] = rows, seconds
 
     def fit(self, rows: float) -> tuple[float, float]:
         """(seconds per forward, seconds per row) near forwards of ``rows`` rows (reused like
         the target's: a plan asks for it every step, drafting or not, and while the draft
         model is not used nothing new is measured)."""
-        return self._cache.get((rows,), self._count, lambda: self._fit(rows))
+        return self._cache.get((rows,), self._priors.count, lambda: self._fit(rows))
 
     def _fit(self, rows: float) -> tuple[float, float]:
-        used = self._step >= 0
-        r, y = self._rows[used], self._y[used]
-        if not len(y):
+        if not self._priors.count:
             return 0.0, 0.0
-        if np.abs(np.log(r / max(rows, 1.0))).min() > EXTRAPOLATE:
+        stored = self._priors.stored
+        r, y = self._design[:, 1], self._y
+        near = np.log(r / max(rows, 1.0)) ** 2  # stored rows are >= 1, the rest are 1
+        if near[stored].min() > EXTRAPOLATE**2:
             # nothing measured near: a fit would put a far forward's whole time (a prompt's
             # catch-up) in its fixed part and a plan would never try a small forward, so
             # never learn better; the optimistic reading (all of it per row) gets it tried
-            return 0.0, float((y / r).min())
-        age = self._count - 1 - self._step[used]
-        near = np.log(r / max(rows, 1.0)) ** 2
-        clean = self._clean.weights(self._count)[used]
-        weight = clean * AGE_DECAY**age * (np.exp(-near / (2 * BANDWIDTH**2)) + FLOOR)
-        fixed, per_row = _weighted_fit(
-            np.column_stack([np.ones(len(y)), r]), y, weight, constrained=False
-        )
+            return 0.0, float((y[stored] / r[stored]).min())
+        weight = self._priors.weights() * (np.exp(-near / (2 * BANDWIDTH**2)) + FLOOR)
+        fixed, per_row = _weighted_fit(self._design, y, weight, constrained=False)
         per_row = max(per_row, 0.0)
         if fixed < 0:  # a line through the origin's side: all of it per row
             fixed, per_row = 0.0, float((weight * y).sum() / (weight * r).sum())
         return fixed, per_row
 
 
-class _Contention:
-    """Each stored sample's weight by the share of the cores it was timed with (see the
-    module docstring), recomputed once per new sample."""
+class _Priors:
+    """The ring of stored samples: each one's weight before nearness, its age's decay times
+    its contention weight (see the module docstring); 0 for slots not yet used. Computed
+    once per new sample and shared by every fit until the next."""
 
-    def __init__(self, share: np.ndarray, step: np.ndarray) -> None:
-        self._share, self._step = share, step
-        self._count = -1
-        self._weights = np.ones(len(share))
+    def __init__(self, window: int) -> None:
+        self._share = np.ones(window)  # the process's share of the cores at each sample
+        self._decay = np.zeros(window)  # AGE_DECAY ** age; 0 for slots not yet used
+        self._stored = np.zeros(window, dtype=bool)
+        self.count = 0
+        self._computed = -1
+        self._weights = self._decay
 
-    def weights(self, count: int) -> np.ndarray:
-        if count != self._count:
-            self._count = count
-            used = self._step >= 0
-            usual = float(np.quantile(self._share[used], USUAL_QUANTILE)) if used.any() else 1.0
-            ratio = self._share / (usual * CONTENDED)
-            self._weights = np.minimum(ratio, 1.0) ** CONTENTION_POWER
+    @property
+    def stored(self) -> np.ndarray:
+        return self._stored
+
+    def add(self, share: float) -> int:
+        """Store a sample's share of the cores; its slot in the ring."""
+        slot = self.count % len(self._stored)
+        self._share[slot] = share if share > 0 and math.isfinite(share) else 1.0
+        self._decay *= AGE_DECAY
+        self._decay[slot] = 1.0
+        self._stored[slot] = True
+        self.count += 1
+        return slot
+
+    def weights(self) -> np.ndarray:
+        if self._computed != self.count and self.count:
+            self._computed = self.count
+            shares = self._share[self._stored] if self.count < len(self._stored) else self._share
+            bar = _quantile(shares, USUAL_QUANTILE) * CONTENDED
+            if shares.min() >= bar:  # nothing contended (the usual case): the decay alone
+                self._weights = self._decay
+            else:
+                clean = np.minimum(self._share / bar, 1.0) ** CONTENTION_POWER
+                self._weights = clean * self._decay
         return self._weights
+
+
+def _quantile(values: np.ndarray, q: float) -> float:
+    """``np.quantile(values, q)`` (linear interpolation) by partial sort: a few microseconds
+    where np.quantile takes tens, once per step."""
+    position = q * (len(values) - 1)
+    low = math.floor(position)
+    high = min(low + 1, len(values) - 1)
+    part = np.partition(values, (low, high))
+    return float(part[low] + (part[high] - part[low]) * (position - low))
 
 
 class _FitCache(Generic[Fit]):
@@ -286,31 +295,37 @@ def _weighted_fit(
     nearly free row at a decode step's cost. With at most a few slopes the constrained optimum
     is found exactly by trying every set of free slopes (the optimum's positive slopes are the
     unconstrained fit on its own set) and keeping the best fit whose slopes are all >= 0.
-    Columns are centred so the intercept is not penalised."""
+    Columns are centred so the intercept is not penalised (``design``'s first column is
+    ones).
+
+    ``weight`` may be 0 for rows that are not samples (the ring's unused slots)."""
     total = weight.sum()
-    mean_x = (weight[:, None] * design).sum(0) / total
-    mean_y = float((weight * y).sum() / total)
-    centred = (design - mean_x)[:, 1:]
-    root = np.sqrt(weight)[:, None]
-    a = centred * root
-    b = (y - mean_y) * root[:, 0]
-    gram = a.T @ a
+    # sums about the heaviest sample (exact zeros for a column that does not vary, and no
+    # cancellation between large raw sums), then centred on the weighted means
+    heaviest = int(np.argmax(weight))
+    x = design[:, 1:] - design[heaviest, 1:]
+    dy = y - y[heaviest]
+    weighted = x * weight[:, None]
+    sum_x = weighted.sum(0)
+    sum_y = float(weight @ dy)
+    gram = weighted.T @ x - np.outer(sum_x, sum_x) / total
     gram += np.eye(gram.shape[0]) * (1e-9 * np.trace(gram) + 1e-30)
-    moment = a.T @ b
+    moment = weighted.T @ dy - sum_x * (sum_y / total)
     slopes = np.linalg.solve(gram, moment)
     if constrained and (slopes < 0).any():
         slopes = _nonnegative_slopes(gram, moment, slopes)
-    intercept = mean_y - float(mean_x[1:] @ slopes)
+    mean_x = sum_x / total + design[heaviest, 1:]
+    intercept = sum_y / total + y[heaviest] - float(mean_x @ slopes)
     if constrained and intercept < 0:
         # no forward takes negative time: the optimum with the intercept >= 0 too has it at
         # 0 (the problem is convex and its optimum without that bound is past it), so the
         # slopes are refitted through the origin. Without it a few far steps (a fresh
         # engine's prefills and drafted steps, a CPU spell among them) extrapolated a
         # batch-1 decode step to -1.5 s, and a plan priced rows against a free step
-        raw = design[:, 1:] * root
-        gram = raw.T @ raw
+        raw = design[:, 1:] * weight[:, None]
+        gram = raw.T @ design[:, 1:]
         gram += np.eye(gram.shape[0]) * (1e-9 * np.trace(gram) + 1e-30)
-        moment = raw.T @ (y * root[:, 0])
+        moment = raw.T @ y
         slopes = np.linalg.solve(gram, moment)
         if (slopes < 0).any():
             slopes = _nonnegative_slopes(gram, moment, slopes)
