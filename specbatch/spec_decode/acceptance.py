@@ -235,6 +235,16 @@ class AcceptanceModel:
         follow = self._follow.setdefault(way, _PositionRates())
         follow.observe(1, min(num_accepted + 1, num_drafts), num_accepted, SHARED_DECAY, self.step)
 
+    def observe_beyond(self, way: str, offset: int, num_drafts: int, num_accepted: int) -> None:
+        """Follow-on outcomes at positions ``offset .. offset + num_drafts - 1`` given every
+        position below ``offset`` right (drafts judged past a chain's last verified one):
+        right below ``offset + num_accepted``, up to and including the first miss."""
+        if num_drafts <= 0 or offset <= 0:
+            return
+        follow = self._follow.setdefault(way, _PositionRates())
+        stop = offset + min(num_accepted + 1, num_drafts)
+        follow.observe(offset, stop, offset + num_accepted, SHARED_DECAY, self.step)
+
     def calibration(self, way: str) -> float:
         """Drafts of ``way`` accepted per draft the plans expected to be by the uncalibrated
         estimates (decayed, with a prior of 1), within ``CALIBRATION_RANGE``."""

@@ -401,6 +401,12 @@ class GoodputController:
         if expected is not None:
             self.acceptance.calibrate(way, expected, num_accepted)
 
+    def observe_beyond(self, way: str, offset: int, num_drafts: int, num_accepted: int) -> None:
+        """Drafts of ``way`` at positions ``offset ..`` past a verified, all-accepted chain of
+        ``offset`` drafts, judged by what the target emitted: the first ``num_accepted`` of
+        ``num_drafts`` right."""
+        self.acceptance.observe_beyond(way, offset, num_drafts, num_accepted)
+
     def observe_made(self, way: str, allotted: int, made: int) -> None:
         """The proposer of ``way`` made ``made`` of the ``allotted`` drafts a plan gave."""
         self.acceptance.observe_made(way, allotted, made)

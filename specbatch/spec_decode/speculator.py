@@ -45,12 +45,15 @@ SIBLING_SLOTS = 4  # draft-model siblings a chain may get beside it (draft_tree)
 
 @dataclass
 class _Shadow:
-    """A lookup the step did not use, to be compared with what the target emits after
-    ``start``."""
+    """Lookup drafts the step did not verify, to be compared with what the target emits
+    after ``start``: a lookup the step did not use (``offset`` 0), or the rest of one it used
+    for ``offset`` drafts (judged only if all of those were accepted: the target's next token
+    is then what a verify of draft ``offset`` would have compared it with)."""
 
     way: str
     tokens: list[int]
     start: int
+    offset: int = 0
 
 
 class Speculator:
@@ -71,6 +74,7 @@ class Speculator:
         self._plan: dict[int, Choice] = {}  # seq_id -> this step's choice
         self._lookups: dict[int, tuple[list[int], int]] = {}  # seq_id -> (drafts, match n)
         self._shadows: dict[int, _Shadow] = {}
+        self.learn_past_drafts = True  # see _Shadow's offset
         self._used: dict[int, str] = {}  # seq_id -> way of this step's drafts
         self._node_prices: dict[int, float] = {}  # seq_id -> price of a sibling, in tokens
         self._row_prices: dict[int, float] = {}  # seq_id -> price of a draft model's row
@@ -121,9 +125,23 @@ class Speculator:
                 drafts[i] = min(candidate.slots, choice.drafts + SIBLING_SLOTS)
                 self._node_prices[candidate.seq_id] = price
             found, n = self._lookups.get(candidate.seq_id, ([], 0))
+            seq = out.scheduled[i].seq
             if found and not (choice.way in LOOKUP_WAYS and choice.learned):
-                seq = out.scheduled[i].seq
                 self._shadows[seq.seq_id] = _Shadow(lookup_way(n), found, seq.num_tokens)
+            elif (
+                self.learn_past_drafts
+                and choice.way in LOOKUP_WAYS
+                and choice.planned is None  # a probe's step teaches nothing past the plan
+                and len(found) > choice.drafts
+                and not (self.lookup is not None and self.lookup.trees)
+            ):
+                # the positions past the plan's drafts are learned from the lookup's rest
+                # (else nothing ever measures them, and a plan never drafts that deep)
+                offset = choice.drafts
+                rest = found[offset:]
+                self._shadows[seq.seq_id] = _Shadow(
+                    choice.way, rest, seq.num_tokens + offset, offset
+                )
         return drafts
 
     def _draft_row_price(self, choice: Choice, candidate: Candidate) -> float | None:
@@ -352,7 +370,10 @@ class Speculator:
             right = 0
             while right < judged and emitted[right] == shadow.tokens[right]:
                 right += 1
-            self.controller.observe_verify(seq.seq_id, shadow.way, judged, right)
+            if shadow.offset:
+                self.controller.observe_beyond(shadow.way, shadow.offset, judged, right)
+            else:
+                self.controller.observe_verify(seq.seq_id, shadow.way, judged, right)
         if self.proposer is not None:
             self.proposer.on_verified(seq)
 

@@ -595,7 +595,8 @@ def run_copying_batch(switch: int, steps: int, seqs: int = 16) -> list[int]:
     step ``switch``, then copies its prompt; a row costs a 26th of a 16-sequence step, so a
     draft pays only when it is right more than ~60% of the time: while the text is copied."""
     rng = random.Random(1)
-    prompt = [rng.randrange(1000, 2000) for _ in range(64)]
+    # long enough that the copy does not wrap around (its end is followed by random text)
+    prompt = [rng.randrange(1000, 2000) for _ in range(256)]
     batch = [
         Sequence(
             i, str(i), 0, list(prompt), SamplingParams(temperature=0.0, max_tokens=10_000), 0.0
@@ -888,3 +889,55 @@ def test_position_rates_are_one_timed_rate_per_position(seed: int) -> None:
         count = rng.randint(0, 9)
         want = [slow[j].value(0.5, 1.0, step + 3) if j < len(slow) else 0.5 for j in range(count)]
         assert fast.values(count, 0.5, 1.0, step + 3) == pytest.approx(want, rel=1e-12)
+
+
+@pytest.mark.parametrize("right_past_two", [True, False])
+def test_positions_past_the_plans_drafts_are_learned_from_the_lookups_rest(
+    right_past_two: bool,
+) -> None:
+    """A batch-1 sequence copies its prompt, and rows past a step of 3 tokens cost a step
+    each, so plans draft 2 by lookup and never deeper. Nothing verifies draft 3, but when
+    both drafts were right the target's next token is what a verify of it would have been
+    compared with: position 2's follow-on outcomes are learned from the lookup's rest (right
+    when the text goes on copying, wrong when it leaves the prompt there), where without it
+    the position would have none and sit at its prior for good."""
+    rng = random.Random(3)
+    prompt = [rng.randrange(1000, 2000) for _ in range(1000)]
+    seq = Sequence(0, "0", 0, list(prompt), SamplingParams(temperature=0.0, max_tokens=10**4), 0.0)
+    seq.token_ids += prompt[:8]  # the copy has begun: a lookup matches
+    seq.num_computed_tokens = seq.num_tokens - 1
+    controller = GoodputController(LOOKUP_WAYS)
+    speculator = Speculator(NgramProposer(1, 4), controller, None)  # type: ignore[arg-type]
+
+    def seconds(tokens: int) -> float:
+        return 0.02 if tokens <= 3 else 0.02 * (tokens - 2)
+
+    for tokens in list(range(1, 10)) * 3:  # steps of every size timed
+        controller.observe_step(tokens, 1, 0.0, seconds(tokens))
+    copied = 8
+    planned: list[int] = []
+    for _ in range(60):
+        out = SchedulerOutput([ScheduledSequence(seq, 1, 8)])
+        counts = speculator.plan(out, 1000)
+        proposal = speculator.propose([seq], counts)
+        drafts = proposal.tokens[0]
+        planned.append(len(drafts))
+        truth = prompt[copied : copied + len(drafts) + 1]
+        if not right_past_two and len(drafts) == 2:
+            truth[2] = 7  # the text leaves the prompt for a token right after the drafts
+        accepted = 0
+        while accepted < len(drafts) and drafts[accepted] == truth[accepted]:
+            accepted += 1
+        seq.token_ids += truth[: accepted + 1]
+        copied += accepted + 1
+        seq.num_computed_tokens = seq.num_tokens - 1
+        speculator.on_verified(seq, len(drafts), accepted)
+        tokens = 1 + len(drafts)
+        speculator.observe_step([(seq.num_computed_tokens, tokens)], seconds(tokens), len(drafts))
+    assert planned.count(2) > 40  # the plans' depth
+    # the outcomes at position 2 (decayed counts), over the lookup ways the plans used
+    rates = controller.acceptance._follow.values()
+    judged = sum(rate.total[2] for rate in rates if len(rate.total) > 2)
+    right = sum(rate.hits[2] for rate in rates if len(rate.hits) > 2)
+    assert judged > 2.0
+    assert right == pytest.approx(judged if right_past_two else 0.0)
