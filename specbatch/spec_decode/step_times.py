@@ -309,11 +309,8 @@ def _weighted_fit(
     sum_x = weighted.sum(0)
     sum_y = float(weight @ dy)
     gram = weighted.T @ x - np.outer(sum_x, sum_x) / total
-    gram += np.eye(gram.shape[0]) * (1e-9 * np.trace(gram) + 1e-30)
     moment = weighted.T @ dy - sum_x * (sum_y / total)
-    slopes = np.linalg.solve(gram, moment)
-    if constrained and (slopes < 0).any():
-        slopes = _nonnegative_slopes(gram, moment, slopes)
+    slopes = _ridge_solve(gram, moment, constrained)
     mean_x = sum_x / total + design[heaviest, 1:]
     intercept = sum_y / total + y[heaviest] - float(mean_x @ slopes)
     if constrained and intercept < 0:
@@ -323,14 +320,19 @@ def _weighted_fit(
         # engine's prefills and drafted steps, a CPU spell among them) extrapolated a
         # batch-1 decode step to -1.5 s, and a plan priced rows against a free step
         raw = design[:, 1:] * weight[:, None]
-        gram = raw.T @ design[:, 1:]
-        gram += np.eye(gram.shape[0]) * (1e-9 * np.trace(gram) + 1e-30)
-        moment = raw.T @ y
-        slopes = np.linalg.solve(gram, moment)
-        if (slopes < 0).any():
-            slopes = _nonnegative_slopes(gram, moment, slopes)
+        slopes = _ridge_solve(raw.T @ design[:, 1:], raw.T @ y, constrained)
         intercept = 0.0
     return np.concatenate([[intercept], slopes])
+
+
+def _ridge_solve(gram: np.ndarray, moment: np.ndarray, constrained: bool) -> np.ndarray:
+    """The slopes minimising ``x.G.x - 2 x.h`` with a whisper of ridge on ``gram`` (in
+    place), all >= 0 if ``constrained``."""
+    gram += np.eye(gram.shape[0]) * (1e-9 * np.trace(gram) + 1e-30)
+    slopes = np.linalg.solve(gram, moment)
+    if constrained and (slopes < 0).any():
+        slopes = _nonnegative_slopes(gram, moment, slopes)
+    return slopes
 
 
 def _nonnegative_slopes(
