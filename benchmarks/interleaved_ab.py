@@ -9,9 +9,10 @@ two benchmark runs, one per code version, compare ratios taken on different mach
 both variants live in one process: a default engine with the speculator's boolean attribute
 ``--toggle`` set False (A) and one with it True (B), and per category (two dev prompts each,
 the code-editing prompts as ``code_editing``; ``--batch`` at once, prompts cycled) each
-repeat runs off, then A and B in alternating order, each variant's ratio taken to the off run
-just before it. Printed per category: A's and B's mean ratio to off and B/A; then geometric
-means. Greedy, 128 new tokens.
+repeat runs off, A and B in lockstep by tokens emitted (``spec_decode.run_lockstep``: the next
+step is always that of the engine furthest behind, so the three cover the same tokens over
+the same stretch of wall time), each variant's ratio taken to off's. Printed per category:
+A's and B's mean ratio to off and B/A; then geometric means. Greedy, 128 new tokens.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.code_edit_prompt import CODE_EDIT_PROMPTS
 from benchmarks.common import load_specbench, print_conditions
-from benchmarks.spec_decode import run
+from benchmarks.spec_decode import run, run_lockstep
 from specbatch import LLMEngine
 from specbatch.config import EngineConfig
 
@@ -76,14 +77,14 @@ def main() -> None:
         ids = [tokenizer.encode_chat([{"role": "user", "content": t}])[1] for t in prompts]
         ids = (ids * (args.batch // len(ids) + 1))[: max(args.batch, len(ids))]
         ratios: dict[str, list[float]] = {"A": [], "B": []}
-        for repeat in range(args.repeats):
-            order = [("A", variant_a), ("B", variant_b)]
-            for name, engine in order if repeat % 2 == 0 else order[::-1]:
-                baseline = run(off, ids, args.max_tokens, args.batch)
-                result = run(engine, ids, args.max_tokens, args.batch)
-                if result["outputs"] != baseline["outputs"]:
+        for _ in range(args.repeats):
+            results = run_lockstep(
+                {"off": off, "A": variant_a, "B": variant_b}, ids, args.max_tokens, args.batch
+            )
+            for name in ("A", "B"):
+                if results[name]["outputs"] != results["off"]["outputs"]:
                     raise SystemExit(f"{category}: variant {name}'s output differs from off's")
-                ratios[name].append(result["tok_s"] / baseline["tok_s"])
+                ratios[name].append(results[name]["tok_s"] / results["off"]["tok_s"])
         mean_a, mean_b = statistics.mean(ratios["A"]), statistics.mean(ratios["B"])
         means_a.append(mean_a)
         means_b.append(mean_b)

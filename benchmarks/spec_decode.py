@@ -5,8 +5,13 @@
 
 ``default`` is what ``LLM()`` does without a speculative_config (auto: the goodput controller
 choosing every step's drafts); ``ngram``, ``draft`` and ``hybrid`` are fixed-k unless given
-``adaptive=1``. With ``--repeats`` every engine runs each cell that many times, interleaved
-with speculation off, and the speedup is the median of the per-repeat ratios, printed with
+``adaptive=1``. Every cell runs its engines in lockstep by progress: the next step is always
+that of the engine with the fewest tokens emitted so far, each engine's time the sum of its
+own steps, so that all of them cover the same tokens over the same stretch of wall time and
+the machine's drift (10-15% between runs minutes apart on this shared host) lands on every
+engine alike (``--sequential``: each engine's run whole, one after another, as before
+session 37). With ``--repeats`` every cell
+runs that many times and the speedup is the median of the per-repeat ratios, printed with
 their range (the run-to-run spread). For the controller, each row also prints the share of its
 planned steps that drafted, the drafts per planned step, and the measured cost of one verify
 row over the step's (its step-time model at the end of the cell).
@@ -168,54 +173,115 @@ def draft_forward_owner(engine: LLMEngine) -> tuple[Any, str]:
     return (runner, "forward") if runner is not None else (proposer, "propose")
 
 
+class Job:
+    """One engine generating for every prompt with at most ``concurrency`` requests in flight,
+    one step at a time (``step``), timed per step so that jobs of several engines can run in
+    lockstep (``run_lockstep``)."""
+
+    def __init__(
+        self, engine: LLMEngine, prompts: list[list[int]], max_tokens: int, concurrency: int
+    ) -> None:
+        self.engine, self.concurrency = engine, concurrency
+        self.params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+        stats = engine.stats
+        self.before = (
+            stats.num_drafts,
+            stats.num_draft_tokens,
+            stats.num_accepted_tokens,
+            stats.num_planned_steps,
+            stats.num_drafting_steps,
+            stats.num_drafts_allotted,
+        )
+        self.depth_before = (
+            list(stats.num_drafts_per_pos),
+            list(stats.num_accepted_tokens_per_pos),
+        )
+        self.pending = list(enumerate(prompts))
+        self.index: dict[str, int] = {}
+        self.outputs: list[list[int]] = [[] for _ in prompts]
+        self.emitted: dict[str, int] = {}  # tokens each request has so far
+        self.progress = 0  # tokens emitted, all requests
+        self.elapsed = 0.0
+
+    @property
+    def done(self) -> bool:
+        return not self.pending and not self.engine.has_unfinished_requests()
+
+    def step(self) -> None:
+        """Admit what fits, then one engine step; both timed."""
+        engine = self.engine
+        start = time.perf_counter()
+        while self.pending and engine.num_unfinished_requests() < self.concurrency:
+            i, prompt = self.pending.pop(0)
+            request_id = f"spec-{time.monotonic_ns()}-{i}"
+            self.index[request_id] = i
+            engine.add_request(request_id, prompt, self.params)
+        outputs = engine.step()
+        self.elapsed += time.perf_counter() - start
+        for out in outputs:
+            count = len(out.outputs[0].token_ids)
+            self.progress += count - self.emitted.get(out.request_id, 0)
+            self.emitted[out.request_id] = count
+            if out.finished:
+                self.outputs[self.index[out.request_id]] = list(out.outputs[0].token_ids)
+
+    def result(self) -> dict[str, Any]:
+        stats, before = self.engine.stats, self.before
+        tokens = sum(len(ids) for ids in self.outputs)
+        drafts = stats.num_drafts - before[0]
+        drafted = stats.num_draft_tokens - before[1]
+        accepted = stats.num_accepted_tokens - before[2]
+        planned = stats.num_planned_steps - before[3]
+        return {
+            "drafting_share": (stats.num_drafting_steps - before[4]) / planned if planned else 0.0,
+            "drafts_per_step": (stats.num_drafts_allotted - before[5]) / planned
+            if planned
+            else 0.0,
+            "row_cost": stats.spec_row_seconds / stats.spec_step_seconds
+            if stats.spec_step_seconds
+            else 0.0,
+            "outputs": self.outputs,
+            "tokens": tokens,
+            "seconds": self.elapsed,
+            "tok_s": tokens / self.elapsed,
+            "mean_accepted_length": 1 + accepted / drafts if drafts else 1.0,
+            "acceptance_rate": accepted / drafted if drafted else 0.0,
+            "acceptance_by_depth": _by_depth(stats, *self.depth_before),
+        }
+
+
 def run(
     engine: LLMEngine, prompts: list[list[int]], max_tokens: int, concurrency: int
 ) -> dict[str, Any]:
     """Generate for every prompt with at most ``concurrency`` requests in flight."""
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    stats = engine.stats
-    before = (
-        stats.num_drafts,
-        stats.num_draft_tokens,
-        stats.num_accepted_tokens,
-        stats.num_planned_steps,
-        stats.num_drafting_steps,
-        stats.num_drafts_allotted,
-    )
-    depth_before = (list(stats.num_drafts_per_pos), list(stats.num_accepted_tokens_per_pos))
-    start = time.perf_counter()
-    pending = list(enumerate(prompts))
-    index: dict[str, int] = {}
-    outputs: list[list[int]] = [[] for _ in prompts]
-    while pending or engine.has_unfinished_requests():
-        while pending and engine.num_unfinished_requests() < concurrency:
-            i, prompt = pending.pop(0)
-            request_id = f"spec-{time.monotonic_ns()}-{i}"
-            index[request_id] = i
-            engine.add_request(request_id, prompt, params)
-        for out in engine.step():
-            if out.finished:
-                outputs[index[out.request_id]] = list(out.outputs[0].token_ids)
-    elapsed = time.perf_counter() - start
-    tokens = sum(len(ids) for ids in outputs)
-    drafts = stats.num_drafts - before[0]
-    drafted = stats.num_draft_tokens - before[1]
-    accepted = stats.num_accepted_tokens - before[2]
-    planned = stats.num_planned_steps - before[3]
-    return {
-        "drafting_share": (stats.num_drafting_steps - before[4]) / planned if planned else 0.0,
-        "drafts_per_step": (stats.num_drafts_allotted - before[5]) / planned if planned else 0.0,
-        "row_cost": stats.spec_row_seconds / stats.spec_step_seconds
-        if stats.spec_step_seconds
-        else 0.0,
-        "outputs": outputs,
-        "tokens": tokens,
-        "seconds": elapsed,
-        "tok_s": tokens / elapsed,
-        "mean_accepted_length": 1 + accepted / drafts if drafts else 1.0,
-        "acceptance_rate": accepted / drafted if drafted else 0.0,
-        "acceptance_by_depth": _by_depth(stats, *depth_before),
-    }
+    job = Job(engine, prompts, max_tokens, concurrency)
+    while not job.done:
+        job.step()
+    return job.result()
+
+
+def run_lockstep(
+    engines: dict[str, LLMEngine], prompts: list[list[int]], max_tokens: int, concurrency: int
+) -> dict[str, dict[str, Any]]:
+    """``run`` for every engine at once, in lockstep by progress: the next step is always
+    the one of the engine that has emitted the fewest tokens so far, each engine's time the
+    sum of its own steps. Outputs are the same across engines (greedy), so a faster engine
+    steps less often and all of them cover the same tokens over the same stretch of wall
+    time, ending together: a drift in the machine's speed (10-15% between runs minutes apart
+    on this shared host) lands on every engine alike, where whole runs one after another
+    each met their own stretch of it."""
+    jobs = {name: Job(engine, prompts, max_tokens, concurrency) for name, engine in engines.items()}
+    order = list(jobs.values())
+    turn = 0
+    while True:
+        waiting = [job for job in order if not job.done]
+        if not waiting:
+            break
+        least = min(job.progress for job in waiting)
+        tied = [job for job in waiting if job.progress == least]
+        tied[turn % len(tied)].step()  # ties (the start) taken in turn
+        turn += 1
+    return {name: job.result() for name, job in jobs.items()}
 
 
 def _by_depth(stats: Any, drafts_before: list[int], accepted_before: list[int]) -> list[float]:
@@ -268,6 +334,12 @@ def main() -> None:
     )
     parser.add_argument("--max-prompt-len", type=int, default=1024)
     parser.add_argument(
+        "--sequential",
+        action="store_true",
+        help="each engine runs a cell's repeat whole, one after another (default: in lockstep "
+        "by tokens emitted)",
+    )
+    parser.add_argument(
         "--code-edit",
         action="store_true",
         help="add a 'code_editing' category (prompts that copy given code)",
@@ -307,6 +379,8 @@ def main() -> None:
         draft_confidence=args.draft_confidence,
         batch_sizes=args.batch_sizes,
         max_tokens=args.max_tokens,
+        repeats=args.repeats,
+        timing="sequential runs" if args.sequential else "lockstep by tokens emitted",
         dataset=args.dataset,
         categories=sorted(by_category),
         prompts_per_category=args.prompts_per_category,
@@ -321,11 +395,16 @@ def main() -> None:
             batch_prompts = cycled[: max(batch, len(token_ids))]
             results: dict[str, list[dict[str, Any]]] = defaultdict(list)
             for _ in range(args.repeats):  # interleaved, so drift hits every engine alike
-                for name, engine in engines.items():
-                    target_timer[name].reset()
-                    if name in draft_timer:
-                        draft_timer[name].reset()
-                    result = run(engine, batch_prompts, args.max_tokens, batch)
+                for timer in (*target_timer.values(), *draft_timer.values()):
+                    timer.reset()
+                if args.sequential:
+                    repeat = {
+                        name: run(engine, batch_prompts, args.max_tokens, batch)
+                        for name, engine in engines.items()
+                    }
+                else:
+                    repeat = run_lockstep(engines, batch_prompts, args.max_tokens, batch)
+                for name, result in repeat.items():
                     result["target_step_s"] = target_timer[name].mean
                     if name in draft_timer:  # per draft forward (n-gram: per lookup)
                         result["draft_step_s"] = draft_timer[name].mean
