@@ -10,11 +10,11 @@ that of the engine with the fewest tokens emitted so far, each engine's time the
 own steps, so that all of them cover the same tokens over the same stretch of wall time and
 the machine's drift (10-15% between runs minutes apart on this shared host) lands on every
 engine alike (``--sequential``: each engine's run whole, one after another, as before
-session 37). With ``--repeats`` every cell
-runs that many times and the speedup is the median of the per-repeat ratios, printed with
-their range (the run-to-run spread). For the controller, each row also prints the share of its
-planned steps that drafted, the drafts per planned step, and the measured cost of one verify
-row over the step's (its step-time model at the end of the cell).
+session 37). With ``--repeats`` every cell runs that many times and the speedup is the
+median of the per-repeat ratios, printed with their range (the run-to-run spread). For the
+controller, each row also prints the share of its planned steps that drafted, the drafts per
+planned step, and the measured cost of one verify row over the step's (its step-time model
+at the end of the cell).
 
 For every category and batch size, each engine (speculation off, then each proposer) generates
 greedily for the same chat-formatted first turns (cycled to fill the batch), stopping at EOS or
@@ -271,12 +271,8 @@ def run_lockstep(
     on this shared host) lands on every engine alike, where whole runs one after another
     each met their own stretch of it."""
     jobs = {name: Job(engine, prompts, max_tokens, concurrency) for name, engine in engines.items()}
-    order = list(jobs.values())
     turn = 0
-    while True:
-        waiting = [job for job in order if not job.done]
-        if not waiting:
-            break
+    while waiting := [job for job in jobs.values() if not job.done]:
         least = min(job.progress for job in waiting)
         tied = [job for job in waiting if job.progress == least]
         tied[turn % len(tied)].step()  # ties (the start) taken in turn
@@ -394,7 +390,7 @@ def main() -> None:
             cycled = token_ids * (batch // len(token_ids) + 1)
             batch_prompts = cycled[: max(batch, len(token_ids))]
             results: dict[str, list[dict[str, Any]]] = defaultdict(list)
-            for _ in range(args.repeats):  # interleaved, so drift hits every engine alike
+            for _ in range(args.repeats):
                 for timer in (*target_timer.values(), *draft_timer.values()):
                     timer.reset()
                 if args.sequential:

@@ -13,8 +13,9 @@ plan / propose / verify, in the controller's plan (part of plan) and in the targ
 and the host time (the step's time outside the forward and the proposer), then per (way,
 drafts) group the steps, ms per step, tokens per step and ms per token. Outputs are identical
 across engines (greedy), so step counts and times compare equal work. ``--passes N`` runs the
-prompts N times on the same engines, interleaved, and reports each pass. It explains a gap
-between two configurations; ``spec_decode.py`` measures it.
+prompts N times on the same engines (each pass: every engine's run, one after another) and
+reports each pass. It explains a gap between two configurations; ``spec_decode.py``
+measures it.
 """
 
 from __future__ import annotations
@@ -170,7 +171,7 @@ def main() -> None:
     parser.add_argument("--draft-confidence", type=float, default=0.0)
     parser.add_argument("--adaptive-k", action="store_true")
     parser.add_argument(
-        "--passes", type=int, default=1, help="runs over the prompts, interleaved across engines"
+        "--passes", type=int, default=1, help="runs over the prompts, each engine in turn per pass"
     )
     args = parser.parse_args()
 
