@@ -82,16 +82,17 @@ PROPOSER_OPTIONS = {
     "nodes": int,
     "depth": int,
     "dkind": str,
+    "ddtype": str,
 }
 
 
 def proposer_config(spec: str, args: argparse.Namespace) -> dict[str, Any] | None:
     """``name[:key=value,...]`` (name default, ngram, draft, eagle or hybrid; keys k, min, max,
     conf, adaptive, tree: lookup trees, dtree: draft siblings, model: a draft model or head
-    path, nodes and depth: a fixed draft tree of that many nodes, that deep, without the
-    controller: ``eagle:nodes=16,depth=5``, dkind: ``siblings`` or ``dynamic`` trees) as a
-    speculative_config, the command-line
-    defaults filling what the spec leaves out;
+    path, ddtype: the draft model's dtype (``float32``, ``bfloat16``; default ``auto``), nodes
+    and depth: a fixed draft tree of that many nodes, that deep, without the controller:
+    ``eagle:nodes=16,depth=5``, dkind: ``siblings`` or ``dynamic`` trees) as a
+    speculative_config, the command-line defaults filling what the spec leaves out;
     None for a plain ``default`` (``default:k=8``: auto with that k; ``default:tree=1,dtree=1``:
     auto with both trees; ``eagle`` without model: the shipped head)."""
     name, _, rest = spec.partition(":")
@@ -104,9 +105,10 @@ def proposer_config(spec: str, args: argparse.Namespace) -> dict[str, Any] | Non
             raise SystemExit(f"--proposers: unknown option {key!r} in {spec!r}")
         options[key] = PROPOSER_OPTIONS[key](value)
     if name == "default":  # auto, with only what the spec names changed
-        if set(options) - {"k", "tree", "dtree", "model", "dkind"}:
+        if set(options) - {"k", "tree", "dtree", "model", "dkind", "ddtype"}:
             raise SystemExit(
-                f"--proposers: default takes only k, tree, dtree, dkind and model, got {spec!r}"
+                "--proposers: default takes only k, tree, dtree, dkind, ddtype and model, "
+                f"got {spec!r}"
             )
         auto: dict[str, Any] = {}
         if "model" in options:
@@ -119,6 +121,8 @@ def proposer_config(spec: str, args: argparse.Namespace) -> dict[str, Any] | Non
             auto["draft_tree"] = bool(options["dtree"])
         if "dkind" in options:
             auto["draft_tree_kind"] = options["dkind"]
+        if "ddtype" in options:
+            auto["draft_dtype"] = options["ddtype"]
         return auto or None
     config: dict[str, Any] = {
         "method": "draft_model" if name == "draft" else name,
@@ -134,6 +138,7 @@ def proposer_config(spec: str, args: argparse.Namespace) -> dict[str, Any] | Non
         config["draft_confidence_threshold"] = options.get("conf", args.draft_confidence)
         config["draft_tree"] = bool(options.get("dtree", 0))
         config["draft_tree_kind"] = options.get("dkind")
+        config["draft_dtype"] = options.get("ddtype", "auto")
     if "nodes" in options or "depth" in options:
         if name == "ngram" or "k" in options or "adaptive" in options:
             raise SystemExit(
@@ -309,7 +314,7 @@ def main() -> None:
         "'hybrid:min=2,conf=0.3' "
         "(k, min and max n-gram length, conf: draft confidence threshold, adaptive=1: "
         "adaptive_k, tree=1: lookup trees, dtree=1: draft siblings, model=PATH: a draft model "
-        "or head); "
+        "or head, ddtype=float32|bfloat16: the draft model's dtype); "
         "'default:tree=1,dtree=1' is auto with both",
     )
     parser.add_argument("--draft-model", default=None)

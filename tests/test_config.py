@@ -126,3 +126,16 @@ def test_draft_siblings_default_and_validation() -> None:
     ):
         with pytest.raises(ConfigError, match=message):
             SpeculativeConfig.parse(bad)
+
+
+def test_draft_dtype_validation() -> None:
+    assert SpeculativeConfig(method="hybrid").draft_dtype == "auto"
+    assert SpeculativeConfig(draft_dtype="bfloat16").resolved(False).draft_dtype == "auto"
+    assert SpeculativeConfig(draft_dtype="bfloat16").resolved(True).draft_dtype == "bfloat16"
+    for bad, message in (
+        ({"method": "hybrid", "draft_dtype": "int8"}, "draft_dtype must be one of"),
+        ({"method": "draft_model", "draft_dtype": ["bfloat16"]}, "draft_dtype must be one of"),
+        ({"method": "ngram", "draft_dtype": "bfloat16"}, "draft_dtype is for methods"),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            SpeculativeConfig.parse(bad)

@@ -82,6 +82,7 @@ def load_models(config: EngineConfig) -> Models:
             dtype,
             device,
             attention_backend=config.attention_backend,
+            packed=config.cpu_weight_packing,
         )
         if draft is not None and config.cpu_weight_packing:
             draft.pack_for_cpu()
@@ -103,7 +104,7 @@ def allocate_cache(config: EngineConfig, models: Models) -> int:
     k = models.num_speculative_tokens
     draft_bytes = 0
     if models.draft is not None:
-        draft_bytes = kv_bytes_per_block(models.draft.config, config.block_size, models.dtype)
+        draft_bytes = kv_bytes_per_block(models.draft.config, config.block_size, models.draft.dtype)
     if isinstance(models.draft, EagleHead):  # and the target's features of every slot
         draft_bytes += feature_bytes_per_block(models.draft, config.block_size)
     reserved = 0

@@ -9,8 +9,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from specbatch.errors import ConfigError, ModelLoadError
+from specbatch.kernels.linear import cpu_packing_supported
 from specbatch.models import load_model, resolve_model_path
 from specbatch.models.llama import LlamaForCausalLM
+from specbatch.models.loader import parse_dtype
 from specbatch.spec_decode.config import DRAFT_METHODS, SpeculativeConfig
 from specbatch.spec_decode.controller import GoodputController
 from specbatch.spec_decode.default_draft import (
@@ -41,6 +43,7 @@ def load_draft_model(
     dtype: torch.dtype,
     device: torch.device,
     attention_backend: str | None = None,
+    packed: bool = True,
 ) -> LlamaForCausalLM | EagleHead | None:
     """The draft of an ``eagle``, ``draft_model`` or ``hybrid`` config (None for other
     methods): a draft head (``eagle``; the hybrid's too when ``model`` is a head directory) or a
@@ -75,15 +78,49 @@ def load_draft_model(
                 "a draft head reads the target's token embedding, which tensor parallelism "
                 "splits across ranks: use tensor_parallel_size=1 with a head, or a draft model"
             )
+        if spec.draft_dtype != "auto":
+            raise ConfigError(
+                f"{path} is a draft head, which runs in the target's dtype: draft_dtype is for "
+                "draft models"
+            )
         return load_head(path, target, dtype, device)
     if spec.method == "eagle":
         raise ConfigError(
             f"speculative_config method 'eagle' needs a draft head directory ('specbatch "
             f"train-head' makes one); {path} is not one"
         )
-    draft = load_model(path, dtype, device, attention_backend)
+    draft_type = draft_dtype(spec.draft_dtype, dtype, device, packed)
+    draft = load_model(path, draft_type, device, attention_backend)
     check_draft_compatible(path, draft, target, target_tokenizer)
     return draft
+
+
+def draft_dtype(
+    requested: str, target_dtype: torch.dtype, device: torch.device, packed: bool
+) -> torch.dtype:
+    """A draft model's dtype: ``requested`` unless ``"auto"``, which is bfloat16 for a float32
+    target on a CPU with native bfloat16 arithmetic whose weights are packed for oneDNN, else
+    the target's. A draft forward multiplies a few rows by every weight, so it costs about the
+    bytes it streams; bfloat16 halves them (measured in ``docs/architecture.md``). Without
+    native bfloat16 instructions oneDNN converts and the saving is not sure, so the target's
+    dtype stays."""
+    if requested != "auto":
+        return parse_dtype(requested)
+    if (
+        device.type == "cpu"
+        and target_dtype == torch.float32
+        and packed
+        and native_cpu_bfloat16()
+        and cpu_packing_supported(torch.bfloat16)
+    ):
+        return torch.bfloat16
+    return target_dtype
+
+
+def native_cpu_bfloat16() -> bool:
+    """True on a CPU with bfloat16 dot products (AVX512-BF16) or AMX tiles."""
+    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(bool(getattr(torch.cpu, name, lambda: False)()) for name in probes)
 
 
 def check_draft_compatible(

@@ -351,6 +351,11 @@ def test_a_prefix_cache_hit_reads_the_cached_positions_features(
     assert engine.cache.num_free_blocks == engine.num_kv_blocks
 
 
+def test_a_draft_dtype_for_a_head_is_refused(tiny_model_dir: Path, trained: dict[str, Any]) -> None:
+    with pytest.raises(ConfigError, match="draft_dtype is for draft models"):
+        eagle_engine(tiny_model_dir, trained["dir"], draft_dtype="bfloat16")
+
+
 def test_head_directory_round_trip_and_errors(
     tiny_model_dir: Path, tiny_draft_dir: Path, trained: dict[str, Any], tmp_path: Path
 ) -> None:

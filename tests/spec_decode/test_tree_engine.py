@@ -351,6 +351,7 @@ def sibling_engine(
         "draft_tree": True,
         "draft_tree_kind": kind,
         "draft_confidence_threshold": threshold,
+        "draft_dtype": "float32",  # its cache is compared with a float32 engine's
     }
     return LLMEngine(EngineConfig(model=str(model), speculative_config=spec, **engine_kwargs()))
 
