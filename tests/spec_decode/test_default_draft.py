@@ -6,6 +6,7 @@ import hashlib
 from pathlib import Path
 
 import pytest
+import torch
 
 from specbatch import LLM, SamplingParams
 from specbatch.errors import ConfigError, ModelLoadError
@@ -35,6 +36,22 @@ def test_shipped_draft_matches_its_checksum_and_the_target_vocabulary() -> None:
     assert token_map is not None
     assert len(set(token_map)) == len(token_map)
     assert max(token_map) < 49152
+
+
+@pytest.mark.parametrize("rows", [0, 1, 8])
+def test_draft_logits_land_on_their_target_ids(rows: int) -> None:
+    """Each draft row's logit at its target id (the token map), -inf at every other id,
+    checked against a loop over the map; the padded rows past the map are dropped."""
+    draft = load_model(default_draft.default_draft_path())
+    token_map = draft.config.token_map
+    assert token_map is not None
+    logits = torch.randn(rows, draft.config.vocab_size, generator=torch.Generator().manual_seed(3))
+    out = draft.logits_in_output_vocab(logits)
+    expected = torch.full((rows, 49152), float("-inf"))
+    for row in range(rows):
+        for draft_id, target_id in enumerate(token_map):
+            expected[row, target_id] = logits[row, draft_id]
+    assert torch.equal(out, expected)
 
 
 def test_damaged_or_missing_draft_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
