@@ -71,7 +71,7 @@ def test_sigterm_answers_every_open_request(tiny_model_dir: Path) -> None:
         threads = [threading.Thread(target=stream), threading.Thread(target=plain)]
         for thread in threads:
             thread.start()
-        while len(results["events"]) < 3:
+        while len(results["events"]) < 3 or running(url) < 2:  # both requests in the engine
             time.sleep(0.01)
         process.send_signal(signal.SIGTERM)
         for thread in threads:
@@ -92,3 +92,11 @@ def test_sigterm_answers_every_open_request(tiny_model_dir: Path) -> None:
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+def running(url: str) -> int:
+    """Sequences the server's engine is running, from ``/metrics``."""
+    for line in httpx.get(f"{url}/metrics", timeout=5).text.splitlines():
+        if line.startswith("specbatch_num_requests_running"):
+            return int(float(line.split()[-1]))
+    raise AssertionError("/metrics has no specbatch_num_requests_running")
