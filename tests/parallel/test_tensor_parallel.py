@@ -138,6 +138,9 @@ def test_three_ranks_with_speculation_caching_chunks_and_preemption(
         try:
             out = generate(engine, prompts, params)
             compare(reference, out)
+            # the second prompt was admitted after the first's first block was computed: it
+            # found that block of the shared prefix cached
+            assert out[1].metrics.num_cached_tokens > 0, out[1].metrics
             assert engine.scheduler.num_preemptions > 0
             assert engine.stats.num_draft_tokens > 0
         finally:
