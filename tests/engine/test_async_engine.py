@@ -5,7 +5,7 @@ the loop, every caller gets an answer."""
 from __future__ import annotations
 
 import asyncio
-import itertools
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -17,6 +17,7 @@ from specbatch.config import EngineConfig
 from specbatch.engine.async_engine import AsyncEngine, EngineDeadError, EngineDrainingError
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+WAIT = 60.0  # seconds: a guard against a hang, never a measure of speed
 
 
 @pytest.fixture
@@ -26,14 +27,22 @@ def engine(tiny_model_dir: Path) -> LLMEngine:
     )
 
 
-def slow_tokenizer(engine: LLMEngine, monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
+def gated_tokenizer(
+    engine: LLMEngine, monkeypatch: pytest.MonkeyPatch, gate: threading.Event
+) -> tuple[threading.Event, list[bool]]:
+    """Each tokenization first waits (at most ``WAIT`` seconds) for ``gate``. Returns an event
+    set once a tokenization has begun, and whether each one found the gate open in time."""
     tokenize = engine.intake.tokenize
+    begun = threading.Event()
+    opened: list[bool] = []
 
-    def slow(text: str, param: str = "prompt") -> list[int]:
-        time.sleep(seconds)
+    def gated(text: str, param: str = "prompt") -> list[int]:
+        begun.set()
+        opened.append(gate.wait(timeout=WAIT))
         return tokenize(text, param)
 
-    monkeypatch.setattr(engine.intake, "tokenize", slow)
+    monkeypatch.setattr(engine.intake, "tokenize", gated)
+    return begun, opened
 
 
 def test_a_cancelled_add_leaves_the_engine_alive(
@@ -64,7 +73,7 @@ def test_a_cancelled_add_leaves_the_engine_alive(
         return final.outputs[0].token_ids
 
     assert len(asyncio.run(scenario())) == 6
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + WAIT
     while engine.has_unfinished_requests() and time.monotonic() < deadline:
         time.sleep(0.02)
     assert engine.cache.num_free_blocks == engine.num_kv_blocks
@@ -73,16 +82,22 @@ def test_a_cancelled_add_leaves_the_engine_alive(
 def test_drain_answers_requests_still_being_tokenized(
     engine: LLMEngine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    slow_tokenizer(engine, monkeypatch, 0.5)
+    release = threading.Event()
+    begun, opened = gated_tokenizer(engine, monkeypatch, release)
 
     async def scenario() -> None:
         async_engine = AsyncEngine(engine=engine)
         async_engine.start()
         adding = asyncio.ensure_future(async_engine.add_request("tokenizing", PARAMS))
-        await asyncio.sleep(0.1)
-        started = time.monotonic()
-        await async_engine.drain(timeout=5.0)  # waits for the add, which is then refused
-        assert time.monotonic() - started < 2.0
+        assert await asyncio.to_thread(begun.wait, WAIT)
+        # a drain timeout far beyond the wait below: the drain must end when the add does
+        draining = asyncio.ensure_future(async_engine.drain(timeout=100 * WAIT))
+        for _ in range(10):  # the drain polls; it has had its turns and still waits for the add
+            await asyncio.sleep(0.01)
+        assert not draining.done()
+        assert not adding.done()
+        release.set()
+        await asyncio.wait_for(draining, WAIT)  # the add was refused, and that ended the drain
         with pytest.raises(EngineDrainingError):
             await adding
         with pytest.raises(EngineDrainingError):
@@ -91,28 +106,32 @@ def test_drain_answers_requests_still_being_tokenized(
         with pytest.raises(EngineDeadError):
             await async_engine.add_request([5], PARAMS)
 
-    asyncio.run(asyncio.wait_for(scenario(), timeout=30))
+    asyncio.run(asyncio.wait_for(scenario(), timeout=2 * WAIT))
+    assert opened == [True]
     assert not engine.has_unfinished_requests()
 
 
 def test_tokenizing_happens_off_the_event_loop(
     engine: LLMEngine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    slow_tokenizer(engine, monkeypatch, 1.0)
+    # the tokenization waits for a task on the event loop: on the loop itself it would block
+    # that task, and find the gate still shut when its wait ran out
+    loop_ran = threading.Event()
+    begun, opened = gated_tokenizer(engine, monkeypatch, loop_ran)
 
-    async def scenario() -> float:
+    async def scenario() -> list[int]:
         async_engine = AsyncEngine(engine=engine)
-        ticks: list[float] = []
 
-        async def ticker() -> None:
-            while True:
-                ticks.append(time.monotonic())
+        async def on_the_loop() -> None:
+            while not begun.is_set():
                 await asyncio.sleep(0.01)
+            loop_ran.set()
 
-        clock = asyncio.ensure_future(ticker())
-        await async_engine.generate_final("slow to tokenize", PARAMS)
-        clock.cancel()
+        watcher = asyncio.ensure_future(on_the_loop())
+        final = await async_engine.generate_final("tokenized in a thread", PARAMS)
+        await watcher
         await async_engine.shutdown()
-        return max(b - a for a, b in itertools.pairwise(ticks))
+        return final.outputs[0].token_ids
 
-    assert asyncio.run(scenario()) < 0.5  # the loop kept ticking through a 1 s tokenization
+    assert len(asyncio.run(scenario())) == 6
+    assert opened == [True]  # the loop ran while the prompt was being tokenized

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import re
 import struct
-import time
 from pathlib import Path
 
 import gguf
@@ -15,7 +14,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from specbatch.errors import ModelLoadError
-from specbatch.models import load_model
+from specbatch.models import load_model, loader
+from specbatch.models.gguf_file import GGUFFile
 from tests.gguf_writer import write_gguf
 from tests.helpers import tiny_config, write_hf_checkpoint
 from tests.models.gguf_rewrite import Value, rewrite_gguf
@@ -195,12 +195,34 @@ def test_gguf_huge_size(gguf_path: Path, key: str) -> None:
         (1000, r"llama\.block_count is 1000, but the file has no tensors for layer 2"),
     ],
 )
-def test_gguf_huge_block_count_fails_fast(gguf_path: Path, layers: int, message: str) -> None:
+@pytest.mark.timeout(60)  # a loader that walked the claimed layers would not end: fail instead
+def test_gguf_huge_block_count_fails_fast(
+    gguf_path: Path, layers: int, message: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The header and the tensor directory refuse the count before any work that grows with
+    it: no module is built, no tensor's data is read."""
     rewrite_gguf(gguf_path, metadata={"llama.block_count": (layers, U32)})
-    start = time.perf_counter()
+    built = record_calls(monkeypatch, loader, "_build")
+    dequantized = record_calls(monkeypatch, GGUFFile, "dequantize")
+    raw = record_calls(monkeypatch, GGUFFile, "raw_rows")
     with pytest.raises(ModelLoadError, match=rf"m\.gguf: (GGUF metadata )?{message}"):
         load_model(gguf_path)
-    assert time.perf_counter() - start < 2.0
+    assert built == []
+    assert dequantized == raw == []
+
+
+def record_calls(monkeypatch: pytest.MonkeyPatch, owner: object, name: str) -> list[object]:
+    """Wrap ``owner.name`` (for this test) so that each call appends its arguments to the
+    returned list."""
+    calls: list[object] = []
+    original = getattr(owner, name)
+
+    def recording(*args: object, **kwargs: object) -> object:
+        calls.append((args, kwargs))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, recording)
+    return calls
 
 
 def test_gguf_string_where_float_expected(gguf_path: Path) -> None:
