@@ -1,9 +1,10 @@
 """C kernels compiled at first use with the system C compiler and loaded with ctypes.
 
 A kernel's shared library is built once into ``cache_dir()/kernels``, named by a hash of its
-source, the compiler flags and the CPU's flags (``-march=native`` output must not move between
-CPUs through a shared cache), and swapped into place atomically so concurrent processes never
-load half a file. Callers keep the loaded library (or the failure) for the life of the process.
+source and the headers it includes by a quoted path (``simd.h``), the compiler flags and the
+CPU's flags (``-march=native`` output must not move between CPUs through a shared cache), and
+swapped into place atomically so concurrent processes never load half a file. Callers keep the
+loaded library (or the failure) for the life of the process.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -39,10 +41,27 @@ def _cpu_signature() -> str:
     return os.uname().machine + flags
 
 
+_LOCAL_INCLUDE = re.compile(rb'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"', re.MULTILINE)
+
+
+def _source_bytes(source: Path, seen: set[Path] | None = None) -> bytes:
+    """``source`` followed by every file it includes by a quoted path, recursively (each once):
+    an edit to a shared header must rebuild every library that includes it."""
+    seen = set() if seen is None else seen
+    seen.add(source.resolve())
+    text = source.read_bytes()
+    parts = [text]
+    for name in _LOCAL_INCLUDE.findall(text):
+        header = source.parent / name.decode()
+        if header.resolve() not in seen:
+            parts.append(name + b"\0" + _source_bytes(header, seen))
+    return b"\0".join(parts)
+
+
 def library_path(source: Path, flags: Sequence[str]) -> Path:
     """Where the library built from ``source`` with ``flags`` on this CPU is cached."""
     key = hashlib.sha256(
-        source.read_bytes() + " ".join(flags).encode() + _cpu_signature().encode()
+        _source_bytes(source) + " ".join(flags).encode() + _cpu_signature().encode()
     ).hexdigest()[:16]
     return cache_dir() / "kernels" / f"{source.stem}-{key}.so"
 

@@ -10,21 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* bfloat16 <-> float32: widening is exact; narrowing rounds to nearest even, as torch does. */
-static inline float from_bf16(uint16_t value) {
-    const uint32_t bits = (uint32_t)value << 16;
-    float out;
-    memcpy(&out, &bits, sizeof out);
-    return out;
-}
-
-static inline uint16_t to_bf16(float value) {
-    uint32_t bits;
-    memcpy(&bits, &value, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u); /* NaN */
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
-}
+#include "simd.h"
 
 /* Element i of a float32 (bf16 == 0) or bfloat16 array, as float32; and the store back. */
 static inline float load_at(const void *base, int bf16, int64_t i) {
@@ -41,7 +27,7 @@ static inline void store_at(void *base, int bf16, int64_t i, float value) {
 /* out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * weight over rows of dim elements (x rows x_stride
  * apart, out rows contiguous), computed in float32. Rows, weight and out are float32, or
  * bfloat16 (bf16 != 0), where, as HF Llama does, the normalised row is rounded to bfloat16
- * before the weight multiplies it. The sum of squares runs in 16 lanes, folded in a fixed order. */
+ * before the weight multiplies it. The sum of squares runs in 16 lanes, folded by fold16. */
 void rms_norm(const void *x, int64_t rows, int64_t dim, int64_t x_stride, const void *weight,
               float eps, void *out, int bf16, int num_threads) {
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (rows > 16)
@@ -58,9 +44,7 @@ void rms_norm(const void *x, int64_t rows, int64_t dim, int64_t x_stride, const 
             const float value = load_at(x, bf16, row + d);
             lanes[lane] += value * value;
         }
-        for (int width = 8; width > 0; width /= 2)
-            for (int lane = 0; lane < width; lane++) lanes[lane] += lanes[lane + width];
-        const float scale = 1.0f / sqrtf(lanes[0] / (float)dim + eps);
+        const float scale = 1.0f / sqrtf(fold16(lanes) / (float)dim + eps);
         for (d = 0; d < dim; d++) {
             float normed = load_at(x, bf16, row + d) * scale;
             if (bf16) normed = from_bf16(to_bf16(normed));
@@ -117,42 +101,10 @@ void rotary(void *x, int64_t tokens, int64_t heads, int64_t dim, int64_t row_str
     }
 }
 
-typedef float v16f __attribute__((vector_size(64)));
-typedef int32_t v16i __attribute__((vector_size(64)));
-
-static inline v16f splat16(float value) {
-    return (v16f){value, value, value, value, value, value, value, value,
-                  value, value, value, value, value, value, value, value};
-}
-
-static inline v16f select16(v16i mask, v16f yes, v16f no) {
-    return (v16f)(((v16i)yes & mask) | ((v16i)no & ~mask));
-}
-
-/* exp on 16 lanes in vector arithmetic (libm's expf does not vectorise): x = n ln2 + r,
- * |r| <= ln2 / 2, exp(r) by its degree-6 Taylor polynomial (relative error below 2e-7), 2^n
- * put into the exponent bits (floor from truncation, exact); x clamped to [-87, 88], beyond
- * which float32 under- or overflows (and the SiLU below is 0 or x anyway). */
-static inline v16f exp16(v16f x) {
-    v16f clamped = select16(x < splat16(-87.0f), splat16(-87.0f), x);
-    clamped = select16(clamped > splat16(88.0f), splat16(88.0f), clamped);
-    const v16f y = clamped * 1.44269504088896341f + 0.5f;
-    v16f n = __builtin_convertvector(__builtin_convertvector(y, v16i), v16f);
-    n += __builtin_convertvector(n > y, v16f); /* true is -1: truncation rounded up */
-    const v16f r = clamped - n * 0.693359375f - n * -2.12194440e-4f;
-    v16f p = splat16(1.0f / 720.0f);
-    p = p * r + 1.0f / 120.0f;
-    p = p * r + 1.0f / 24.0f;
-    p = p * r + 1.0f / 6.0f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    return p * (v16f)((__builtin_convertvector(n, v16i) + 127) << 23);
-}
-
 /* out[t] = silu(gate) * up for rows [gate | up] of 2 * width elements, in float32 (rounded once
  * for bfloat16 rows), 16 lanes at a time over chunks of MAX_DIM (the tail's extra lanes are
- * computed on zeros and not stored). */
+ * computed on zeros and not stored). exp16 saturates at both ends, so 1 + exp(-gate) is finite
+ * and at least 1 for every finite gate. */
 void silu_mul(const void *gate_up, int64_t tokens, int64_t width, void *out, int bf16,
               int num_threads) {
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (tokens > 16)

@@ -19,35 +19,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-/*
- * exp(x) for x <= 0 in plain arithmetic (so that loops over it vectorize, unlike libm's expf):
- * x = n ln2 + r with |r| <= ln2 / 2, exp(r) by its degree-6 Taylor polynomial (relative error
- * below 2e-7), 2^n put into the exponent bits. Below -87, where float32 underflows, 0.
- */
-static inline float exp_nonpositive(float x) {
-    const float log2e = 1.44269504088896341f, ln2_hi = 0.693359375f, ln2_lo = -2.12194440e-4f;
-    const float clamped = x < -87.0f ? -87.0f : x;
-    const float n = floorf(clamped * log2e + 0.5f);
-    const float r = clamped - n * ln2_hi - n * ln2_lo;
-    float p = 1.0f / 720.0f;
-    p = p * r + 1.0f / 120.0f;
-    p = p * r + 1.0f / 24.0f;
-    p = p * r + 1.0f / 6.0f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    const int32_t bits = ((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return x < -87.0f ? 0.0f : p * scale;
-}
-
-static inline float bf16_to_float(uint16_t value) {
-    const uint32_t bits = (uint32_t)value << 16;
-    float out;
-    memcpy(&out, &bits, sizeof out);
-    return out;
-}
+#include "../simd.h"
 
 typedef struct {
     const float *q;
@@ -91,12 +63,11 @@ static void softmax_block(Partial part, int64_t r0, int64_t r1, int64_t count, i
         float top = part.best[r];
         for (int64_t j = 0; j < count; j++) top = row[j] > top ? row[j] : top;
         if (top == -INFINITY) continue; /* nothing visible yet */
-        const float shrink =
-            part.best[r] == -INFINITY ? 0.0f : exp_nonpositive(part.best[r] - top);
+        const float shrink = part.best[r] == -INFINITY ? 0.0f : exp1f(part.best[r] - top);
         float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
         for (int64_t j = 0; j < count; j++) {
-            const float weight = row[j] == -INFINITY ? 0.0f : exp_nonpositive(row[j] - top);
+            const float weight = row[j] == -INFINITY ? 0.0f : exp1f(row[j] - top);
             row[j] = weight;
             sum += weight;
         }
@@ -116,9 +87,7 @@ static inline float dot(const float *a, const float *b, int64_t dim) {
     for (; d + 16 <= dim; d += 16)
         for (int lane = 0; lane < 16; lane++) part[lane] += a[d + lane] * b[d + lane];
     for (int lane = 0; d < dim; d++, lane++) part[lane] += a[d] * b[d];
-    for (int width = 8; width > 0; width /= 2)
-        for (int lane = 0; lane < width; lane++) part[lane] += part[lane + width];
-    return part[0];
+    return fold16(part);
 }
 
 /* One position's K or V row (every KV head) as float32: in place, or converted into scratch. */
@@ -126,7 +95,7 @@ static inline const float *load_row(const void *cache, int bf16, int64_t offset,
                                     float *scratch) {
     if (!bf16) return (const float *)cache + offset;
     const uint16_t *row = (const uint16_t *)cache + offset;
-    for (int64_t d = 0; d < width; d++) scratch[d] = bf16_to_float(row[d]);
+    for (int64_t d = 0; d < width; d++) scratch[d] = from_bf16(row[d]);
     return scratch;
 }
 
@@ -167,21 +136,10 @@ static void attend_chunk(const Step *st, int64_t s, int64_t from, int64_t to, in
 
 /* -------- the vector path: head_dim and block_size multiples of 16 (64 and 16 for Llama) -------- */
 
-typedef float v16f __attribute__((vector_size(64)));
-typedef int32_t v16i __attribute__((vector_size(64)));
-typedef uint16_t v16h __attribute__((vector_size(32)));
-typedef uint32_t v16u __attribute__((vector_size(64)));
-
 static inline v16f load16(const void *cache, int bf16, int64_t offset) {
+    if (bf16) return from_bf16x16((const uint16_t *)cache + offset);
     v16f out;
-    if (bf16) {
-        v16h half;
-        memcpy(&half, (const uint16_t *)cache + offset, sizeof half);
-        const v16u wide = __builtin_convertvector(half, v16u) << 16;
-        memcpy(&out, &wide, sizeof out);
-    } else {
-        memcpy(&out, (const float *)cache + offset, sizeof out);
-    }
+    memcpy(&out, (const float *)cache + offset, sizeof out);
     return out;
 }
 
@@ -217,41 +175,6 @@ static void row_layout(const Step *st, int64_t s, int64_t r0, int64_t r1, int64_
         limit[r - r0] = last_position(st, s, r);
         kv_offset[r - r0] = ((r % st->num_heads) / st->group) * st->head_dim;
     }
-}
-
-static inline v16f splat16(float value) {
-    return (v16f){value, value, value, value, value, value, value, value,
-                  value, value, value, value, value, value, value, value};
-}
-
-static inline v16f select16(v16i mask, v16f yes, v16f no) {
-    return (v16f)(((v16i)yes & mask) | ((v16i)no & ~mask));
-}
-
-/* exp_nonpositive on 16 lanes (the same polynomial; floor from truncation, exact). */
-static inline v16f exp16(v16f x) {
-    const v16f clamped = select16(x < splat16(-87.0f), splat16(-87.0f), x);
-    const v16f y = clamped * 1.44269504088896341f + 0.5f;
-    v16f n = __builtin_convertvector(__builtin_convertvector(y, v16i), v16f);
-    n += __builtin_convertvector(n > y, v16f); /* true is -1: truncation rounded up */
-    const v16f r = clamped - n * 0.693359375f - n * -2.12194440e-4f;
-    v16f p = splat16(1.0f / 720.0f);
-    p = p * r + 1.0f / 120.0f;
-    p = p * r + 1.0f / 24.0f;
-    p = p * r + 1.0f / 6.0f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    const v16i bits = (__builtin_convertvector(n, v16i) + 127) << 23;
-    return select16(x < splat16(-87.0f), splat16(0.0f), p * (v16f)bits);
-}
-
-/* The sum of 16 lanes in a fixed order (halves folded). */
-static inline float sum16(v16f x) {
-    float half[8], quarter[4];
-    for (int i = 0; i < 8; i++) half[i] = x[i] + x[i + 8];
-    for (int i = 0; i < 4; i++) quarter[i] = half[i] + half[i + 4];
-    return (quarter[0] + quarter[2]) + (quarter[1] + quarter[3]);
 }
 
 #define MAX_PER_HEAD 16 /* head dim 256 */
@@ -292,7 +215,7 @@ static inline __attribute__((always_inline)) void attend_row16(
     float top = top16[0]; /* a maximum is exact in any order */
     for (int i = 1; i < 16; i++) top = top16[i] > top ? top16[i] : top;
     if (top == -INFINITY) return; /* nothing visible yet */
-    const float shrink = part.best[r] == -INFINITY ? 0.0f : exp_nonpositive(part.best[r] - top);
+    const float shrink = part.best[r] == -INFINITY ? 0.0f : exp1f(part.best[r] - top);
     float sum = 0.0f;
     for (int64_t g = 0; g < groups; g++) {
         v16f scores;
@@ -504,7 +427,7 @@ int paged_attention(
             for (int64_t c = 0; c < chunks; c++) {
                 const int64_t at = part_start[s] + c * rows + r;
                 if (best[at] == -INFINITY) continue;
-                const float weight = exp_nonpositive(best[at] - top);
+                const float weight = exp1f(best[at] - top);
                 sum += total[at] * weight;
                 for (int64_t d = 0; d < head_dim; d++) merged[d] += acc[at * head_dim + d] * weight;
             }
