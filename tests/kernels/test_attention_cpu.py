@@ -4,6 +4,8 @@ rows bit for bit the same in any batch and however its prompt is cut into chunks
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -89,6 +91,44 @@ def test_tree_mask_matches_reference(backend_class: type[TorchAttentionBackend])
         step.q, step.k, step.v, step.key_cache.clone(), step.value_cache.clone(), step.inputs, 0.25
     )
     got = run_backend(backend, step, step.inputs)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize(
+    ("block_size", "heads", "kv_heads", "dim"),
+    [(5, 9, 3, 64), (12, 9, 3, 64), (12, 4, 2, 16), (16, 6, 2, 24), (16, 9, 3, 64)],
+)
+def test_a_tree_row_hidden_from_a_chunks_first_block_stays_finite(
+    seed: int, block_size: int, heads: int, kv_heads: int, dim: int
+) -> None:
+    """A tree row that sees nothing in the first block of a chunk but something later in it
+    (a prefill's late token whose tree hides the first block): the scalar path (a block size
+    or head dim that is not a multiple of 16) once gave it NaN; the vector path for contrast."""
+    rng = np.random.default_rng(seed)
+    step = random_step(rng, MIXES["mixed"], heads, kv_heads, dim, block_size, tree=True)
+    # thin the random ancestor sets so whole blocks of new tokens are hidden from many rows
+    mask = step.inputs.tree_mask
+    assert mask is not None
+    starts = step.inputs.query_start_loc
+    own = np.concatenate([np.arange(n) for n in step.inputs.query_lens])
+    mask = mask & (rng.random(mask.shape) < 0.2)
+    mask[np.arange(len(own)), own] = True
+    inputs = dataclasses.replace(step.inputs, tree_mask=mask)
+    first_block_hidden = [
+        not mask[t, :block_size].any()
+        for b in range(len(starts) - 1)
+        if step.inputs.seq_lens[b] == step.inputs.query_lens[b]  # a prefill from position 0
+        for t in range(int(starts[b]) + block_size, int(starts[b + 1]))
+    ]
+    assert any(first_block_hidden)  # the case is there
+    backend = CpuPagedBackend(heads, kv_heads, dim, dim**-0.5)
+    expected = reference_attention(
+        step.q, step.k, step.v, step.key_cache.clone(), step.value_cache.clone(), inputs, dim**-0.5
+    )
+    got = run_backend(backend, step, inputs)
+    bad_rows = (~torch.isfinite(got)).any(dim=1).nonzero().flatten().tolist()
+    assert not bad_rows, f"non-finite rows {bad_rows}"
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 

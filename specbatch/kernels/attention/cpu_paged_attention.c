@@ -62,7 +62,12 @@ static void softmax_block(Partial part, int64_t r0, int64_t r1, int64_t count, i
         float *restrict row = scores + (r - r0) * width;
         float top = part.best[r];
         for (int64_t j = 0; j < count; j++) top = row[j] > top ? row[j] : top;
-        if (top == -INFINITY) continue; /* nothing visible yet */
+        if (top == -INFINITY) { /* nothing visible yet */
+            /* weights 0, not the -inf scores: attend_chunk adds weight * value for every
+             * nonzero weight, and a later block's rescale by 0 would turn -inf into NaN */
+            memset(row, 0, (size_t)count * sizeof *row);
+            continue;
+        }
         const float shrink = part.best[r] == -INFINITY ? 0.0f : exp1f(part.best[r] - top);
         float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
