@@ -56,9 +56,9 @@ def generate(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> di
             for out in engine.step():
                 if out.finished:
                     outputs.append(list(out.outputs[0].token_ids))
-            if stats.num_planned_steps > planned and stats.spec_step_seconds > 0:
-                plain_steps.append(stats.spec_step_seconds)
-                row_prices.append(stats.spec_row_seconds / stats.spec_step_seconds)
+            if stats.num_planned_steps > planned and stats.last_plan.step_seconds > 0:
+                plain_steps.append(stats.last_plan.step_seconds)
+                row_prices.append(stats.last_plan.row_seconds / stats.last_plan.step_seconds)
     seconds = time.perf_counter() - start
     return {
         "outputs": outputs,

@@ -58,8 +58,8 @@ from specbatch.kernels.attention.dense_causal import DenseCausalMetadata
 from specbatch.models import load_model
 from specbatch.models.default_model import default_model_path
 from specbatch.models.llama import LlamaForCausalLM
-from specbatch.spec_decode.default_draft import default_draft_path
-from specbatch.spec_decode.ngram import NgramIndex
+from specbatch.spec_decode.proposers.shipped import default_draft_path
+from specbatch.spec_decode.proposers.ngram import NgramIndex
 from tests.helpers import PagedHarness
 
 LOOKUP_N = (1, 4)  # the hybrid's lookup: the longest suffix of 1 to 4 tokens found earlier

@@ -25,7 +25,7 @@ from benchmarks.common import load_specbench, print_conditions, write_json
 from specbatch import LLMEngine, SamplingParams
 from specbatch.config import EngineConfig
 from specbatch.distill.pipeline import decode_ms, load_and_pack
-from specbatch.spec_decode.default_draft import default_draft_path
+from specbatch.spec_decode.proposers.shipped import default_draft_path
 
 
 def acceptance(per_pos: list[int], drafts: int, k: int) -> dict[str, Any]:

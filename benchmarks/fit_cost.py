@@ -23,7 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import print_conditions
-from specbatch.spec_decode.step_times import ForwardTimes, StepTimes
+from specbatch.spec_decode.control.step_times import ForwardTimes, StepTimes
 
 
 def per_call(work: Callable[[int], object], calls: int) -> float:

@@ -365,7 +365,7 @@ def oracle_speculation(
     """(c) speedup over off with drafts right with probability alpha, by alpha, k and batch."""
     from specbatch import LLMEngine, SamplingParams
     from specbatch.config import EngineConfig
-    from specbatch.spec_decode.oracle import OracleProposer
+    from tests.spec_decode.oracle import OracleProposer
 
     new_tokens = len(next(iter(truth.values())))
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)

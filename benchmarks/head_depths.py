@@ -23,8 +23,8 @@ import torch
 from specbatch import LLM, SamplingParams
 from specbatch.kernels.attention.dense_causal import DenseCausalMetadata, DraftPassMetadata
 from specbatch.models import load_model, resolve_model_path
-from specbatch.spec_decode.default_draft import HEAD_DIR
-from specbatch.spec_decode.eagle import load_head
+from specbatch.spec_decode.proposers.shipped import HEAD_DIR
+from specbatch.spec_decode.proposers.head import load_head
 from specbatch.tokenizer import load_tokenizer
 
 

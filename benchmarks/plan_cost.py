@@ -35,7 +35,7 @@ from benchmarks.common import Prompt, load_specbench, print_conditions
 from benchmarks.spec_decode import run
 from specbatch import LLMEngine
 from specbatch.config import EngineConfig
-from specbatch.spec_decode.controller import GoodputController
+from specbatch.spec_decode.control.controller import GoodputController
 
 
 def main() -> None:

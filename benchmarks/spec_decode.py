@@ -42,7 +42,7 @@ from benchmarks.code_edit_prompt import CODE_EDIT_PROMPTS
 from benchmarks.common import Prompt, load_specbench, print_conditions, write_json
 from specbatch import LLMEngine, SamplingParams
 from specbatch.config import EngineConfig
-from specbatch.spec_decode.eagle import EagleProposer
+from specbatch.spec_decode.proposers.drafting import NetworkProposer
 
 
 class Timer:
@@ -170,12 +170,12 @@ def build_engines(args: argparse.Namespace) -> dict[str, LLMEngine]:
 
 
 def draft_forward_owner(engine: LLMEngine) -> tuple[Any, str]:
-    """What to time for c: the draft model's forward, or an n-gram proposer's lookup."""
-    proposer = getattr(engine.proposer, "drafter", engine.proposer)
-    if isinstance(proposer, EagleProposer):  # one head forward (catch-up or draft)
-        return proposer, "_draft_logits"
-    runner = getattr(proposer, "runner", None)
-    return (runner, "forward") if runner is not None else (proposer, "propose")
+    """What to time for c: a drafting network's forward (catch-up or draft), or an n-gram
+    proposer's lookup."""
+    network = engine.proposer.network if engine.proposer is not None else None
+    if isinstance(network, NetworkProposer):
+        return network.net, "draft_logits"
+    return engine.proposer, "propose"
 
 
 class Job:
@@ -242,8 +242,8 @@ class Job:
             "drafts_per_step": (stats.num_drafts_allotted - before[5]) / planned
             if planned
             else 0.0,
-            "row_cost": stats.spec_row_seconds / stats.spec_step_seconds
-            if stats.spec_step_seconds
+            "row_cost": stats.last_plan.row_seconds / stats.last_plan.step_seconds
+            if stats.last_plan.step_seconds
             else 0.0,
             "outputs": self.outputs,
             "tokens": tokens,

@@ -1,10 +1,13 @@
-"""The package's import graph flows one way: no two rooms import each other, even lazily."""
+"""The package's import graph flows one way: no two rooms import each other, even lazily; no
+module cycle inside a room; and every import goes down a declared order of layers."""
 
 from __future__ import annotations
 
 import ast
 from collections.abc import Iterator
 from pathlib import Path
+
+import pytest
 
 import specbatch
 
@@ -53,17 +56,35 @@ def _imports(tree: ast.AST) -> Iterator[str]:
         yield from _imports(node)
 
 
-def import_graph() -> dict[str, set[str]]:
-    graph: dict[str, set[str]] = {}
+def module_graph() -> dict[str, set[str]]:
+    """Every module of the package and the package's modules it imports (a name imported
+    from a module counts as that module)."""
+    sources: dict[str, ast.AST] = {}
     for path in ROOT.rglob("*.py"):
         module = ".".join(("specbatch", *path.relative_to(ROOT).with_suffix("").parts))
-        module = module.removesuffix(".__init__")
+        sources[module.removesuffix(".__init__")] = ast.parse(path.read_text())
+
+    def known(name: str) -> str:
+        while name and name not in sources:
+            name = name.rpartition(".")[0]
+        return name
+
+    graph: dict[str, set[str]] = {}
+    for module, tree in sources.items():
+        imported = {known(name) for name in _imports(tree) if name.startswith("specbatch")}
+        graph[module] = imported - {module, ""}
+    return graph
+
+
+def import_graph() -> dict[str, set[str]]:
+    """The rooms (subpackages and top-level modules) and the rooms each imports."""
+    graph: dict[str, set[str]] = {}
+    for module, imported in module_graph().items():
         source = _room(module)
         if source is None:
             continue
-        for imported in _imports(ast.parse(path.read_text())):
-            target = _room(imported)
-            if target is not None and target != source:
+        for target in filter(None, map(_room, imported)):
+            if target != source:
                 graph.setdefault(source, set()).add(target)
     return graph
 
@@ -116,3 +137,79 @@ def test_lower_rooms_do_not_reach_up() -> None:
     # Policy and memory never see the engine or the proposers; kernels hold no state.
     for low in ("scheduler", "cache", "kernels", "sequence", "runner", "models"):
         assert not graph.get(low, set()) & {"engine", "spec_decode", "server", "cli"}, low
+
+
+# Bottom to top; a module may import only from layers below its own (or from its own room).
+# Rooms in one layer may not import each other.
+LAYERS: dict[str, list[set[str]]] = {
+    "specbatch": [
+        {"errors", "utils"},
+        {"sampling_params"},
+        {"kernels"},
+        {"sequence", "models", "outputs"},
+        {"tokenizer", "cache"},
+        {"runner", "scheduler"},
+        {"spec_decode"},
+        {"config"},
+        {"parallel"},
+        {"engine"},
+        {"distill", "server"},
+        {"batch"},
+        {"cli"},
+    ],
+    "specbatch.spec_decode": [
+        {"config", "tuning"},
+        {"verification"},
+        {"control", "proposers"},
+        {"plan"},
+        {"speculator"},
+        {"factory"},
+    ],
+}
+
+
+def _child(package: str, module: str) -> str | None:
+    """The room of ``package`` that ``module`` lives in (its first name below the package)."""
+    if not module.startswith(package + "."):
+        return None
+    return module[len(package) + 1 :].split(".")[0]
+
+
+def layer_violations(graph: dict[str, set[str]], package: str, layers: list[set[str]]) -> list:
+    """Imports inside ``package`` that do not go down ``layers``."""
+    level = {room: i for i, rooms in enumerate(layers) for room in rooms}
+    found = []
+    for module, imported in graph.items():
+        source = _child(package, module)
+        for target in filter(None, (_child(package, name) for name in imported)):
+            if source is None or source == target:
+                continue
+            if level[source] <= level[target]:
+                found.append((module, target))
+    return found
+
+
+def test_no_module_cycles_inside_a_room() -> None:
+    assert cycles(module_graph()) == []
+
+
+def test_every_module_is_in_a_declared_layer() -> None:
+    graph = module_graph()
+    for package, layers in LAYERS.items():
+        declared = set().union(*layers)
+        rooms = {_child(package, module) for module in graph} - {None}
+        assert rooms <= declared, (package, rooms - declared)
+
+
+@pytest.mark.parametrize("package", sorted(LAYERS))
+def test_imports_go_down_the_declared_layers(package: str) -> None:
+    assert layer_violations(module_graph(), package, LAYERS[package]) == []
+
+
+def test_a_layer_violation_is_found() -> None:
+    graph = {"p.low.a": {"p.high"}, "p.high": {"p.low.b"}}
+    assert layer_violations(graph, "p", [{"low"}, {"high"}]) == [("p.low.a", "high")]
+    assert layer_violations(graph, "p", [{"low", "high"}]) == [
+        ("p.low.a", "high"),
+        ("p.high", "low"),
+    ]

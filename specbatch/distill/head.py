@@ -42,7 +42,7 @@ from specbatch.kernels.attention.dense_causal import DenseCausalMetadata, DraftP
 from specbatch.models import load_model, resolve_model_path
 from specbatch.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from specbatch.runner.flat_batch import TokenRun, flatten
-from specbatch.spec_decode.eagle import EagleHead, head_config, save_head
+from specbatch.spec_decode.proposers.head import EagleHead, head_config, save_head
 from specbatch.tokenizer import load_tokenizer
 
 FEATURE_SHARD = 64  # rows per feature shard
@@ -122,7 +122,7 @@ def run(config: HeadTrainConfig) -> Path:
         head = build_head(target, token_map, config.seed)
         checkpoint = work / "checkpoint-head"
     else:  # e.g. a second stage with a longer unroll
-        from specbatch.spec_decode.eagle import load_head
+        from specbatch.spec_decode.proposers.head import load_head
 
         target.requires_grad_(False)
         head = load_head(config.init, target, dtype=torch.float32)
@@ -155,7 +155,7 @@ def head_vocabulary(config: HeadTrainConfig, sequences: list[list[int]]) -> list
         return list(json.loads(path.read_text()))
     token_map: list[int] | None = None
     if config.target is None:
-        from specbatch.spec_decode.default_draft import DRAFT_DIR
+        from specbatch.spec_decode.proposers.shipped import DRAFT_DIR
 
         raw = json.loads((DRAFT_DIR / "config.json").read_text())
         token_map = list(raw.get("specbatch_token_map") or [])
@@ -354,7 +354,7 @@ def head_decode_ms(
 ) -> float:
     """Median time of one single-token head step (no catch-up) at ``context``, batch 1, on the
     packed CPU path the engine uses."""
-    from specbatch.spec_decode.eagle import load_head
+    from specbatch.spec_decode.proposers.head import load_head
 
     target = load_model(target_path)
     head = load_head(directory, target, dtype=torch.float32)

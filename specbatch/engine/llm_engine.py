@@ -15,7 +15,6 @@ import logging
 import time
 import weakref
 from collections.abc import Sequence as SequenceT
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -27,6 +26,7 @@ from specbatch.engine.intake import RequestIntake, check_priority
 from specbatch.engine.logprobs import ranked_logprobs
 from specbatch.engine.request_state import RequestState
 from specbatch.engine.setup import allocate_cache, capture_draft_graphs, capture_graphs, load_models
+from specbatch.engine.stats import EngineStats
 from specbatch.errors import InvalidRequestError, TensorParallelError
 from specbatch.outputs import RequestOutput
 from specbatch.runner.flat_batch import LogitRows, TokenRun
@@ -34,61 +34,16 @@ from specbatch.runner.model_runner import ModelRunner
 from specbatch.sampling_params import SamplingParams
 from specbatch.scheduler import ScheduledSequence, Scheduler, SchedulerConfig, SchedulerOutput
 from specbatch.sequence import Sequence
+from specbatch.spec_decode.control.step_times import StepClock
 from specbatch.spec_decode.factory import build_speculator
-from specbatch.spec_decode.proposer import Proposal, Proposer
-from specbatch.spec_decode.rejection import VerifyResult
-from specbatch.spec_decode.tree_verify import node_depths
+from specbatch.spec_decode.plan import DraftPlan
+from specbatch.spec_decode.proposers.base import Proposal, Proposer
+from specbatch.spec_decode.verification.chain import VerifyResult
 
 if TYPE_CHECKING:
     from specbatch.parallel.workers import TensorParallelGroup, TensorParallelRunner
 
 logger = logging.getLogger("specbatch")
-
-
-@dataclass
-class EngineStats:
-    """Engine-wide counters (monotonic) and the latest gauges, for metrics exporters."""
-
-    num_steps: int = 0
-    num_prompt_tokens: int = 0
-    num_generation_tokens: int = 0
-    num_requests_finished: int = 0
-    num_requests_failed: int = 0
-    num_failed_steps: int = 0
-    num_preemptions: int = 0
-    num_drafts: int = 0
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    num_tree_drafts: int = 0  # sequence-steps whose drafts were a tree (of num_drafts)
-    num_tree_moves: int = 0  # accepted tree nodes whose K/V moved to their position
-    # per draft depth d (0: the first draft): verifies with a draft at that depth, and those
-    # that accepted it (acceptance by depth is their ratio; a tree's depth is its levels)
-    num_drafts_per_pos: list[int] = field(default_factory=list)
-    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_cache_usage: float = 0.0
-    # The goodput controller (speculation on, adaptive_k): counters, then its last step.
-    num_planned_steps: int = 0  # steps it planned (with decodes that had draft slots)
-    num_drafting_steps: int = 0  # ... of which it gave some sequence drafts
-    num_drafts_allotted: int = 0  # draft slots it gave (proposers may draft fewer)
-    spec_candidates: int = 0  # decoding sequences it considered in the last planned step
-    spec_seqs_drafting: int = 0  # ... and gave drafts
-    spec_drafts_allotted: int = 0  # ... and the drafts it gave them
-    spec_step_seconds: float = 0.0  # its step-time model: that step before drafts
-    spec_row_seconds: float = 0.0  # ... and what one more verify row adds to it
-    spec_expected_gain: float = 1.0  # planned tokens per second over the plain step's
-
-    def count_depths(self, depth: int, accepted: int) -> None:
-        """A verify whose drafts reached ``depth`` levels and accepted ``accepted`` of them."""
-        for counts, upto in (
-            (self.num_drafts_per_pos, depth),
-            (self.num_accepted_tokens_per_pos, accepted),
-        ):
-            if len(counts) < depth:
-                counts.extend([0] * (depth - len(counts)))
-            for d in range(upto):
-                counts[d] += 1
 
 
 class LLMEngine:
@@ -156,9 +111,10 @@ class LLMEngine:
                 config.max_num_batched_tokens,
                 self.max_model_len,
                 models.num_speculative_tokens,
+                drafts_after_prompts=self.speculator.adaptive,
             ),
             self.cache,
-            draft_planner=self.speculator.plan if self.speculator.planned else None,
+            draft_planner=self.speculator.plan if self.speculator.proposer else None,
         )
         self.intake = RequestIntake(
             self.tokenizer, self.model.config.vocab_size, self.max_model_len
@@ -248,27 +204,26 @@ class LLMEngine:
         of requests that changed (and of those a failing step ended)."""
         if self.dead is not None:
             raise TensorParallelError(self.dead)
-        started = time.perf_counter()
-        cpu_started = time.process_time()
+        clock = self.speculator.clock()
         try:
-            plan = self.scheduler.schedule()
+            out = self.scheduler.schedule()
         except Exception as exc:  # the queues may be half-updated: fail what was running
             return self._fail({seq.request_id for seq in self.scheduler.running}, exc)
         self.stats.num_preemptions = self.scheduler.num_preemptions
-        for seq in plan.preempted:
+        for seq in out.preempted:
             self.speculator.forget(seq)
-        if plan.is_empty:
+        if out.is_empty:
             self._update_gauges()
             return []
         try:
-            return self._run(plan, started, cpu_started)
+            return self._run(out, clock)
         except TensorParallelError as exc:  # a rank is gone: nothing more can run
             self.dead = f"the engine is down: {exc}"
             self._fail(set(self.requests), exc)
             self.shutdown()
             raise TensorParallelError(self.dead) from exc
         except Exception as exc:
-            return self._fail({s.seq.request_id for s in plan.scheduled}, exc)
+            return self._fail({s.seq.request_id for s in out.scheduled}, exc)
 
     def shutdown(self) -> None:
         """Stop a tensor-parallel engine's worker processes (garbage collection does it too);
@@ -276,14 +231,12 @@ class LLMEngine:
         if self._tp is not None:
             self._tp.shutdown()
 
-    def _run(
-        self, plan: SchedulerOutput, started: float, cpu_started: float
-    ) -> list[RequestOutput]:
-        scheduled = plan.scheduled
+    def _run(self, out: SchedulerOutput, clock: StepClock) -> list[RequestOutput]:
+        scheduled = out.scheduled
         sampling = [s for s in scheduled if s.completes_sequence]
-        proposal = self.speculator.propose(
-            [s.seq for s in sampling], [s.num_lookahead for s in sampling]
-        )
+        plan = out.draft_plan
+        assert plan is None or isinstance(plan, DraftPlan)
+        proposal = self.speculator.propose(plan, sampling)
         drafts = dict(zip((s.seq.seq_id for s in sampling), proposal.tokens, strict=True))
         parents: dict[int, list[int] | None] = {}
         if proposal.has_trees:
@@ -297,10 +250,7 @@ class LLMEngine:
         num_sampling_rows = len(rows.run) - len(prompt_rows)
         target_logits = logits[:num_sampling_rows]
         result = self.speculator.verify(target_logits, [s.seq for s in sampling], proposal)
-        if result.accepted_nodes is not None:  # before the cache commits a block of the path
-            self._move_accepted_paths(sampling, result)
-        if self.speculator.wants_features:
-            self._hand_features(scheduled, runs, result)
+        self.speculator.settle(self.runner, scheduled, runs, result)
         if prompt_rows:
             self._record_prompt_logprobs(prompt_rows, logits[num_sampling_rows:])
         for s in scheduled:
@@ -310,96 +260,12 @@ class LLMEngine:
             )
         touched = self._append(sampling, proposal, result, target_logits)
         accepted = {s.seq.seq_id: n for s, n in zip(sampling, result.num_accepted, strict=True)}
-        finished = self.scheduler.update_from_output(plan, accepted)
-        for i, (s, drafted, n) in enumerate(
-            zip(sampling, proposal.tokens, result.num_accepted, strict=True)
-        ):
-            tree = proposal.parents_of(i)
-            depth = None if tree is None else max(node_depths(tree), default=0)
-            self.speculator.on_verified(s.seq, len(drafted), n, depth)
-        for seq in finished:
-            self.speculator.forget(seq)
-        seconds = time.perf_counter() - started
-        self.speculator.observe_step(
-            [(r.start_position, len(r.token_ids)) for r in runs],
-            seconds,
-            sum(len(t) for t in proposal.tokens),
-            self._core_share(seconds, time.process_time() - cpu_started),
-        )
+        finished = self.scheduler.update_from_output(out, accepted)
+        counters = self.speculator.learn(plan, sampling, proposal, result, finished, runs, clock)
+        self.stats.add_speculation(counters)
         self.stats.num_steps += 1
-        self._record_plan()
         self._update_gauges()
         return self._outputs(touched)
-
-    def _core_share(self, seconds: float, cpu_seconds: float) -> float:
-        """The process's CPU seconds over the step's wall seconds on a CPU (what tells a step
-        slowed by another process from a dear one, see ``spec_decode.step_times``); 1.0 on
-        an accelerator, whose steps wait on the device."""
-        if self.device.type != "cpu" or seconds <= 0:
-            return 1.0
-        return cpu_seconds / seconds
-
-    def _move_accepted_paths(self, sampling: list[ScheduledSequence], result: VerifyResult) -> None:
-        """A tree's accepted path was computed at the cache slots of its nodes' indices: its
-        K/V move to the sequence's next positions (in every cache the step wrote)."""
-        block_size = self.config.block_size
-        sources: list[int] = []
-        targets: list[int] = []
-        for s, nodes in zip(sampling, result.accepted_nodes or (), strict=True):
-            seq = s.seq
-            first = seq.num_computed_tokens + s.num_new_tokens  # where draft 0 was written
-            for depth, node in enumerate(nodes):
-                if node != depth:
-                    for position, out in ((first + node, sources), (first + depth, targets)):
-                        block = seq.block_table[position // block_size]
-                        out.append(block * block_size + position % block_size)
-        self.stats.num_tree_moves += len(sources)
-        if sources:
-            self.runner.move_slots(sources, targets)
-
-    def _hand_features(
-        self, scheduled: list[ScheduledSequence], runs: list[TokenRun], result: VerifyResult
-    ) -> None:
-        """Give a draft head the target's hidden states of every row of the step, a tree's
-        accepted path moved to its positions as its K/V was."""
-        kept = self.runner.hidden
-        if kept is None:
-            return
-        hidden, query_start = kept
-        paths: dict[int, list[int]] = {}
-        if result.accepted_nodes is not None:
-            sampling = [s for s in scheduled if s.completes_sequence]
-            paths = {
-                s.seq.seq_id: nodes
-                for s, nodes in zip(sampling, result.accepted_nodes, strict=True)
-            }
-        order: list[int] = []  # the step's hidden rows, each tree's accepted path moved
-        placements = []
-        for b, (s, run) in enumerate(zip(scheduled, runs, strict=True)):
-            first = int(query_start[b])
-            rows = list(range(first, first + len(run.token_ids)))
-            nodes = paths.get(s.seq.seq_id)
-            for depth, node in enumerate(nodes or ()):
-                rows[s.num_new_tokens + depth] = first + s.num_new_tokens + node
-            order += rows
-            placements.append((s.seq, run.start_position, len(rows)))
-        index = torch.tensor(order, dtype=torch.long, device=hidden.device)
-        self.speculator.observe_features(placements, hidden.index_select(0, index))
-
-    def _record_plan(self) -> None:
-        controller = self.speculator.controller
-        if controller is None or not controller.report.candidates:
-            return
-        report, stats = controller.report, self.stats
-        stats.num_planned_steps += 1
-        stats.num_drafting_steps += report.drafts > 0
-        stats.num_drafts_allotted += report.drafts
-        stats.spec_candidates = report.candidates
-        stats.spec_seqs_drafting = report.seqs_drafting
-        stats.spec_drafts_allotted = report.drafts
-        stats.spec_step_seconds = report.step_seconds
-        stats.spec_row_seconds = report.row_seconds
-        stats.spec_expected_gain = report.expected_gain
 
     def _append(
         self,
@@ -412,19 +278,11 @@ class LLMEngine:
         bonus token) through its request's stop rules, with their logprobs."""
         touched: dict[str, RequestState] = {}
         first_row = 0
-        for i, (s, drafted, accepted, new_tokens) in enumerate(
-            zip(sampling, proposal.tokens, result.num_accepted, result.tokens, strict=True)
+        for i, (s, drafted, new_tokens) in enumerate(
+            zip(sampling, proposal.tokens, result.tokens, strict=True)
         ):
             seq = s.seq
             state = self.requests[seq.request_id]
-            if drafted:
-                self.stats.num_drafts += 1
-                self.stats.num_draft_tokens += len(drafted)
-                self.stats.num_accepted_tokens += accepted
-                tree = proposal.parents_of(i)
-                self.stats.num_tree_drafts += tree is not None
-                depth = len(drafted) if tree is None else max(node_depths(tree))
-                self.stats.count_depths(depth, accepted)
             positions = None
             if seq.params.logprobs is not None:  # the root's row, then the path's nodes' rows
                 emitted = [first_row] + [first_row + 1 + node for node in result.path(i)]

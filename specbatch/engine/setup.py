@@ -20,9 +20,9 @@ from specbatch.engine.kv_sizing import (
 from specbatch.models import load_model, resolve_model_path
 from specbatch.models.llama import LlamaForCausalLM
 from specbatch.spec_decode.config import SpeculativeConfig
-from specbatch.spec_decode.default_draft import drafts_for, shipped_draft_preferred
-from specbatch.spec_decode.eagle import EagleHead, feature_bytes_per_block
 from specbatch.spec_decode.factory import load_draft_model
+from specbatch.spec_decode.proposers.head import EagleHead, feature_bytes_per_block
+from specbatch.spec_decode.proposers.shipped import drafts_for, shipped_draft_preferred
 from specbatch.tokenizer import Tokenizer, load_tokenizer
 from specbatch.utils import ceil_div
 

@@ -111,6 +111,16 @@ class FlatBatch:
         return len(self.input_ids)
 
 
+def cache_slots(
+    block_table: np.ndarray, positions: np.ndarray, block_size: int, rows: np.ndarray | None = None
+) -> np.ndarray:
+    """The cache slot (``block * block_size + offset``) of each position: through one block
+    table, or with ``rows`` through row ``rows[i]`` of a 2-D table for position ``i``."""
+    index = positions // block_size
+    blocks = block_table[index] if rows is None else block_table[rows, index]
+    return blocks * block_size + positions % block_size
+
+
 def flatten(runs: Sequence[TokenRun], block_size: int) -> FlatBatch:
     """Positions and cache slots of every token, computed for the whole batch at once."""
     query_lens = np.fromiter((len(r.token_ids) for r in runs), dtype=np.int64, count=len(runs))
@@ -139,10 +149,7 @@ def flatten(runs: Sequence[TokenRun], block_size: int) -> FlatBatch:
             rows = slice(int(query_start[b]), int(query_start[b + 1]))
             positions[rows] = starts[b] + runs[b].offsets()
     slot_positions = starts[run_of_token] + offsets
-    slots = (
-        block_tables[run_of_token, slot_positions // block_size] * block_size
-        + slot_positions % block_size
-    )
+    slots = cache_slots(block_tables, slot_positions, block_size, rows=run_of_token)
     unslotted = np.fromiter((r.num_unslotted for r in runs), dtype=np.int64, count=len(runs))
     filler = offsets >= (query_lens - unslotted)[run_of_token]
     held = np.fromiter((len(r.block_table) for r in runs), dtype=np.int64, count=len(runs))

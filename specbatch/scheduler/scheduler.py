@@ -9,9 +9,12 @@ Policy (vLLM V1 style, one token budget per step):
    tokens kept, recomputed later), possibly the sequence itself.
 2. Then waiting sequences by (priority, arrival), while the budget, ``max_num_seqs`` and the
    cache allow, reusing prefix-cached blocks. Nothing is admitted in a step that preempted.
-3. With a draft planner (the goodput controller), draft slots are reserved in the cache in step
-   1 but take no budget there: prompts are admitted first, and the planner then chooses each
+3. With speculation on, a draft planner (the speculator) then says how many of its reserved
+   slots each decode uses this step; its plan travels with the step (``draft_plan``). Under
+   the goodput controller (``drafts_after_prompts``) draft slots are reserved in the cache in
+   step 1 but take no budget there: prompts are admitted first, and the planner chooses each
    decode's drafts within what the budget has left, so speculation never delays a prompt.
+   With a fixed k the slots take budget with their decode.
 
 After the step, :meth:`Scheduler.update_from_output` is the one place where what happened
 reaches the cache: computed tokens advance (accepted drafts included), full blocks of final
@@ -26,12 +29,22 @@ import bisect
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from specbatch.cache.kv_cache_manager import KVCacheManager
 from specbatch.sequence import Sequence, SequenceStatus
 
-# Given a step's plan before drafts and the budget left, the drafts of each scheduled sequence.
-DraftPlanner = Callable[["SchedulerOutput", int], list[int]]
+
+class DraftRows(Protocol):
+    """A step's draft plan as the scheduler sees it."""
+
+    def rows(self, seq_id: int) -> int:
+        """Draft slots the sequence uses this step (at most those reserved)."""
+        ...
+
+
+# Given a step before drafts and the budget left, its draft plan.
+DraftPlanner = Callable[["SchedulerOutput", int], DraftRows]
 
 
 @dataclass(frozen=True)
@@ -40,6 +53,8 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     max_model_len: int
     num_speculative_tokens: int = 0
+    # draft slots take token budget only once prompts are admitted (the goodput controller)
+    drafts_after_prompts: bool = False
 
 
 @dataclass
@@ -61,6 +76,7 @@ class ScheduledSequence:
 class SchedulerOutput:
     scheduled: list[ScheduledSequence] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    draft_plan: DraftRows | None = None  # the planner's, when there is one
 
     @property
     def num_batched_tokens(self) -> int:
@@ -112,7 +128,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         self._budget = self.config.max_num_batched_tokens
-        planned = self.draft_planner is not None
+        planned = self.config.drafts_after_prompts
         for seq in list(self.running):
             if self._budget <= 0:
                 break
@@ -130,18 +146,22 @@ class Scheduler:
                 self._budget -= num_new + (0 if planned else granted)
         if not out.preempted:
             self._admit(out)
-        if planned:
+        if self.draft_planner is not None:
             self._plan_drafts(out)
         return out
 
     def _plan_drafts(self, out: SchedulerOutput) -> None:
-        """The planner's drafts per scheduled sequence, at most its reserved slots, at most
-        the budget left in all."""
+        """The planner's drafts per scheduled sequence, at most its reserved slots (and, when
+        drafts come after prompts, at most the budget left in all)."""
         assert self.draft_planner is not None
-        drafts = self.draft_planner(out, max(self._budget, 0))
-        for scheduled, count in zip(out.scheduled, drafts, strict=True):
-            scheduled.num_lookahead = max(0, min(count, scheduled.num_lookahead, self._budget))
-            self._budget -= scheduled.num_lookahead
+        plan = self.draft_planner(out, max(self._budget, 0))
+        for scheduled in out.scheduled:
+            count = min(plan.rows(scheduled.seq.seq_id), scheduled.num_lookahead)
+            if self.config.drafts_after_prompts:
+                count = max(0, min(count, self._budget))
+                self._budget -= count
+            scheduled.num_lookahead = count
+        out.draft_plan = plan
 
     def update_from_output(
         self, out: SchedulerOutput, num_accepted: dict[int, int]
@@ -191,7 +211,7 @@ class Scheduler:
         for i, scheduled in enumerate(out.scheduled):
             if scheduled.seq is seq:  # already granted this step: take it back
                 del out.scheduled[i]
-                charged = 0 if self.draft_planner is not None else scheduled.num_lookahead
+                charged = 0 if self.config.drafts_after_prompts else scheduled.num_lookahead
                 self._budget += scheduled.num_new_tokens + charged
                 break
         self.running.remove(seq)

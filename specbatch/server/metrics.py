@@ -106,32 +106,32 @@ class _EngineCollector(Collector):
             (
                 "specbatch_spec_controller_seqs_drafting",
                 "Sequences given drafts in the last planned step.",
-                stats.spec_seqs_drafting,
+                stats.last_plan.seqs_drafting,
             ),
             (
                 "specbatch_spec_controller_candidates",
                 "Decoding sequences the last planned step considered.",
-                stats.spec_candidates,
+                stats.last_plan.candidates,
             ),
             (
                 "specbatch_spec_controller_drafts",
                 "Drafts given in the last planned step.",
-                stats.spec_drafts_allotted,
+                stats.last_plan.drafts,
             ),
             (
                 "specbatch_spec_controller_step_seconds",
                 "The step-time model's estimate of the last planned step before drafts.",
-                stats.spec_step_seconds,
+                stats.last_plan.step_seconds,
             ),
             (
                 "specbatch_spec_controller_row_seconds",
                 "The step-time model's cost of one more verify row in that step.",
-                stats.spec_row_seconds,
+                stats.last_plan.row_seconds,
             ),
             (
                 "specbatch_spec_controller_expected_gain",
                 "Planned tokens per second over the plain step's, last planned step.",
-                stats.spec_expected_gain,
+                stats.last_plan.expected_gain,
             ),
         ]
         for gauge_name, gauge_doc, level in gauges:

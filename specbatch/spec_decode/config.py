@@ -34,7 +34,7 @@ class SpeculativeConfig:
     text (a suffix of at least ``prompt_lookup_min`` tokens found earlier; 2 by default, 1 for
     ``"ngram"``) and elsewhere with the draft ``model`` or a shorter match, per sequence
     whichever has paid better. ``"external"`` means the application passes its own
-    :class:`~specbatch.spec_decode.proposer.Proposer` to ``LLMEngine(config, proposer=...)``.
+    :class:`~specbatch.spec_decode.proposers.base.Proposer` to ``LLMEngine(config, proposer=...)``.
 
     ``"auto"`` (the default, also what ``None`` means) is ``"hybrid"`` with the shipped draft
     for a target it was made for (SmolLM2-135M-Instruct, recognised by shape and vocabulary) or

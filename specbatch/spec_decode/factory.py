@@ -14,19 +14,20 @@ from specbatch.models import load_model, resolve_model_path
 from specbatch.models.llama import LlamaForCausalLM
 from specbatch.models.loader import parse_dtype
 from specbatch.spec_decode.config import DRAFT_METHODS, SpeculativeConfig
-from specbatch.spec_decode.controller import GoodputController
-from specbatch.spec_decode.default_draft import (
+from specbatch.spec_decode.control.controller import GoodputController
+from specbatch.spec_decode.proposers.base import Proposer
+from specbatch.spec_decode.proposers.draft_model import DraftModelNetwork
+from specbatch.spec_decode.proposers.drafting import DraftNetwork, NetworkProposer
+from specbatch.spec_decode.proposers.head import EagleHead, HeadNetwork, is_head_dir, load_head
+from specbatch.spec_decode.proposers.hybrid import HybridProposer
+from specbatch.spec_decode.proposers.ngram import NgramProposer
+from specbatch.spec_decode.proposers.shipped import (
     HEAD_PREFERRED_BY_DEFAULT,
     default_draft_path,
     default_head_path,
     drafts_for,
     shipped_head_available,
 )
-from specbatch.spec_decode.draft_model import DraftModelProposer
-from specbatch.spec_decode.eagle import EagleHead, EagleProposer, is_head_dir, load_head
-from specbatch.spec_decode.hybrid import HybridProposer
-from specbatch.spec_decode.ngram import NgramProposer
-from specbatch.spec_decode.proposer import Proposer
 from specbatch.spec_decode.speculator import Speculator
 from specbatch.tokenizer import Tokenizer, load_tokenizer
 
@@ -169,10 +170,11 @@ def build_speculator(
     proposer = build_proposer(
         spec, draft, num_blocks, block_size, generator, external, draft_graphs, cuda_graphs
     )
+    ways = Speculator.controller_ways(proposer)
     controller = None
-    if spec.adaptive_k:
-        controller = GoodputController(Speculator.controller_ways(proposer))
-    return Speculator(proposer, controller, generator, spec.draft_tree_depth)
+    if spec.adaptive_k or len(ways) > 1:  # with a fixed k it only chooses the way
+        controller = GoodputController(ways)
+    return Speculator(proposer, controller, generator, spec.adaptive_k, spec.draft_tree_depth)
 
 
 def build_proposer(
@@ -200,28 +202,22 @@ def build_proposer(
     if spec.method == "ngram":
         return lookup
     assert draft is not None
-    drafter: DraftModelProposer
+    network: DraftNetwork
     if isinstance(draft, EagleHead):
-        drafter = EagleProposer(
-            draft,
-            num_blocks,
-            block_size,
-            generator,
-            confidence_threshold=spec.confidence_threshold,
-            siblings=spec.draft_siblings(cuda_graphs),
-        )
+        network = HeadNetwork(draft)
     else:
-        drafter = DraftModelProposer(
-            draft,
-            num_blocks,
-            block_size,
-            generator,
-            confidence_threshold=spec.confidence_threshold,
-            capture_graphs=draft_graphs,
-            siblings=spec.draft_siblings(cuda_graphs),
-        )
-    if spec.draft_tree_kind is not None:  # else the drafter's own: dynamic for a head
-        drafter.dynamic_trees = spec.draft_tree_kind == "dynamic"
+        network = DraftModelNetwork(draft, capture_graphs=draft_graphs)
+    # trees beside the chain: EAGLE-2's dynamic trees by default for a head, siblings else
+    kind = spec.draft_tree_kind or ("dynamic" if isinstance(draft, EagleHead) else "siblings")
+    drafter = NetworkProposer(
+        network,
+        num_blocks,
+        block_size,
+        generator,
+        confidence_threshold=spec.confidence_threshold,
+        siblings=spec.draft_siblings(cuda_graphs),
+        dynamic_trees=kind == "dynamic",
+    )
     if spec.method == "hybrid":
         return HybridProposer(lookup, drafter)
     return drafter

@@ -1,59 +1,69 @@
-"""The engine's one handle on speculative decoding: who drafts how many, the drafts, the verdict.
+"""The engine's one handle on speculative decoding: plan, draft, verify, settle, learn.
 
-With the goodput controller (the default) the scheduler asks :meth:`Speculator.plan` for each
-decode's drafts once a step's prompts are admitted: every sampling sequence is looked up (prompt
-lookup, incremental: microseconds), the controller chooses a way and a count per sequence, and
-the lookups it did not use are kept to be judged against what the target emits next. Then
-:meth:`propose` drafts exactly that: lookups as they are, the draft model (batched) for the
-sequences given to it, an application's proposer for its own. Without the controller (a fixed
-k, ``adaptive_k=False``) every reserved slot goes to the proposer. After the target's forward,
-:meth:`verify` turns the logits into the accepted drafts plus one token per sequence; with no
-drafts at all it is the plain sampler.
+Each call takes what the step has so far and returns a value; nothing of one step is kept on
+the speculator for the next (the controller, the proposers and their caches keep what they
+learn). For a step:
+
+1. ``plan`` (the scheduler's draft planner, once the step's prompts are admitted): every
+   decode with slots is looked up (prompt lookup: incremental, microseconds) and, under the
+   goodput controller, given a way and a count, priced rows and sibling slots; with a fixed k,
+   every slot, of the one way there is (the controller still picks the way for a proposer
+   with several). A :class:`~specbatch.spec_decode.plan.DraftPlan`, carried on the step.
+2. ``propose``: the plan's drafts, one batched call to the proposer.
+3. ``verify``: the target's logits to the accepted drafts plus one token per sequence (with
+   no drafts at all, the plain sampler).
+4. ``settle``: a tree's accepted path moved to the sequence's positions in every cache the
+   step wrote; a draft head handed the target's features of the step's rows.
+5. ``learn``: the proposers roll their state back to what was accepted, the controller learns
+   acceptance (unused lookups judged against what the target emitted) and the step's time;
+   the step's counters come back for the engine's stats.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence as SequenceT
-from dataclasses import dataclass
+from typing import Protocol
 
+import numpy as np
 import torch
 
 from specbatch.kernels.sampling import sample
-from specbatch.scheduler import SchedulerOutput
+from specbatch.runner.flat_batch import TokenRun, cache_slots
+from specbatch.scheduler import ScheduledSequence, SchedulerOutput
 from specbatch.sequence import Sequence
-from specbatch.spec_decode.controller import (
+from specbatch.spec_decode.control.controller import (
     DRAFT,
     EXTERNAL,
     LOOKUP_WAYS,
     Candidate,
     Choice,
     GoodputController,
+    Prices,
     lookup_way,
 )
-from specbatch.spec_decode.draft_model import DraftModelProposer
-from specbatch.spec_decode.eagle import EagleProposer
-from specbatch.spec_decode.hybrid import HybridProposer
-from specbatch.spec_decode.ngram import NgramProposer
-from specbatch.spec_decode.proposer import DraftRequest, Proposal, Proposer, with_point_masses
-from specbatch.spec_decode.rejection import VerifyResult, verify
-from specbatch.spec_decode.tree_verify import DraftTree, tree_rows, verify_tree
+from specbatch.spec_decode.control.step_times import StepClock
+from specbatch.spec_decode.plan import DraftPlan, SeqPlan, Shadow, SpecCounters
+from specbatch.spec_decode.proposers.base import LookupMatch, Proposal, Proposer
+from specbatch.spec_decode.verification.chain import VerifyResult, verify
+from specbatch.spec_decode.verification.tree import DraftTree, node_depths, tree_rows, verify_tree
 
 UNBOUNDED_HORIZON = 256  # remaining tokens assumed for a request without max_tokens
 SIBLING_SLOTS = 4  # draft-model siblings a chain may get beside it (draft_tree)
 
 
-@dataclass
-class _Shadow:
-    """Lookup drafts the step did not verify, to be compared with what the target emits
-    after ``start``: a lookup the step did not use (``offset`` 0), or the rest of one it used
-    for ``offset`` drafts (judged only if all of those were accepted: the target's next token
-    is then what a verify of draft ``offset`` would have compared it with)."""
+class TargetRunner(Protocol):
+    """What ``settle`` needs of the target's runner."""
 
-    way: str
-    tokens: list[int]
-    start: int
-    offset: int = 0
+    @property
+    def block_size(self) -> int: ...
+
+    @property
+    def hidden(self) -> tuple[torch.Tensor, np.ndarray] | None:
+        """The last forward's final-norm hidden states and its runs' row offsets."""
+        ...
+
+    def move_slots(self, sources: SequenceT[int], targets: SequenceT[int]) -> None: ...
 
 
 class Speculator:
@@ -64,218 +74,204 @@ class Speculator:
         proposer: Proposer | None,
         controller: GoodputController | None,
         generator: torch.Generator,
+        adaptive: bool = True,
         tree_depth: int | None = None,
     ) -> None:
+        """``adaptive``: the controller chooses each sequence's drafts (else every slot, and
+        a controller only chooses the way); ``tree_depth``: a fixed tree, every slot a node,
+        this deep at most."""
         self.proposer = proposer
         self.controller = controller
-        self.tree_depth = tree_depth  # a fixed tree: every draft slot a node, this deep at most
+        self.adaptive = adaptive and controller is not None
+        self.tree_depth = tree_depth
         self.generator = generator
-        self.lookup, self.drafter = _parts(proposer)
-        self._plan: dict[int, Choice] = {}  # seq_id -> this step's choice
-        self._lookups: dict[int, tuple[list[int], int]] = {}  # seq_id -> (drafts, match n)
-        self._shadows: dict[int, _Shadow] = {}
-        self.learn_past_drafts = True  # see _Shadow's offset
-        self._used: dict[int, str] = {}  # seq_id -> way of this step's drafts
-        self._node_prices: dict[int, float] = {}  # seq_id -> price of a sibling, in tokens
-        self._row_prices: dict[int, float] = {}  # seq_id -> price of a draft model's row
-        self.price_rows = True  # the draft model may drop a first draft not worth its row
-        self._draft_seconds = 0.0  # of the current step: draft model or external proposer
 
     @staticmethod
     def controller_ways(proposer: Proposer | None) -> tuple[str, ...]:
         """The ways a controller chooses among for ``proposer``."""
-        lookup, drafter = _parts(proposer)
         if proposer is None:
             return ()
-        if lookup is None and drafter is None:
+        if proposer.lookup is None and proposer.network is None:
             return (EXTERNAL,)
-        return (LOOKUP_WAYS if lookup is not None else ()) + ((DRAFT,) if drafter else ())
-
-    # ------------------------------------------------------------------ planning
-
-    def plan(self, out: SchedulerOutput, budget: int) -> list[int]:
-        """Drafts per scheduled sequence for the step ``out`` (the scheduler's draft planner)."""
-        assert self.controller is not None
-        self._plan.clear()
-        self._lookups.clear()
-        candidates, index = [], []
-        if any(not s.completes_sequence or s.num_new_tokens > 1 for s in out.scheduled):
-            # a prompt is computed this step: its first token waits for the whole step, so
-            # the step carries no drafts (speculation must not cost time to first token)
-            self.controller.plain_step()
-            return [0] * len(out.scheduled)
-        for i, s in enumerate(out.scheduled):
-            if s.num_lookahead and s.completes_sequence:
-                candidates.append(self._candidate(s.seq, s.num_lookahead))
-                index.append(i)
-        tokens = sum(s.num_new_tokens for s in out.scheduled)
-        pairs = sum(_pairs(s.seq.num_computed_tokens, s.num_new_tokens) for s in out.scheduled)
-        choices = self.controller.plan(candidates, tokens, len(out.scheduled), pairs, budget)
-        drafts = [0] * len(out.scheduled)
-        self._node_prices.clear()
-        self._row_prices.clear()
-        for i, candidate, choice in zip(index, candidates, choices, strict=True):
-            drafts[i] = choice.drafts
-            self._plan[candidate.seq_id] = choice
-            price = self._draft_row_price(choice, candidate)
-            if price is not None and self.price_rows:
-                self._row_prices[candidate.seq_id] = price
-            if price is not None and price < 1.0 and self.drafter and self.drafter.siblings:
-                # slots for siblings beside the chain (used only where they pay)
-                drafts[i] = min(candidate.slots, choice.drafts + SIBLING_SLOTS)
-                self._node_prices[candidate.seq_id] = price
-            found, n = self._lookups.get(candidate.seq_id, ([], 0))
-            seq = out.scheduled[i].seq
-            if found and not (choice.way in LOOKUP_WAYS and choice.learned):
-                self._shadows[seq.seq_id] = _Shadow(lookup_way(n), found, seq.num_tokens)
-            elif (
-                self.learn_past_drafts
-                and choice.way in LOOKUP_WAYS
-                and choice.planned is None  # a probe's step teaches nothing past the plan
-                and len(found) > choice.drafts
-                and not (self.lookup is not None and self.lookup.trees)
-            ):
-                # the positions past the plan's drafts are learned from the lookup's rest
-                # (else nothing ever measures them, and a plan never drafts that deep)
-                offset = choice.drafts
-                rest = found[offset:]
-                self._shadows[seq.seq_id] = _Shadow(
-                    choice.way, rest, seq.num_tokens + offset, offset
-                )
-        return drafts
-
-    def _draft_row_price(self, choice: Choice, candidate: Candidate) -> float | None:
-        """What one more verify row for ``candidate`` costs, in tokens at the plan's goodput,
-        where it drafts with the draft model on measured times (else None)."""
-        controller = self.controller
-        if self.drafter is None or choice.way != DRAFT or controller is None:
-            return None
-        rate = controller.report.tokens_per_second
-        if rate <= 0.0:  # not planned on measured times yet
-            return None
-        return rate * controller.row_seconds(candidate.context)
-
-    def _candidate(self, seq: Sequence, slots: int) -> Candidate:
-        found: list[int] = []
-        n = 0
-        if self.lookup is not None:
-            found, n = self.lookup.match(seq, slots, min_n=self.lookup.shortest)
-            self._lookups[seq.seq_id] = (found, n)
-        catch_up = self.drafter.catch_up(seq) if self.drafter is not None else 1
-        return Candidate(seq.seq_id, slots, seq.num_tokens, found, n, catch_up, _remaining(seq))
+        lookups = LOOKUP_WAYS if proposer.lookup is not None else ()
+        return lookups + ((DRAFT,) if proposer.network is not None else ())
 
     @property
     def wants_features(self) -> bool:
-        """Whether the drafter reads the target's hidden states (a draft head)."""
-        return isinstance(self.drafter, EagleProposer)
+        """Whether the proposer reads the target's hidden states (a draft head)."""
+        return self.proposer is not None and self.proposer.wants_features
 
-    def observe_features(
-        self, placements: list[tuple[Sequence, int, int]], features: torch.Tensor
-    ) -> None:
-        """The target's final-norm hidden states of the step's rows: per (sequence, first
-        position, rows) in order (an accepted tree path already at its positions)."""
-        if isinstance(self.drafter, EagleProposer):
-            self.drafter.observe_features(placements, features)
+    def clock(self) -> StepClock:
+        """A clock for a step starting now (``learn`` reads it)."""
+        return StepClock(on_cpu=self.generator.device.type == "cpu")
 
-    @property
-    def planned(self) -> bool:
-        return self.controller is not None
+    # ------------------------------------------------------------------ planning
+
+    def plan(self, out: SchedulerOutput, budget: int) -> DraftPlan:
+        """Drafts per scheduled sequence for the step ``out`` (the scheduler's draft planner),
+        at most ``budget`` rows in all under the controller."""
+        decodes = [s for s in out.scheduled if s.num_lookahead and s.completes_sequence]
+        if not self.adaptive:
+            return self._fixed_plan(decodes)
+        controller = self.controller
+        assert controller is not None
+        if any(not s.completes_sequence or s.num_new_tokens > 1 for s in out.scheduled):
+            # a prompt is computed this step: its first token waits for the whole step, so
+            # the step carries no drafts (speculation must not cost time to first token)
+            controller.plain_step()
+            return DraftPlan()
+        matches = self._matches(decodes)
+        candidates = self._candidates(decodes, matches)
+        tokens = sum(s.num_new_tokens for s in out.scheduled)
+        pairs = sum(_pairs(s.seq.num_computed_tokens, s.num_new_tokens) for s in out.scheduled)
+        planned = controller.plan(candidates, tokens, len(out.scheduled), pairs, budget)
+        seqs: dict[int, SeqPlan] = {}
+        shadows: dict[int, Shadow] = {}
+        for s, candidate, choice in zip(decodes, candidates, planned.choices, strict=True):
+            seq_id, match = s.seq.seq_id, matches.get(s.seq.seq_id)
+            if choice.way is not None:
+                seqs[seq_id] = self._planned(choice, candidate, match, planned.prices)
+            shadow = self._shadow(s.seq, match, choice)
+            if shadow is not None:
+                shadows[seq_id] = shadow
+        return DraftPlan(seqs, shadows, planned.report)
+
+    def _fixed_plan(self, decodes: list[ScheduledSequence]) -> DraftPlan:
+        """A fixed k: every slot of every decode, of the one way there is, or of the way the
+        controller chooses for a proposer of several."""
+        if self.proposer is None or not decodes:
+            return DraftPlan()
+        matches = self._matches(decodes)
+        if self.controller is not None:  # (a fixed tree's chains are no deeper than it)
+            candidates = self._candidates(decodes, matches, self.tree_depth)
+            choices = self.controller.choose_ways(candidates)
+        else:
+            choices = [Choice(self._only_way(matches.get(s.seq.seq_id)), 0) for s in decodes]
+        seqs: dict[int, SeqPlan] = {}
+        depth = self.tree_depth  # a fixed tree: no path deeper, every node with a chance pays
+        for s, choice in zip(decodes, choices, strict=True):
+            seq_id, slots = s.seq.seq_id, s.num_lookahead
+            if choice.way in LOOKUP_WAYS:
+                seqs[seq_id] = SeqPlan(choice.way, slots, matches[seq_id], depth, choice=choice)
+            elif choice.way is not None:
+                node_price = None if depth is None else 0.0
+                seqs[seq_id] = SeqPlan(
+                    choice.way, slots, chain=depth, node_price=node_price, choice=choice
+                )
+        return DraftPlan(seqs)
+
+    def _only_way(self, match: LookupMatch | None) -> str | None:
+        """A proposer's one way: its lookup's (None without a match), its network's, or an
+        application's."""
+        if match is not None:
+            return lookup_way(match.n) if match.tokens else None
+        return self.controller_ways(self.proposer)[-1]
+
+    def _matches(self, decodes: list[ScheduledSequence]) -> dict[int, LookupMatch]:
+        """What prompt lookup found for each decode, if the proposer looks up."""
+        lookup = self.proposer.lookup if self.proposer is not None else None
+        if lookup is None:
+            return {}
+        return {
+            s.seq.seq_id: lookup.match(s.seq, s.num_lookahead, min_n=lookup.shortest)
+            for s in decodes
+        }
+
+    def _candidates(
+        self,
+        decodes: list[ScheduledSequence],
+        matches: dict[int, LookupMatch],
+        depth: int | None = None,
+    ) -> list[Candidate]:
+        """Each decode as the controller sees it (its slots at most ``depth``)."""
+        network = self.proposer.network if self.proposer is not None else None
+        candidates = []
+        for s in decodes:
+            seq = s.seq
+            match = matches.get(seq.seq_id, LookupMatch([], 0))
+            catch_up = network.catch_up(seq) if network is not None else 1
+            candidates.append(
+                Candidate(
+                    seq.seq_id,
+                    s.num_lookahead if depth is None else min(s.num_lookahead, depth),
+                    seq.num_tokens,
+                    match.tokens,
+                    match.n,
+                    catch_up,
+                    _remaining(seq),
+                )
+            )
+        return candidates
+
+    def _planned(
+        self, choice: Choice, candidate: Candidate, match: LookupMatch | None, prices: Prices
+    ) -> SeqPlan:
+        """A sequence's plan from the controller's choice: a lookup's match, or a network's
+        priced chain (with slots for siblings where a row costs under a token)."""
+        assert choice.way is not None
+        if choice.way in LOOKUP_WAYS:
+            return SeqPlan(choice.way, choice.drafts, match, choice=choice)
+        network = self.proposer.network if self.proposer is not None else None
+        price = prices.row_tokens(candidate.context) if choice.way == DRAFT else None
+        if price is None or network is None:
+            return SeqPlan(choice.way, choice.drafts, choice=choice)
+        if price < 1.0 and network.siblings:
+            rows = min(candidate.slots, choice.drafts + SIBLING_SLOTS)
+            return SeqPlan(
+                DRAFT, rows, chain=choice.drafts, node_price=price, row_price=price, choice=choice
+            )
+        return SeqPlan(DRAFT, choice.drafts, row_price=price, choice=choice)
+
+    def _shadow(self, seq: Sequence, match: LookupMatch | None, choice: Choice) -> Shadow | None:
+        """What the step's lookup is judged by: an unused lookup against what the target
+        emits, or a used one's rest past the plan's drafts (else nothing ever measures the
+        positions past them, and no plan drafts that deep). A probe's step teaches nothing
+        past the plan; a lookup tree's rest is not one continuation."""
+        if match is None or not match.tokens:
+            return None
+        if not (choice.way in LOOKUP_WAYS and choice.learned):
+            return Shadow(lookup_way(match.n), match.tokens, seq.num_tokens)
+        lookup = self.proposer.lookup if self.proposer is not None else None
+        trees = lookup is not None and lookup.trees
+        offset = choice.drafts
+        if choice.planned is None and len(match.tokens) > offset and not trees:
+            assert choice.way is not None
+            return Shadow(choice.way, match.tokens[offset:], seq.num_tokens + offset, offset)
+        return None
 
     # ------------------------------------------------------------------ drafting
 
-    def propose(self, seqs: SequenceT[Sequence], slots: SequenceT[int]) -> Proposal:
-        """Drafts for each sequence, at most its ``slots`` (the planned count under the
-        controller: the way it chose; otherwise the proposer's own choice)."""
-        self._draft_seconds = 0.0
-        self._used.clear()
-        tokens: list[list[int]] = [[] for _ in seqs]
-        wanted = [i for i, n in enumerate(slots) if n > 0]
-        if self.proposer is None or not wanted:
+    def propose(self, plan: DraftPlan | None, sampling: list[ScheduledSequence]) -> Proposal:
+        """The plan's drafts for each sampling sequence, at most its granted slots."""
+        tokens: list[list[int]] = [[] for _ in sampling]
+        rows, requests = [], []
+        for i, s in enumerate(sampling):
+            planned = None if plan is None else plan.seqs.get(s.seq.seq_id)
+            if planned is not None and s.num_lookahead:
+                rows.append(i)
+                requests.append(planned.request(s.seq, s.num_lookahead))
+        if self.proposer is None or not requests:
             return Proposal(tokens)
-        if self.controller is None:
-            requests = [self._fixed_request(seqs[i], slots[i]) for i in wanted]
-            return self._timed(self.proposer, requests, wanted, tokens)
-        by_model, external = [], []
-        parents: list[list[int] | None] = [None] * len(seqs)
-        for i in wanted:
-            seq = seqs[i]
-            choice = self._plan.get(seq.seq_id)
-            if choice is None or choice.way is None:
-                continue
-            self._used[seq.seq_id] = choice.way
-            if choice.way in LOOKUP_WAYS:
-                assert self.lookup is not None
-                found, n = self._lookups[seq.seq_id]
-                tokens[i], parents[i] = self.lookup.drafts(seq, found, n, slots[i])
-            elif choice.way == DRAFT:
-                by_model.append(i)
-            else:
-                external.append(i)
-        trees = parents if any(p is not None for p in parents) else None
-        if external:
-            assert self.proposer is not None
-            requests = [DraftRequest(seqs[i], slots[i]) for i in external]
-            proposal = self._timed(self.proposer, requests, external, tokens)
-        elif by_model:
-            assert self.drafter is not None
-            requests = [self._draft_request(seqs[i], slots[i]) for i in by_model]
-            proposal = self._timed(self.drafter, requests, by_model, tokens)
-        else:
-            proposal = Proposal(tokens)
-        proposal.parents = _merged_parents(trees, proposal.parents)
-        return proposal
-
-    def _fixed_request(self, seq: Sequence, slots: int) -> DraftRequest:
-        """Without the controller: ``slots`` drafts, or with a fixed tree ``slots`` nodes at
-        most ``tree_depth`` deep (every node with a chance pays: price 0)."""
-        if self.tree_depth is None:
-            return DraftRequest(seq, slots)
-        return DraftRequest(seq, min(self.tree_depth, slots), max_nodes=slots, node_price=0.0)
-
-    def _draft_request(self, seq: Sequence, slots: int) -> DraftRequest:
-        """The draft model's request: the planned chain, the price of its rows, and the slots
-        and price of siblings."""
-        row_price = self._row_prices.get(seq.seq_id, 0.0)
-        price = self._node_prices.get(seq.seq_id)
-        if price is None:
-            return DraftRequest(seq, slots, row_price=row_price)
-        chain = min(self._plan[seq.seq_id].drafts, slots)
-        return DraftRequest(seq, chain, max_nodes=slots, node_price=price, row_price=row_price)
-
-    def _timed(
-        self,
-        proposer: Proposer,
-        requests: list[DraftRequest],
-        rows: list[int],
-        tokens: list[list[int]],
-    ) -> Proposal:
-        """``proposer``'s drafts for ``requests`` (at sequence indices ``rows``) merged into
-        ``tokens``; a draft distribution gains point masses for the other drafted rows."""
         started = time.perf_counter()
-        proposal = proposer.propose(requests)
-        self._draft_seconds = time.perf_counter() - started
+        proposal = self.proposer.propose(requests)
+        seconds = time.perf_counter() - started
         probs, row = proposal.draft_probs, 0
         q_rows: list[int] = []
-        parents: list[list[int] | None] = [None] * len(tokens)
-        for s, (i, drafted, r) in enumerate(zip(rows, proposal.tokens, requests, strict=True)):
-            tree = proposal.parents_of(s)
+        parents: list[list[int] | None] = [None] * len(sampling)
+        for k, (i, drafted, r) in enumerate(zip(rows, proposal.tokens, requests, strict=True)):
+            tree = proposal.parents_of(k)
             if tree is not None and len(tree) != len(drafted):
                 raise ValueError(f"the proposer gave {len(drafted)} drafts but {len(tree)} parents")
             # a proposer may not exceed its slots (a tree's first nodes are a tree)
-            slots = max(r.max_drafts, r.max_nodes) if tree is not None else r.max_drafts
+            slots = r.slots if tree is not None else r.max_drafts
             tokens[i] = drafted[:slots]
             parents[i] = None if tree is None else tree[:slots]
             q_rows += range(row, row + len(tokens[i]))
             row += len(drafted)
-        trees = parents if any(p is not None for p in parents) else None
-        if probs is None:
-            return Proposal(tokens, parents=trees)
-        if len(q_rows) < row:
+        if probs is not None and len(q_rows) < row:
             probs = probs[q_rows]
-        drafted_rows = set(rows)
-        if any(t for i, t in enumerate(tokens) if i not in drafted_rows):
-            probs = with_point_masses(tokens, rows, probs)
-        return Proposal(tokens, probs, trees)
+        trees = parents if any(p is not None for p in parents) else None
+        return Proposal(tokens, probs, trees, proposal.forward_times, seconds)
 
     # ------------------------------------------------------------------ verifying
 
@@ -317,94 +313,170 @@ class Speculator:
         result = verify_tree(logits, rows, trees, self.generator)
         return VerifyResult(result.num_accepted, result.tokens, result.accepted_nodes)
 
+    # ------------------------------------------------------------------ settling
+
+    def settle(
+        self,
+        runner: TargetRunner,
+        scheduled: list[ScheduledSequence],
+        runs: list[TokenRun],
+        result: VerifyResult,
+    ) -> None:
+        """After the verify, before the cache commits a block of the step: a tree's accepted
+        path, computed at the cache slots of its nodes' indices, moves to the sequence's next
+        positions (in every cache the step wrote), and a draft head gets the target's hidden
+        states of every row of the step, each accepted path's rows at their positions."""
+        sampling = [s for s in scheduled if s.completes_sequence]
+        paths: dict[int, list[int]] = {}
+        if result.accepted_nodes is not None:
+            paths = {
+                s.seq.seq_id: nodes
+                for s, nodes in zip(sampling, result.accepted_nodes, strict=True)
+            }
+            self._move_paths(runner, sampling, paths)
+        if self.wants_features and runner.hidden is not None:
+            assert self.proposer is not None
+            self.proposer.observe_features(*_features(runner.hidden, scheduled, runs, paths))
+
+    @staticmethod
+    def _move_paths(
+        runner: TargetRunner, sampling: list[ScheduledSequence], paths: dict[int, list[int]]
+    ) -> None:
+        sources: list[np.ndarray] = []
+        targets: list[np.ndarray] = []
+        for s in sampling:
+            seq = s.seq
+            first = seq.num_computed_tokens + s.num_new_tokens  # where draft 0 was written
+            moved = [(node, depth) for depth, node in enumerate(paths[seq.seq_id]) if node != depth]
+            if not moved:
+                continue
+            table = np.asarray(seq.block_table)
+            nodes, depths = (np.array(column) for column in zip(*moved, strict=True))
+            sources.append(cache_slots(table, first + nodes, runner.block_size))
+            targets.append(cache_slots(table, first + depths, runner.block_size))
+        if sources:
+            runner.move_slots(np.concatenate(sources).tolist(), np.concatenate(targets).tolist())
+
     # ------------------------------------------------------------------ learning
 
-    def observe_step(
-        self, runs: list[tuple[int, int]], seconds: float, num_drafts: int, share: float = 1.0
-    ) -> None:
-        """A finished step: ``(start position, tokens)`` of each sequence's run in the
-        forward, the step's whole time (the draft model's or external proposer's included),
-        its draft tokens, and the process's share of the cores meanwhile (CPU over wall
-        seconds; 1.0 where not measured)."""
-        if self.controller is None:
-            return
-        tokens = sum(n for _, n in runs)
-        pairs = sum(_pairs(start, n) for start, n in runs)
-        drafter_seconds = self._draft_seconds
-        if self.drafter is not None:
-            for rows, forward_seconds in self.drafter.take_forward_times():
-                self.controller.observe_draft_forward(rows, forward_seconds, share)
-        elif EXTERNAL in self.controller.ways:
-            self.controller.observe_external(num_drafts, drafter_seconds)
-        self.controller.observe_step(tokens, len(runs), pairs, seconds - drafter_seconds, share)
+    def learn(
+        self,
+        plan: DraftPlan | None,
+        sampling: list[ScheduledSequence],
+        proposal: Proposal,
+        result: VerifyResult,
+        finished: list[Sequence],
+        runs: list[TokenRun],
+        clock: StepClock,
+    ) -> SpecCounters:
+        """A step done (its tokens appended, its computed tokens committed): every sampling
+        sequence's proposer state rolls back to what was accepted and the controller learns
+        from it, finished sequences are forgotten, and the controller learns the step's time
+        (``clock``'s, from the step's start: the proposal's included, the draft network's
+        forwards timed on their own). The step's counters for the engine's stats."""
+        counters = SpecCounters(report=None if plan is None else plan.report)
+        for i, (s, drafted, accepted) in enumerate(
+            zip(sampling, proposal.tokens, result.num_accepted, strict=True)
+        ):
+            tree = proposal.parents_of(i)
+            depth = None if tree is None else max(node_depths(tree), default=0)
+            if drafted:
+                counters.count(len(drafted), accepted, depth, result.path(i))
+            self._verified(s, plan, len(drafted), accepted, depth)
+        for seq in finished:
+            self.forget(seq)
+        if self.controller is not None:
+            self._observe_step(runs, proposal, clock)
+        return counters
 
-    def on_verified(
-        self, seq: Sequence, num_drafts: int, num_accepted: int, depth: int | None = None
+    def _verified(
+        self,
+        s: ScheduledSequence,
+        plan: DraftPlan | None,
+        num_drafts: int,
+        num_accepted: int,
+        depth: int | None,
     ) -> None:
-        """The target accepted ``num_accepted`` of the sequence's ``num_drafts`` drafts and the
-        sequence's computed tokens cover them: proposers roll their own state back to it.
-        ``depth``: a tree's deepest level (the positions that had a draft; a chain's is
-        ``num_drafts``), which is what the controller learns acceptance by."""
+        """The target accepted ``num_accepted`` of the sequence's ``num_drafts`` drafts (a
+        tree's ``depth`` levels: what acceptance is learned by) and its computed tokens cover
+        them: proposers roll their own state back to it, the controller learns."""
+        seq = s.seq
         if num_drafts:
             seq.spec.record(num_drafts, num_accepted, depth)
         if depth is not None:
             num_drafts = depth
-        way = self._used.get(seq.seq_id)
-        choice = self._plan.get(seq.seq_id)
-        if self.controller is not None and way is not None and choice is not None:
+        planned = None if plan is None or not s.num_lookahead else plan.seqs.get(seq.seq_id)
+        controller = self.controller
+        if controller is not None and planned is not None and planned.choice is not None:
             # learned from the drafts the plan chose (a probe's extra one is not: Choice)
-            planned = choice.learned
-            judged = min(num_drafts, planned)
-            if planned:
-                self.controller.observe_made(way, planned, judged)
+            choice, way = planned.choice, planned.way
+            judged = min(num_drafts, choice.learned)
+            if choice.learned:
+                controller.observe_made(way, choice.learned, judged)
             if judged:
-                # what the plan expected of the drafts the proposer did give (a draft model
-                # may stop early): an early stop is not a miss
+                # what the plan expected of the drafts the proposer did give (a network may
+                # stop early): an early stop is not a miss
                 expected = choice.expected[min(judged, len(choice.expected)) - 1]
                 accepted = min(num_accepted, judged)
-                self.controller.observe_verify(seq.seq_id, way, judged, accepted, expected)
-        shadow = self._shadows.pop(seq.seq_id, None)
-        if shadow is not None and self.controller is not None:
+                controller.observe_verify(seq.seq_id, way, judged, accepted, expected)
+        shadow = None if plan is None else plan.shadows.get(seq.seq_id)
+        if shadow is not None and controller is not None:
             emitted = seq.token_ids[shadow.start : shadow.start + len(shadow.tokens)]
             judged = min(len(emitted), len(shadow.tokens))
             right = 0
             while right < judged and emitted[right] == shadow.tokens[right]:
                 right += 1
             if shadow.offset:
-                self.controller.observe_beyond(shadow.way, shadow.offset, judged, right)
+                controller.observe_beyond(shadow.way, shadow.offset, judged, right)
             else:
-                self.controller.observe_verify(seq.seq_id, shadow.way, judged, right)
+                controller.observe_verify(seq.seq_id, shadow.way, judged, right)
         if self.proposer is not None:
             self.proposer.on_verified(seq)
 
+    def _observe_step(self, runs: list[TokenRun], proposal: Proposal, clock: StepClock) -> None:
+        """The step's forward size and time, the proposal's apart (the draft network's
+        forwards go to their own model; an application's proposer's per draft)."""
+        controller = self.controller
+        assert controller is not None
+        seconds, share = clock.read()
+        tokens = sum(len(r.token_ids) for r in runs)
+        pairs = sum(_pairs(r.start_position, len(r.token_ids)) for r in runs)
+        if self.proposer is not None and self.proposer.network is not None:
+            for rows, forward_seconds in proposal.forward_times:
+                controller.observe_draft_forward(rows, forward_seconds, share)
+        elif EXTERNAL in controller.ways:
+            drafts = sum(len(t) for t in proposal.tokens)
+            controller.observe_external(drafts, proposal.seconds)
+        controller.observe_step(tokens, len(runs), pairs, seconds - proposal.seconds, share)
+
     def forget(self, seq: Sequence) -> None:
         """The sequence's cache is gone (finished, aborted, preempted): so is its draft state."""
-        self._shadows.pop(seq.seq_id, None)
         if self.proposer is not None:
             self.proposer.forget(seq)
         if self.controller is not None:
             self.controller.forget(seq.seq_id)
 
 
-def _parts(proposer: Proposer | None) -> tuple[NgramProposer | None, DraftModelProposer | None]:
-    """The prompt lookup and the draft model a proposer is made of (None where it has none;
-    an application's proposer has neither)."""
-    if isinstance(proposer, HybridProposer):
-        return proposer.lookup, proposer.drafter
-    if isinstance(proposer, NgramProposer):
-        return proposer, None
-    if isinstance(proposer, DraftModelProposer):
-        return None, proposer
-    return None, None
-
-
-def _merged_parents(
-    lookups: list[list[int] | None] | None, drafted: list[list[int] | None] | None
-) -> list[list[int] | None] | None:
-    """The trees of a step: the lookups' and a proposer's (each sequence has one way)."""
-    if lookups is None or drafted is None:
-        return lookups if drafted is None else drafted
-    return [a if a is not None else b for a, b in zip(lookups, drafted, strict=True)]
+def _features(
+    kept: tuple[torch.Tensor, np.ndarray],
+    scheduled: list[ScheduledSequence],
+    runs: list[TokenRun],
+    paths: dict[int, list[int]],
+) -> tuple[list[tuple[Sequence, int, int]], torch.Tensor]:
+    """The step's hidden rows per (sequence, first position, rows), each tree's accepted path
+    moved to its positions as its K/V was."""
+    hidden, query_start = kept
+    order: list[int] = []
+    placements = []
+    for b, (s, run) in enumerate(zip(scheduled, runs, strict=True)):
+        first = int(query_start[b])
+        rows = list(range(first, first + len(run.token_ids)))
+        for depth, node in enumerate(paths.get(s.seq.seq_id, ())):
+            rows[s.num_new_tokens + depth] = first + s.num_new_tokens + node
+        order += rows
+        placements.append((s.seq, run.start_position, len(rows)))
+    index = torch.tensor(order, dtype=torch.long, device=hidden.device)
+    return placements, hidden.index_select(0, index)
 
 
 def _remaining(seq: Sequence) -> int:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -12,6 +11,7 @@ from hypothesis import strategies as st
 from specbatch import LLMEngine, SamplingParams
 from specbatch.config import EngineConfig
 from specbatch.scheduler import SchedulerOutput
+from tests.helpers import check_blocks
 
 OPS = st.lists(
     st.one_of(
@@ -48,18 +48,6 @@ def engine(tiny_model_dir: Path) -> LLMEngine:
 
     engine.scheduler.schedule = checked_schedule  # type: ignore[method-assign]
     return engine
-
-
-def check_blocks(engine: LLMEngine) -> None:
-    pool = engine.cache.pool
-    pool.check_consistency()
-    holders: Counter[int] = Counter()
-    for seq in engine.scheduler.running + engine.scheduler.waiting:
-        holders.update(seq.block_table)
-    for seq in engine.scheduler.waiting:
-        assert seq.block_table == []  # preempted or new: holds nothing
-    for block in range(pool.num_blocks):
-        assert pool.ref_counts[block] == holders[block], f"block {block}"
 
 
 @settings(

@@ -150,7 +150,7 @@ def test_three_ranks_with_speculation_caching_chunks_and_preemption(
 def test_tree_steps_move_the_accepted_path_on_every_rank(tiny_model_dir: Path) -> None:
     """Draft trees whose accepted path is not the first branch: every rank moves its slice of
     the path's K/V, so the sharded text equals one process's without speculation."""
-    from tests.spec_decode.test_tree_engine import VOCAB, SiblingOracle, prompts_with_variants
+    from tests.helpers import VOCAB, SiblingOracle, prompts_with_variants
 
     prompts = prompts_with_variants(3)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=3)

@@ -152,12 +152,21 @@ def test_a_draft_planner_takes_budget_only_after_prompts_are_admitted() -> None:
     left (here it asks for every slot)."""
     asked: list[tuple[list[int], int]] = []
 
-    def every_slot(out: SchedulerOutput, budget: int) -> list[int]:
+    class EverySlot:
+        def __init__(self, out: SchedulerOutput) -> None:
+            self.slots = {s.seq.seq_id: s.num_lookahead for s in out.scheduled}
+
+        def rows(self, seq_id: int) -> int:
+            return self.slots[seq_id]
+
+    def every_slot(out: SchedulerOutput, budget: int) -> EverySlot:
         asked.append(([s.num_lookahead for s in out.scheduled], budget))
-        return [s.num_lookahead for s in out.scheduled]
+        return EverySlot(out)
 
     sched = Scheduler(
-        SchedulerConfig(8, 10, max_model_len=64, num_speculative_tokens=4),
+        SchedulerConfig(
+            8, 10, max_model_len=64, num_speculative_tokens=4, drafts_after_prompts=True
+        ),
         KVCacheManager(32, 4, False),
         draft_planner=every_slot,
     )

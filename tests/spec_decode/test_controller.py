@@ -12,16 +12,17 @@ import random
 import numpy as np
 import pytest
 
+from specbatch.runner.flat_batch import TokenRun
 from specbatch.sampling_params import SamplingParams
 from specbatch.scheduler import ScheduledSequence, SchedulerOutput
 from specbatch.sequence import Sequence
-from specbatch.spec_decode.acceptance import (
+from specbatch.spec_decode.control.acceptance import (
     AcceptanceModel,
     DecayedRate,
     _PositionRates,
     _TimedRate,
 )
-from specbatch.spec_decode.controller import (
+from specbatch.spec_decode.control.controller import (
     DRAFT,
     HURDLE,
     LOOKUP_WAYS,
@@ -32,9 +33,17 @@ from specbatch.spec_decode.controller import (
     _best_single,
     _promising_depths,
 )
-from specbatch.spec_decode.ngram import NgramProposer
+from specbatch.spec_decode.control.step_times import (
+    ForwardTimes,
+    StepClock,
+    StepTimes,
+    _weighted_fit,
+)
+from specbatch.spec_decode.plan import DraftPlan
+from specbatch.spec_decode.proposers.base import Proposal
+from specbatch.spec_decode.proposers.ngram import NgramProposer
 from specbatch.spec_decode.speculator import Speculator, _pairs
-from specbatch.spec_decode.step_times import ForwardTimes, StepTimes, _weighted_fit
+from specbatch.spec_decode.verification.chain import VerifyResult
 
 
 class FakeClock:
@@ -218,7 +227,7 @@ def test_two_close_steps_do_not_price_rows_at_another_context() -> None:
     controller = GoodputController(LOOKUP_WAYS, hurdle=0.0)
     controller.times = times
     with_rates(controller, {0: 0.85})
-    choice = controller.plan([Candidate(0, 8, 229, [5] * 8, 3)], 1, 1, 230.0, budget=8)[0]
+    choice = controller.plan([Candidate(0, 8, 229, [5] * 8, 3)], 1, 1, 230.0, budget=8).choices[0]
     assert choice.way == "lookup3"
     assert choice.drafts >= 1
 
@@ -246,7 +255,7 @@ def test_a_far_draft_forward_does_not_rule_small_ones_out() -> None:
     controller = trained(clock, ("lookup1", "lookup2", "lookup3", "draft"))
     controller.draft_times = times
     with_rates(controller, {0: 0.6})
-    choices = controller.plan([Candidate(0, 4, 100, [])], 1, 1, 0.0, budget=8)
+    choices = controller.plan([Candidate(0, 4, 100, [])], 1, 1, 0.0, budget=8).choices
     assert choices[0].way == "draft"
     assert choices[0].drafts >= 1
     for rows in (1, 2, 3, 1, 2):
@@ -271,7 +280,7 @@ def test_rows_are_priced_where_they_land(first: float) -> None:
         for tokens in range(1, 10):
             controller.observe_step(tokens, 1, 0.0, clock(tokens))
     with_rates(controller, {0: first}, follow=0.8)
-    (choice,) = controller.plan([Candidate(0, 8, 0, [])], 1, 1, 0.0, budget=8)
+    (choice,) = controller.plan([Candidate(0, 8, 0, [])], 1, 1, 0.0, budget=8).choices
     gains = controller.acceptance.gains(0, "external", 8)
     goodputs = [(1 + gains[:d].sum()) / clock(1 + d) for d in range(9)]
     assert goodputs[choice.drafts] >= 0.985 * max(goodputs)
@@ -284,7 +293,7 @@ def test_no_drafts_when_rows_cost_more_than_they_return() -> None:
     clock = FakeClock(0.0, 0.01, 0.0)
     controller = trained(clock)
     with_rates(controller, dict.fromkeys(range(16), 0.3))
-    choices = controller.plan(candidates([4] * 16), 16, 16, 0.0, 1000)
+    choices = controller.plan(candidates([4] * 16), 16, 16, 0.0, 1000).choices
     assert [c.drafts for c in choices] == [0] * 16
 
 
@@ -292,14 +301,14 @@ def test_every_slot_when_acceptance_is_one_and_rows_are_free() -> None:
     clock = FakeClock(0.05, 0.0, 0.001)
     controller = trained(clock)
     with_rates(controller, dict.fromkeys(range(8), 1.0))
-    choices = controller.plan(candidates([4, 4, 3, 1, 4, 2, 4, 4]), 8, 8, 0.0, 1000)
+    choices = controller.plan(candidates([4, 4, 3, 1, 4, 2, 4, 4]), 8, 8, 0.0, 1000).choices
     assert [c.drafts for c in choices] == [4, 4, 3, 1, 4, 2, 4, 4]
 
 
 def test_the_budget_caps_the_drafts() -> None:
     controller = trained(FakeClock(0.05, 0.0, 0.001))
     with_rates(controller, dict.fromkeys(range(8), 1.0))
-    choices = controller.plan(candidates([4] * 8), 8, 8, 0.0, 5)
+    choices = controller.plan(candidates([4] * 8), 8, 8, 0.0, 5).choices
     assert sum(c.drafts for c in choices) == 5
 
 
@@ -320,7 +329,7 @@ def test_plan_is_the_exhaustive_optimum(seed: int) -> None:
     cands = candidates(rng.integers(0, 5, count).tolist(), context)
     base_tokens = count + int(rng.integers(0, 40))  # decodes plus some prefill
     base_pairs = float(base_tokens * context)
-    choices = controller.plan(cands, base_tokens, count, base_pairs, 1000)
+    choices = controller.plan(cands, base_tokens, count, base_pairs, 1000).choices
     assert all(0 <= c.drafts <= cand.slots for c, cand in zip(choices, cands, strict=True))
     plan = [(c.way, c.drafts) for c in choices]
     best = exhaustive(clock, controller, cands, base_tokens, base_pairs)
@@ -356,7 +365,7 @@ def test_hybrid_plan_is_the_exhaustive_optimum(seed: int) -> None:
     acceptance.follow_rows = lambda ways, count: np.array(  # type: ignore[method-assign]
         [np.r_[1.0, np.full(count - 1, follows[way])] for way in ways]
     )
-    choices = controller.plan(cands, count, count, 0.0, 1000)
+    choices = controller.plan(cands, count, count, 0.0, 1000).choices
 
     def ratio(plan: list[tuple[str, int]]) -> float:
         tokens = count + sum(
@@ -384,7 +393,7 @@ def steps_until_drafting(controller: GoodputController, clock: FakeClock, steps:
     """Batch-1 steps planned and run on ``clock`` until a plan drafts other than by a probe
     (``steps``: none did)."""
     for step in range(steps):
-        choice = controller.plan([Candidate(0, 8, 200, [])], 1, 1, 201.0, 1000)[0]
+        choice = controller.plan([Candidate(0, 8, 200, [])], 1, 1, 201.0, 1000).choices[0]
         tokens = 1 + choice.drafts
         pairs = float(_pairs(200, tokens))
         controller.observe_step(tokens, 1, pairs, clock(tokens, 1, pairs))
@@ -412,9 +421,11 @@ def test_a_drafted_shape_measured_slow_is_measured_again() -> None:
         return controller
 
     probing = poisoned()
-    assert probing.plan([Candidate(0, 8, 200, [])], 1, 1, 201.0, 1000)[0].drafts == 0
+    assert probing.plan([Candidate(0, 8, 200, [])], 1, 1, 201.0, 1000).choices[0].drafts == 0
     assert steps_until_drafting(probing, clock, 400) <= 20 * PROBE_AFTER
-    after = [probing.plan([Candidate(0, 8, 200, [])], 1, 1, 201.0, 1000)[0] for _ in range(3)]
+    after = [
+        probing.plan([Candidate(0, 8, 200, [])], 1, 1, 201.0, 1000).choices[0] for _ in range(3)
+    ]
     assert all(choice.drafts for choice in after)  # planned, not a probe
 
     never = poisoned()
@@ -503,7 +514,7 @@ def test_a_probe_adds_one_draft_that_acceptance_does_not_learn_from() -> None:
     controller = trained(clock)
     with_rates(controller, {0: 0.6, 1: 0.05})
     cands = [Candidate(0, 8, 200, []), Candidate(1, 8, 200, [])]
-    plans = [controller.plan(cands, 2, 2, 402.0, 1000) for _ in range(PROBE_AFTER)]
+    plans = [controller.plan(cands, 2, 2, 402.0, 1000).choices for _ in range(PROBE_AFTER)]
     for choices in plans[:-1]:
         assert all(c.planned is None and c.learned == c.drafts for c in choices)
     planned = [c.drafts for c in plans[0]]
@@ -516,7 +527,7 @@ def test_a_probe_adds_one_draft_that_acceptance_does_not_learn_from() -> None:
     tight = trained(clock)
     with_rates(tight, {0: 0.6, 1: 0.05})
     for _ in range(PROBE_AFTER):
-        last = tight.plan(cands, 2, 2, 402.0, sum(planned))
+        last = tight.plan(cands, 2, 2, 402.0, sum(planned)).choices
     assert [c.drafts for c in last] == planned
 
 
@@ -556,7 +567,7 @@ def test_one_early_miss_does_not_keep_plans_at_one_draft() -> None:
     assert acceptance.follow(DRAFT, 2)[1] == pytest.approx(0.25)
     drafts = []
     for _ in range(200):  # plans that allot one draft do not refresh position 1
-        choice = controller.plan([Candidate(0, 8, 100, [])], 1, 1, 100.0, budget=8)[0]
+        choice = controller.plan([Candidate(0, 8, 100, [])], 1, 1, 100.0, budget=8).choices[0]
         drafts.append(choice.drafts)
         acceptance.observe_made(DRAFT, choice.drafts, min(choice.drafts, 1))
     assert drafts[0] == 1
@@ -581,11 +592,51 @@ def test_a_way_that_missed_in_lockstep_is_tried_again() -> None:
     assert acceptance.population(DRAFT) < 0.25
     drafting = []
     for _ in range(200):  # a plan without drafts refreshes nothing
-        choices = controller.plan([Candidate(i, 4, 100, []) for i in range(4)], 4, 4, 400.0, 16)
+        choices = controller.plan(
+            [Candidate(i, 4, 100, []) for i in range(4)], 4, 4, 400.0, 16
+        ).choices
         drafting.append(sum(c.drafts > 0 for c in choices))
     assert drafting[0] == 0
     assert max(drafting) == 4
     assert drafting.index(4) < 60
+
+
+class FixedClock(StepClock):
+    """A step clock that reads a given time, on a free machine."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__(on_cpu=False)
+        self.seconds = seconds
+
+    def read(self) -> tuple[float, float]:
+        return self.seconds, 1.0
+
+
+def planned_step(
+    speculator: Speculator, batch: list[Sequence], slots: int
+) -> tuple[DraftPlan, list[ScheduledSequence], Proposal]:
+    """A decode step of ``batch`` with ``slots`` reserved each, planned as the scheduler
+    would (each sequence's slots cut to the plan's rows) and drafted."""
+    out = SchedulerOutput([ScheduledSequence(seq, 1, slots) for seq in batch])
+    plan = speculator.plan(out, 1000)
+    for s in out.scheduled:
+        s.num_lookahead = min(plan.rows(s.seq.seq_id), s.num_lookahead)
+    return plan, out.scheduled, speculator.propose(plan, out.scheduled)
+
+
+def learned(
+    speculator: Speculator,
+    plan: DraftPlan,
+    scheduled: list[ScheduledSequence],
+    proposal: Proposal,
+    accepted: list[int],
+    runs: list[TokenRun],
+    seconds: float,
+) -> None:
+    """The step's verdict (``accepted`` drafts per sequence, its tokens already appended)
+    and its time, learned as the engine would after the step."""
+    result = VerifyResult(accepted, [[0] * (n + 1) for n in accepted])
+    speculator.learn(plan, scheduled, proposal, result, [], runs, FixedClock(seconds))
 
 
 # ------------------------------------------------------------------ re-probing
@@ -612,13 +663,11 @@ def run_copying_batch(switch: int, steps: int, seqs: int = 16) -> list[int]:
     drafting = []
     copied = {seq.seq_id: 0 for seq in batch}
     for step in range(steps):
-        out = SchedulerOutput([ScheduledSequence(seq, 1, 4) for seq in batch])
-        counts = speculator.plan(out, 1000)
-        proposal = speculator.propose(batch, counts)
-        drafting.append(sum(1 for c in counts if c))
-        runs = []
+        plan, scheduled, proposal = planned_step(speculator, batch, 4)
+        drafting.append(sum(1 for s in scheduled if s.num_lookahead))
+        runs, accepted_counts = [], []
         for seq, drafts in zip(batch, proposal.tokens, strict=True):
-            runs.append((seq.num_computed_tokens, 1 + len(drafts)))
+            runs.append(TokenRun([0] * (1 + len(drafts)), seq.num_computed_tokens, []))
             truth = []
             for _ in range(len(drafts) + 1):
                 if step >= switch:
@@ -633,9 +682,10 @@ def run_copying_batch(switch: int, steps: int, seqs: int = 16) -> list[int]:
                 copied[seq.seq_id] -= len(drafts) - accepted
             seq.token_ids += truth[: accepted + 1]
             seq.num_computed_tokens = seq.num_tokens - 1
-            speculator.on_verified(seq, len(drafts), accepted)
-        tokens = sum(n for _, n in runs)
-        speculator.observe_step(runs, clock(tokens, len(batch)), sum(map(len, proposal.tokens)))
+            accepted_counts.append(accepted)
+        tokens = sum(len(r.token_ids) for r in runs)
+        seconds = clock(tokens, len(batch)) + proposal.seconds
+        learned(speculator, plan, scheduled, proposal, accepted_counts, runs, seconds)
     return drafting
 
 
@@ -656,8 +706,8 @@ def test_a_draft_models_backlog_is_charged_over_the_steps_left() -> None:
     with_rates(controller, {0: 0.6}, follow=0.6)
     long_run = Candidate(0, 4, 500, [], catch_up=500, remaining=2000)
     ending = Candidate(0, 4, 500, [], catch_up=500, remaining=4)
-    assert controller.plan([long_run], 1, 1, 500.0, 100)[0].drafts > 0
-    assert controller.plan([ending], 1, 1, 500.0, 100)[0].drafts == 0
+    assert controller.plan([long_run], 1, 1, 500.0, 100).choices[0].drafts > 0
+    assert controller.plan([ending], 1, 1, 500.0, 100).choices[0].drafts == 0
 
 
 def test_a_backlog_costs_what_rows_cost_in_a_forward_of_its_size() -> None:
@@ -672,10 +722,11 @@ def test_a_backlog_costs_what_rows_cost_in_a_forward_of_its_size() -> None:
         controller.observe_draft_forward(rows, 0.002 + 0.0001 * rows)
     with_rates(controller, {0: 0.5})
     behind = Candidate(0, 4, 100, [], catch_up=41, remaining=20)  # 40 rows over 10 steps
-    costs = controller._options([behind], 1, 1).costs
-    local = controller._draft_fit[1]
+    options = controller._options([behind], 1, 1)
+    local = options.draft_fit[1]
     assert local < 0.00002
-    first_row = controller.row_seconds(100) + local
+    first_row = options.prices.row_seconds(100) + local
+    costs = options.costs
     assert costs[0, 0, 0] - first_row == pytest.approx(0.0001 * 40 / 10, rel=0.1)
 
 
@@ -735,7 +786,8 @@ def test_a_plan_counts_only_the_drafts_a_proposer_makes(seed: int) -> None:
         while made < slots and rng.random() < going_on:
             made += 1
         controller.observe_made(DRAFT, slots, 0 if rng.random() < dropped else made)
-    choice = controller.plan([Candidate(0, slots, 0, [])], 1, 1, 0.0, 100)[0]
+    planned = controller.plan([Candidate(0, slots, 0, [])], 1, 1, 0.0, 100)
+    choice = planned.choices[0]
     made = controller.acceptance.made(DRAFT, slots)  # as the plan saw them (its step)
     assert made[0] == pytest.approx(1 - dropped, abs=0.1)
     gains = controller.acceptance.gains(0, DRAFT, slots)
@@ -749,7 +801,7 @@ def test_a_plan_counts_only_the_drafts_a_proposer_makes(seed: int) -> None:
     assert ratio(choice.drafts) == pytest.approx(max(ratio(n) for n in range(slots + 1)), 1e-6)
     # the choice is the same whatever made is (gain and cost carry the same factor); what the
     # plan expects of it is not: its goodput over the plain step's
-    assert controller.report.expected_gain == pytest.approx(
+    assert planned.report.expected_gain == pytest.approx(
         ratio(choice.drafts) * (fixed + per_token), rel=1e-5
     )
     # what the plan expects of the drafts made, for calibration: not weighted by made
@@ -765,7 +817,7 @@ def test_calibration_settles_at_the_true_bias() -> None:
     with_rates(controller, {0: 0.8}, follow=0.0)  # one draft is all that may be right
     rng = random.Random(0)
     for _ in range(3000):
-        choice = controller.plan([Candidate(0, 1, 0, [])], 1, 1, 0.0, 10)[0]
+        choice = controller.plan([Candidate(0, 1, 0, [])], 1, 1, 0.0, 10).choices[0]
         assert choice.drafts == 1
         controller.observe_verify(0, "external", 1, int(rng.random() < 0.4), choice.expected[0])
     assert controller.acceptance.calibration("external") == pytest.approx(0.5, abs=0.05)
@@ -773,9 +825,8 @@ def test_calibration_settles_at_the_true_bias() -> None:
 
 @pytest.mark.parametrize("seed", range(10))
 def test_the_price_of_a_row_is_the_plans_goodput_times_its_seconds(seed: int) -> None:
-    """What a draft-model sibling must beat (``Speculator._draft_row_price``): the plan's goodput,
-    reported, is the true expected goodput of the chosen plan, and one more row's seconds are
-    the clock's."""
+    """What a draft-model sibling must beat (``Prices.row_tokens``): the plan's goodput is the
+    true expected goodput of the chosen plan, and one more row's seconds are the clock's."""
     rng = np.random.default_rng(100 + seed)
     clock = FakeClock(float(rng.uniform(0.005, 0.05)), float(rng.choice([1e-4, 1e-3])), 1e-4, 1e-6)
     controller = trained(clock)
@@ -783,12 +834,12 @@ def test_the_price_of_a_row_is_the_plans_goodput_times_its_seconds(seed: int) ->
     with_rates(controller, {i: float(rng.uniform(0.2, 0.9)) for i in range(seqs)})
     cands = candidates([4] * seqs, context=int(rng.integers(0, 300)))
     base_pairs = float(sum(c.context + 1 for c in cands))
-    choices = controller.plan(cands, seqs, seqs, base_pairs, 1000)
-    plan = [(c.way, c.drafts) for c in choices]
+    planned = controller.plan(cands, seqs, seqs, base_pairs, 1000)
+    plan = [(c.way, c.drafts) for c in planned.choices]
     true = goodput(clock, controller, plan, cands, seqs, base_pairs)
-    assert controller.report.tokens_per_second == pytest.approx(true, rel=1e-3)
+    assert planned.prices.tokens_per_second == pytest.approx(true, rel=1e-3)
     context = cands[0].context
-    assert controller.row_seconds(context) == pytest.approx(
+    assert planned.prices.row_seconds(context) == pytest.approx(
         clock.per_token + clock.per_pair * context, rel=1e-3, abs=1e-7
     )
 
@@ -808,8 +859,8 @@ def test_rows_at_batch_8_are_priced_at_the_slope_of_the_steps_drafts_make() -> N
         tokens = int(rng.choice([8, 8, 8, 9, 10, 12, 16, 24, 40, 72]))
         pairs = tokens * (100 + step)
         controller.observe_step(tokens, 8, pairs, clock(tokens, pairs))
-    controller.plan(candidates([8] * 8, context=200), 8, 8, 8 * 200, 1000)
-    assert controller.row_seconds(200) == pytest.approx(0.003 + 1e-7 * 200, rel=0.25)
+    planned = controller.plan(candidates([8] * 8, context=200), 8, 8, 8 * 200, 1000)
+    assert planned.prices.row_seconds(200) == pytest.approx(0.003 + 1e-7 * 200, rel=0.25)
 
 
 @pytest.mark.parametrize("seed", range(60))
@@ -918,10 +969,9 @@ def test_positions_past_the_plans_drafts_are_learned_from_the_lookups_rest(
     copied = 8
     planned: list[int] = []
     for _ in range(60):
-        out = SchedulerOutput([ScheduledSequence(seq, 1, 8)])
-        counts = speculator.plan(out, 1000)
-        proposal = speculator.propose([seq], counts)
+        plan, scheduled, proposal = planned_step(speculator, [seq], 8)
         drafts = proposal.tokens[0]
+        run = TokenRun([0] * (1 + len(drafts)), seq.num_computed_tokens, [])
         planned.append(len(drafts))
         truth = prompt[copied : copied + len(drafts) + 1]
         if not right_past_two and len(drafts) == 2:
@@ -932,9 +982,9 @@ def test_positions_past_the_plans_drafts_are_learned_from_the_lookups_rest(
         seq.token_ids += truth[: accepted + 1]
         copied += accepted + 1
         seq.num_computed_tokens = seq.num_tokens - 1
-        speculator.on_verified(seq, len(drafts), accepted)
         tokens = 1 + len(drafts)
-        speculator.observe_step([(seq.num_computed_tokens, tokens)], seconds(tokens), len(drafts))
+        step_seconds = seconds(tokens) + proposal.seconds
+        learned(speculator, plan, scheduled, proposal, [accepted], [run], step_seconds)
     assert planned.count(2) > 40  # the plans' depth
     # the outcomes at position 2 (decayed counts), over the lookup ways the plans used
     rates = controller.acceptance._follow.values()

@@ -9,40 +9,10 @@ from typing import Any
 
 import pytest
 
-from specbatch import LLMEngine, SamplingParams
+from specbatch import LLMEngine
 from specbatch.config import EngineConfig
-from specbatch.spec_decode.oracle import OracleProposer
-from specbatch.spec_decode.step_times import StepCost
-from tests.spec_decode.test_spec_engine import prompts_with_repeats
-
-# 24 prompts of 9-35 tokens, 20 new tokens each, at most 16 at once in a cache of 40 blocks
-# of 8 tokens (320 slots): sequences are preempted; a budget of 24 tokens chunks prompts.
-TIGHT = {
-    "num_kv_blocks": 40,
-    "block_size": 8,
-    "max_model_len": 128,
-    "max_num_seqs": 16,
-    "max_num_batched_tokens": 24,
-    "enable_prefix_caching": False,
-}
-
-
-def params(i: int, sampled: bool) -> SamplingParams:
-    if sampled:
-        return SamplingParams(temperature=0.9, top_p=0.95, seed=1000 + i, max_tokens=20)
-    return SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
-
-
-def outputs(engine: LLMEngine, prompts: list[list[int]], sampled: bool) -> list[list[int]]:
-    for i, prompt in enumerate(prompts):
-        engine.add_request(str(i), prompt, params(i, sampled))
-    done: dict[str, list[int]] = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = list(out.outputs[0].token_ids)
-    assert engine.cache.num_free_blocks == engine.num_kv_blocks
-    return [done[str(i)] for i in range(len(prompts))]
+from specbatch.spec_decode.control.step_times import StepCost
+from tests.helpers import TIGHT, OracleProposer, outputs, prompts_with_repeats
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import torch
 from specbatch import LLM, SamplingParams
 from specbatch.errors import ConfigError, ModelLoadError
 from specbatch.models import load_model
-from specbatch.spec_decode import default_draft
+from specbatch.spec_decode.proposers import shipped as default_draft
 from tests.prompts import CHAT, PLAIN
 
 pytestmark = pytest.mark.slow

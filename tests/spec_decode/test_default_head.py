@@ -11,10 +11,10 @@ import pytest
 from specbatch import LLM, LLMEngine, SamplingParams
 from specbatch.config import EngineConfig
 from specbatch.errors import ConfigError, ModelLoadError
-from specbatch.spec_decode import default_draft
-from specbatch.spec_decode.eagle import EagleProposer, load_head
+from specbatch.spec_decode.proposers import shipped as default_draft
+from specbatch.spec_decode.proposers.head import HeadNetwork, load_head
+from tests.helpers import force_draft_chains, network_proposer, run_engine
 from tests.prompts import CHAT, PLAIN
-from tests.spec_decode.test_tree_engine import force_draft_chains, run_engine
 
 pytestmark = pytest.mark.slow
 
@@ -88,7 +88,7 @@ def test_chains_at_batch_16_are_lossless_and_keep_their_acceptance(
     stats = llm.llm_engine.stats
     first = stats.num_accepted_tokens_per_pos[0] / stats.num_drafts
     assert first >= MIN_FIRST_ACCEPTANCE, f"first-draft acceptance {first:.3f}"
-    assert isinstance(llm.llm_engine.speculator.drafter, EagleProposer)
+    assert isinstance(network_proposer(llm.llm_engine).net, HeadNetwork)
 
 
 @pytest.mark.parametrize("batch", [1, 16])

@@ -21,10 +21,8 @@ from specbatch import LLMEngine, SamplingParams
 from specbatch.config import EngineConfig
 from specbatch.kernels.sampling import SamplingRow, SamplingTensors, target_probs
 from specbatch.models import load_model
-from specbatch.sequence import Sequence
-from specbatch.spec_decode import hybrid
-from specbatch.spec_decode.hybrid import HybridProposer
-from specbatch.spec_decode.proposer import DraftRequest, Proposal, Proposer
+from specbatch.spec_decode.control.controller import DRAFT, Candidate, Choice, lookup_way
+from specbatch.spec_decode.proposers.base import DraftRequest, Proposal, Proposer
 from tests.helpers import PagedHarness, write_tiny_model
 
 V = 32
@@ -109,18 +107,8 @@ def sample_engine(
     if hook is not None:
         hook(engine)
     looked_up: list[bool] = []
-    if isinstance(engine.proposer, HybridProposer):
-        lookup = engine.proposer.lookup
-        match = lookup.match
-
-        def counting(
-            seq: Sequence, max_drafts: int, min_n: int | None = None
-        ) -> tuple[list[int], int]:
-            found, length = match(seq, max_drafts, min_n)
-            looked_up.append(length >= lookup.min_n)  # a long match, used as it is
-            return found, length
-
-        lookup.match = counting  # type: ignore[method-assign]
+    if speculative is not None and speculative.get("method") == "hybrid":
+        choose_ways_at_random(engine, looked_up)
     tokens = np.zeros((N, 3), dtype=np.int64)
     pending = list(range(N))
     while pending or engine.has_unfinished_requests():
@@ -137,6 +125,28 @@ def sample_engine(
     if looked_up:  # both kinds of draft were verified
         assert 100 < sum(looked_up) < len(looked_up) - 100
     return tokens
+
+
+def choose_ways_at_random(engine: LLMEngine, looked_up: list[bool]) -> None:
+    """The fixed-k hybrid's way per sequence at random, so that both are verified: a match of
+    2 tokens or more always, a shorter one or the draft model on a coin (``looked_up``
+    records each choice)."""
+    controller = engine.speculator.controller
+    assert controller is not None
+    coin = random.Random(0)
+
+    def choose(candidates: list[Candidate]) -> list[Choice]:
+        choices = []
+        for c in candidates:
+            lookup = bool(c.lookup) and (c.lookup_n >= 2 or coin.random() < 0.5)
+            looked_up.append(lookup)
+            if lookup:
+                choices.append(Choice(lookup_way(c.lookup_n), min(c.slots, len(c.lookup))))
+            else:
+                choices.append(Choice(DRAFT, c.slots))
+        return choices
+
+    controller.choose_ways = choose  # type: ignore[method-assign]
 
 
 def assert_matches(tokens: np.ndarray, joint12: np.ndarray, marginal3: np.ndarray) -> None:
@@ -171,7 +181,7 @@ CASES = [
 
 @pytest.mark.parametrize(("method", "params_name"), CASES)
 def test_speculative_sampling_matches_target(
-    models: tuple[Path, Path], method: str, params_name: str, monkeypatch: pytest.MonkeyPatch
+    models: tuple[Path, Path], method: str, params_name: str
 ) -> None:
     target, draft = models
     params = PARAMS[params_name]
@@ -187,10 +197,6 @@ def test_speculative_sampling_matches_target(
         spec.update(prompt_lookup_min=2, draft_confidence_threshold=0.1)
         prompt = LOOKUP_PROMPT
         params = params.clone(max_tokens=5)
-        coin = random.Random(0)
-        monkeypatch.setattr(
-            hybrid, "choose_way", lambda *_: hybrid.DRAFT if coin.random() < 0.5 else hybrid.LOOKUP
-        )
     joint12, marginal3 = exact_distribution(target, params, prompt)
     assert_matches(sample_engine(target, spec, params, prompt=prompt), joint12, marginal3)
 
@@ -300,7 +306,7 @@ def test_draft_siblings_drawn_without_replacement_match_target(
     """Unseeded rows: the draft model's siblings are further draws from its q without
     replacement, verified by recursive rejection sampling (every chain of 2 drafts gets up to
     3 siblings per position: the plan is fixed, rows nearly free)."""
-    from tests.spec_decode.test_tree_engine import force_draft_chains
+    from tests.helpers import force_draft_chains
 
     target, draft = models
     # room for drafts past the first three tokens (lookahead stops at max_tokens)
@@ -329,7 +335,7 @@ def test_draft_siblings_drawn_without_replacement_match_target(
 def head_dir(models: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
     """An (untrained) draft head for the tiny target, its last 4 ids outside its vocabulary."""
     from specbatch.distill.head import build_head
-    from specbatch.spec_decode.eagle import save_head
+    from specbatch.spec_decode.proposers.head import save_head
 
     target = load_model(models[0], attention_backend="dense_causal")
     directory = tmp_path_factory.mktemp("dist-head")
@@ -342,7 +348,7 @@ def test_head_trees_match_target(models: tuple[Path, Path], head_dir: Path) -> N
     (point-mass nodes: the likeliest children of the likeliest nodes, several per level, the
     plan fixed at depth 2 with rows nearly free), verified by recursive rejection sampling.
     (Plain T=1 passed too when written; one case keeps the suite's time.)"""
-    from tests.spec_decode.test_tree_engine import force_draft_chains
+    from tests.helpers import force_draft_chains
 
     target, _ = models
     params = PARAMS["top-k-top-p"].clone(max_tokens=8)

@@ -10,8 +10,8 @@ import torch
 from specbatch import LLMEngine
 from specbatch.config import EngineConfig
 from specbatch.spec_decode import factory
-from specbatch.spec_decode.step_times import StepCost
-from tests.spec_decode.test_controller_identity import TIGHT, outputs
+from specbatch.spec_decode.control.step_times import StepCost
+from tests.helpers import TIGHT, network_proposer, outputs
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
@@ -36,7 +36,7 @@ def test_auto_is_bfloat16_only_for_packed_float32_on_native_bfloat16(
 
 @pytest.fixture(scope="module")
 def prompts() -> list[list[int]]:
-    from tests.spec_decode.test_spec_engine import prompts_with_repeats
+    from tests.helpers import prompts_with_repeats
 
     return prompts_with_repeats(12, seed=23)
 
@@ -62,8 +62,7 @@ def test_outputs_do_not_depend_on_the_draft_dtype(
     engine = LLMEngine(
         EngineConfig(model=str(tiny_model_dir), dtype="float32", speculative_config=spec, **TIGHT)
     )
-    draft = engine.speculator.proposer
-    assert draft.model.dtype == getattr(torch, dtype)  # type: ignore[attr-defined]
+    assert network_proposer(engine).net.model.dtype == getattr(torch, dtype)  # type: ignore[attr-defined]
     controller = engine.speculator.controller
     assert controller is not None
     controller.times.fit = lambda tokens, seqs: StepCost(0.01, 0.0, 0.0, 0.0)  # type: ignore[method-assign]

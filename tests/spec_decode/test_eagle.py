@@ -29,13 +29,15 @@ from specbatch.kernels.attention.dense_causal import DenseCausalMetadata, DraftP
 from specbatch.models import load_model
 from specbatch.models.rotary import apply_rotary
 from specbatch.sequence import Sequence
-from specbatch.spec_decode.eagle import EagleProposer, is_head_dir, load_head, save_head
-from specbatch.spec_decode.proposer import DraftRequest
-from tests.spec_decode.test_spec_engine import greedy_tokens
-from tests.spec_decode.test_tree_engine import (
+from specbatch.spec_decode.proposers.base import DraftRequest
+from specbatch.spec_decode.proposers.drafting import NetworkProposer
+from specbatch.spec_decode.proposers.head import HeadNetwork, is_head_dir, load_head, save_head
+from tests.helpers import (
     GREEDY,
     engine_kwargs,
     force_draft_chains,
+    greedy_tokens,
+    network_proposer,
     prompts_with_variants,
     run_engine,
 )
@@ -182,8 +184,7 @@ def test_head_trees_give_the_output_of_speculation_off(
         draft_confidence_threshold=0.0,
         draft_tree_kind=kind,
     )
-    assert engine.speculator.drafter is not None
-    assert engine.speculator.drafter.dynamic_trees == (kind is None)
+    assert network_proposer(engine).dynamic_trees == (kind is None)
     force_draft_chains(engine, 3)
     assert run_engine(engine, prompts, GREEDY, batch) == reference
     assert engine.stats.num_tree_drafts > 0, engine.stats
@@ -210,7 +211,7 @@ def test_fixed_trees_give_the_output_of_speculation_off(
     engine = LLMEngine(
         EngineConfig(model=str(tiny_model_dir), speculative_config=spec, **engine_kwargs())
     )
-    assert engine.speculator.controller is None
+    assert not engine.speculator.adaptive  # every slot (the hybrid's controller picks the way)
     assert run_engine(engine, prompts, GREEDY, 4) == reference
     stats = engine.stats
     assert stats.num_tree_drafts > 0, stats
@@ -229,7 +230,7 @@ def test_the_hybrid_with_a_head_gives_the_output_of_speculation_off(
     spec = {"method": "hybrid", "model": str(trained["dir"]), "adaptive_k": False}
     llm = LLM(str(tiny_model_dir), speculative_config=spec, **engine_kwargs())
     assert greedy_tokens(llm, prompts, batch=4) == reference
-    assert isinstance(llm.llm_engine.speculator.drafter, EagleProposer)
+    assert isinstance(network_proposer(llm.llm_engine).net, HeadNetwork)
 
 
 def test_chunked_prefill_and_preemption(
@@ -284,12 +285,13 @@ def test_the_heads_cache_and_features_equal_a_head_that_saw_the_text_at_once(
         engine.add_request(str(i), prompt_token_ids=prompts[i], params=params)
     for _ in range(10):
         engine.step()
-    drafter = engine.speculator.drafter
-    assert isinstance(drafter, EagleProposer)
+    drafter = network_proposer(engine)
+    network = drafter.net
+    assert isinstance(network, HeadNetwork)
     assert engine.stats.num_accepted_tokens > 0
     assert engine.stats.num_tree_moves > 0  # a sibling's features moved with its K/V
     dense = load_model(str(tiny_model_dir), attention_backend="dense_causal")
-    head = drafter.head
+    head = network.head
     key_cache, value_cache = head.kv_caches()[0]
     attn = head.layer.self_attn
     q_size, kv_size = attn.q_size, attn.kv_size
@@ -299,7 +301,7 @@ def test_the_heads_cache_and_features_equal_a_head_that_saw_the_text_at_once(
         n = len(text)
         with torch.no_grad():
             truth = dense(torch.tensor(text), torch.arange(n), DenseCausalMetadata(1, n))
-        features = drafter._feature_cache[drafter._slots(seq, 0, n)]
+        features = network.features_at(seq, 0, n)
         torch.testing.assert_close(features, truth, atol=1e-4, rtol=1e-4)
         held = drafter._computed[seq.seq_id]
         assert len(seq.prompt_token_ids) < held <= n
@@ -413,15 +415,16 @@ def test_the_proposer_catches_up_from_stored_features_and_stays_in_its_vocabular
 ) -> None:
     target = load_model(str(tiny_model_dir))
     head = load_head(trained["dir"], target)
-    proposer = EagleProposer(head, 16, 8, torch.Generator().manual_seed(0))
+    network = HeadNetwork(head)
+    proposer = NetworkProposer(network, 16, 8, torch.Generator().manual_seed(0))
     seq = Sequence(0, "r", 0, [5, 6, 7, 8, 9], GREEDY, arrival_time=0.0)
     seq.block_table = [3, 1]
     seq.num_computed_tokens = 4
     features = torch.randn(4, head.config.hidden_size)
     proposer.observe_features([(seq, 0, 4)], features)
-    torch.testing.assert_close(proposer._target_features(seq, 0, 5)[1:], features)
+    torch.testing.assert_close(network._target_features(seq, 0, 5)[1:], features)
     torch.testing.assert_close(
-        proposer._target_features(seq, 0, 5)[0], torch.zeros(features.shape[1])
+        network._target_features(seq, 0, 5)[0], torch.zeros(features.shape[1])
     )
     drafted = proposer.propose([DraftRequest(seq, 3)]).tokens
     assert len(drafted[0]) == 3

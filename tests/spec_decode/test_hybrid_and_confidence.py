@@ -1,5 +1,5 @@
 """Drafting k as a ceiling (the draft's confidence stops it early) and the hybrid proposer
-(prompt lookup where the sequence repeats itself, the draft model elsewhere).
+(each request drafted the way its plan chose: prompt lookup's match, or the draft model).
 
 The confidence stop is compared with a slow reference that re-runs the draft over the whole
 sequence for every draft token; the hybrid proposer with the proposers it combines, run alone.
@@ -21,34 +21,20 @@ from specbatch.errors import ConfigError
 from specbatch.models import load_model
 from specbatch.sequence import Sequence
 from specbatch.spec_decode.config import SpeculativeConfig
-from specbatch.spec_decode.draft_model import DraftModelProposer
-from specbatch.spec_decode.hybrid import (
-    DRAFT,
-    EXPLORE_STEPS,
-    LOOKUP,
-    PROBE_EVERY,
-    HybridProposer,
-    _Way,
-    choose_way,
-    with_point_masses,
-)
-from specbatch.spec_decode.ngram import NgramProposer, ngram_propose
-from specbatch.spec_decode.proposer import DraftRequest, Proposal
-from tests.helpers import PagedHarness
-from tests.spec_decode.test_spec_engine import (
-    GREEDY,
-    engine_kwargs,
-    greedy_tokens,
-    prompts_with_repeats,
-)
+from specbatch.spec_decode.proposers.base import DraftRequest, with_point_masses
+from specbatch.spec_decode.proposers.draft_model import DraftModelNetwork
+from specbatch.spec_decode.proposers.drafting import NetworkProposer
+from specbatch.spec_decode.proposers.hybrid import HybridProposer
+from specbatch.spec_decode.proposers.ngram import NgramProposer, ngram_propose
+from tests.helpers import GREEDY, PagedHarness, engine_kwargs, greedy_tokens, prompts_with_repeats
 
 BLOCK = 4
 K = 5
 
 
-def drafter(draft_dir: Path, threshold: float = 0.0) -> DraftModelProposer:
-    return DraftModelProposer(
-        load_model(draft_dir),
+def drafter(draft_dir: Path, threshold: float = 0.0) -> NetworkProposer:
+    return NetworkProposer(
+        DraftModelNetwork(load_model(draft_dir)),
         num_blocks=256,
         block_size=BLOCK,
         generator=torch.Generator().manual_seed(0),
@@ -142,7 +128,18 @@ def hybrid(draft_dir: Path, min_n: int) -> HybridProposer:
     return HybridProposer(NgramProposer(min_n, 4), drafter(draft_dir))
 
 
-def test_hybrid_looks_up_first_and_drafts_the_rest(tiny_draft_dir: Path) -> None:
+def planned_requests(proposer: HybridProposer, seqs: list[Sequence], k: int) -> list[DraftRequest]:
+    """Each sequence's request as a plan makes it: its lookup's match where it has one (a
+    plan may choose either; here the lookup wins whenever it matched), else the network."""
+    assert proposer.lookup is not None
+    requests = []
+    for seq in seqs:
+        match = proposer.lookup.match(seq, k)
+        requests.append(DraftRequest(seq, k, lookup=match if match.tokens else None))
+    return requests
+
+
+def test_hybrid_drafts_each_request_the_way_its_plan_chose(tiny_draft_dir: Path) -> None:
     rng = np.random.default_rng(5)
     phrase = rng.integers(3, 300, 6).tolist()
     prompts = [
@@ -151,7 +148,8 @@ def test_hybrid_looks_up_first_and_drafts_the_rest(tiny_draft_dir: Path) -> None
         phrase + [7, 8, 9, 7, 8],  # "7 8" seen before: a lookup of what followed
         rng.integers(3, 300, 5).tolist(),
     ]
-    proposal = hybrid(tiny_draft_dir, 2).propose([DraftRequest(s, 3) for s in sequences(prompts)])
+    proposer = hybrid(tiny_draft_dir, 2)
+    proposal = proposer.propose(planned_requests(proposer, sequences(prompts), 3))
     alone = drafter(tiny_draft_dir).propose(
         [DraftRequest(s, 3) for s in sequences([prompts[1], prompts[3]])]
     )
@@ -159,15 +157,21 @@ def test_hybrid_looks_up_first_and_drafts_the_rest(tiny_draft_dir: Path) -> None
     assert [bool(found) for found in lookups] == [True, False, True, False]
     assert proposal.tokens == [lookups[0], alone.tokens[0], lookups[2], alone.tokens[1]]
     assert proposal.draft_probs is None  # greedy: every draft is a point mass
+    assert len(proposal.forward_times) == len(alone.forward_times) == 3  # a forward a draft
 
 
 def test_hybrid_all_looked_up_runs_no_draft_forward(tiny_draft_dir: Path) -> None:
     proposer = hybrid(tiny_draft_dir, 1)
     calls: list[object] = []
-    proposer.drafter.runner.forward = lambda *a, **kw: calls.append(a)  # type: ignore[method-assign,assignment]
-    proposal = proposer.propose([DraftRequest(s, 2) for s in sequences([[5, 6, 5, 6, 5]])])
+    network = proposer._network.net
+    assert isinstance(network, DraftModelNetwork)
+    assert network.runner is not None
+    network.runner.forward = lambda *a, **kw: calls.append(a)  # type: ignore[method-assign,assignment]
+    seqs = sequences([[5, 6, 5, 6, 5]])
+    proposal = proposer.propose(planned_requests(proposer, seqs, 2))
     assert proposal.tokens == [[6, 5]]
     assert not calls
+    assert not proposal.forward_times
 
 
 def test_point_masses_fill_looked_up_rows() -> None:
@@ -184,9 +188,8 @@ def test_point_masses_fill_looked_up_rows() -> None:
 def test_hybrid_sampled_rows_carry_the_drafter_q(tiny_draft_dir: Path) -> None:
     params = SamplingParams(temperature=0.9, seed=11, max_tokens=8)
     prompts = [[9, 10, 11, 9, 10], [40, 41, 42, 43]]
-    proposal = hybrid(tiny_draft_dir, 2).propose(
-        [DraftRequest(s, 2) for s in sequences(prompts, params)]
-    )
+    proposer = hybrid(tiny_draft_dir, 2)
+    proposal = proposer.propose(planned_requests(proposer, sequences(prompts, params), 2))
     alone = drafter(tiny_draft_dir).propose([DraftRequest(sequences([prompts[1]], params)[0], 2)])
     assert proposal.tokens == [[11, 9], alone.tokens[0]]
     assert proposal.draft_probs is not None
@@ -211,99 +214,6 @@ def test_hybrid_sampled_rows_carry_the_drafter_q(tiny_draft_dir: Path) -> None:
 def test_bad_configs_are_refused(config: dict[str, Any], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         SpeculativeConfig.parse({"num_speculative_tokens": 3, **config})
-
-
-def ways(draft: tuple[int, float, float], lookup: tuple[int, float]) -> dict[str, _Way]:
-    return {DRAFT: _Way(*draft), LOOKUP: _Way(lookup[0], lookup[1], 0.0)}
-
-
-def test_choose_way_explores_then_takes_the_better_value() -> None:
-    assert choose_way(ways((0, 1.0, 0.0), (0, 1.0)), 0, 0.1) == DRAFT
-    assert choose_way(ways((EXPLORE_STEPS, 1.0, 1.0), (0, 1.0)), 2, 0.1) == LOOKUP
-    # draft: 1.5 tokens per step at 1 + 0.1 * 2 forwards = 1.25 against lookup's 1.2 tokens
-    seen = ways((5, 1.5, 2.0), (5, 1.2))
-    assert choose_way(seen, 3, 0.1) == DRAFT
-    # the same draft when a forward costs 0.3 of a step: 1.5 / 1.6 < 1.2
-    assert choose_way(seen, 3, 0.3) == LOOKUP
-    # the loser is re-tried every PROBE_EVERY choices
-    assert choose_way(seen, PROBE_EVERY - 1, 0.1) == LOOKUP
-    picks = [choose_way(seen, n, 0.1) for n in range(3 * PROBE_EVERY)]
-    assert picks.count(LOOKUP) == 3
-
-
-def test_way_values_are_running_means_then_smoothed() -> None:
-    way = _Way()
-    for tokens, forwards in [(1, 3), (3, 1)]:
-        way.update(tokens, forwards)
-    assert (way.steps, way.tokens, way.forwards) == (2, 2.0, 2.0)
-    for _ in range(40):
-        way.update(4, 0)
-    assert abs(way.tokens - 4.0) < 1e-3
-    assert way.forwards < 1e-3
-
-
-class _StubDrafter:
-    """Drafts [1, 2] for everyone in two forwards (stands in for DraftModelProposer)."""
-
-    num_forwards = 0
-
-    def propose(self, requests: list[DraftRequest]) -> Proposal:
-        self.num_forwards += 2
-        return Proposal([[1, 2] for _ in requests])
-
-    def on_verified(self, seq: Sequence) -> None:
-        pass
-
-    def forget(self, seq: Sequence) -> None:
-        pass
-
-
-@pytest.mark.parametrize("good_way", [LOOKUP, DRAFT])
-def test_hybrid_learns_which_way_pays_per_sequence(good_way: str) -> None:
-    stub: Any = _StubDrafter()
-    # a clock that never moves: the draft cost stays at its prior, 0.1 of a step per forward
-    proposer = HybridProposer(NgramProposer(2, 4), stub, clock=lambda: 0.0)
-    (seq,) = sequences([[5, 9, 5]])  # "5" repeats (a short match), "9 5" does not
-    used = []
-    for _ in range(40):
-        proposal = proposer.propose([DraftRequest(seq, 2)])
-        state = proposer._choices[seq.seq_id]
-        assert state.pending is not None
-        way = state.pending[0]
-        assert proposal.tokens == [[9, 5] if way == LOOKUP else [1, 2]]
-        used.append(way)
-        seq.spec.record(2, 2 if way == good_way else 0)  # the verify's outcome
-        proposer.on_verified(seq)
-    assert used[: 2 * EXPLORE_STEPS] == [DRAFT] * EXPLORE_STEPS + [LOOKUP] * EXPLORE_STEPS
-    later = range(2 * EXPLORE_STEPS, len(used))
-    probes = [n for n in later if n % PROBE_EVERY == PROBE_EVERY - 1]
-    assert [n for n in later if used[n] != good_way] == probes
-    proposer.forget(seq)
-    assert not proposer._choices
-
-
-def test_draft_cost_is_measured_from_the_step_times() -> None:
-    times = iter([0.0, 0.3, 1.0, 1.3])  # two steps: each drafts 0.3 s, then 0.7 s elsewhere
-    stub: Any = _StubDrafter()
-    proposer = HybridProposer(NgramProposer(2, 4), stub, clock=lambda: next(times))
-    (seq,) = sequences([[40, 41, 42]])  # no match at all: the draft model
-    proposer.propose([DraftRequest(seq, 2)])
-    assert proposer.draft_cost == pytest.approx(0.1)  # the prior: nothing measured yet
-    proposer.propose([DraftRequest(seq, 2)])
-    # one forward is 0.15 s, the rest of a step 0.7 s
-    assert proposer.draft_cost == pytest.approx(0.15 / 0.7)
-
-
-def test_an_idle_engine_is_not_a_slow_step() -> None:
-    # steps of 0.3 s drafting and 0.7 s else, then a minute with no request, then a step
-    times = iter([0.0, 0.3, 1.0, 1.3, 61.3, 61.6])
-    stub: Any = _StubDrafter()
-    proposer = HybridProposer(NgramProposer(2, 4), stub, clock=lambda: next(times))
-    (seq,) = sequences([[40, 41, 42]])
-    for _ in range(3):
-        proposer.propose([DraftRequest(seq, 2)])
-    # the 60 s gap counts as 3 typical steps: 0.7 + 0.25 * (2.1 - 0.7)
-    assert proposer.draft_cost == pytest.approx(0.15 / 1.05)
 
 
 @pytest.mark.parametrize("method", ["draft_model", "hybrid"])
@@ -387,13 +297,16 @@ def test_priced_unseeded_first_drafts_keep_the_target_distribution(tmp_path: Pat
     the first token emitted; judged by the unrestricted q, the kept tokens are too likely)."""
     from scipy.stats import chisquare
 
-    from specbatch.spec_decode.rejection import verify
+    from specbatch.spec_decode.verification.chain import verify
     from tests.helpers import write_tiny_model
 
     vocab, n = 16, 20000
     draft_dir = write_tiny_model(tmp_path / "draft", seed=21, vocab_size=vocab)
-    proposer = DraftModelProposer(
-        load_model(draft_dir), num_blocks=8, block_size=BLOCK, generator=torch.Generator()
+    proposer = NetworkProposer(
+        DraftModelNetwork(load_model(draft_dir)),
+        num_blocks=8,
+        block_size=BLOCK,
+        generator=torch.Generator(),
     )
     params = SamplingParams(temperature=1.0, max_tokens=4)
     prompt = [3, 9, 4, 11, 7]

@@ -7,7 +7,8 @@ import pytest
 
 from specbatch.sampling_params import SamplingParams
 from specbatch.sequence import Sequence
-from specbatch.spec_decode.ngram import (
+from specbatch.spec_decode.proposers.base import DraftRequest, LookupMatch
+from specbatch.spec_decode.proposers.ngram import (
     DEPTH_DECAY,
     RECENCY,
     NgramIndex,
@@ -17,8 +18,7 @@ from specbatch.spec_decode.ngram import (
     ngram_ends,
     ngram_match,
 )
-from specbatch.spec_decode.proposer import DraftRequest
-from specbatch.spec_decode.tree_verify import DraftTree
+from specbatch.spec_decode.verification.tree import DraftTree
 
 
 @pytest.mark.parametrize("seed", range(40))
@@ -44,10 +44,11 @@ def test_a_replaced_list_is_indexed_again() -> None:
 def test_proposer_keeps_one_index_per_sequence_and_forgets_it() -> None:
     proposer = NgramProposer(2, 4, shortest=1)
     seq = Sequence(0, "a", 0, [5, 6, 7, 5, 6], SamplingParams(max_tokens=8), 0.0)
-    assert proposer.match(seq, 3) == ([7, 5, 6], 2)
+    assert proposer.match(seq, 3) == LookupMatch([7, 5, 6], 2)
     seq.token_ids += [9, 5]
-    assert proposer.match(seq, 3) == ([], 0)  # only a 1-token match: under min_n
-    assert proposer.match(seq, 3, min_n=1) == ([6, 9, 5], 1)  # after the latest earlier 5
+    assert proposer.match(seq, 3) == LookupMatch([], 0)  # only a 1-token match: under min_n
+    # after the latest earlier 5
+    assert proposer.match(seq, 3, min_n=1) == LookupMatch([6, 9, 5], 1)
     proposer.forget(seq)
     assert seq.seq_id not in proposer._indices
 

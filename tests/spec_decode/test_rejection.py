@@ -9,7 +9,7 @@ from scipy.stats import chisquare
 
 from specbatch.kernels.sampling import SamplingRow, gumbel_argmax, gumbel_noise
 from specbatch.sampling_params import SamplingParams
-from specbatch.spec_decode.rejection import verify
+from specbatch.spec_decode.verification.chain import verify
 
 V = 12
 RANDOM = SamplingParams(temperature=1.0)

@@ -15,10 +15,9 @@ from hypothesis import strategies as st
 from specbatch import LLM, LLMEngine, SamplingParams
 from specbatch.config import EngineConfig
 from specbatch.models import load_model
-from specbatch.spec_decode.oracle import OracleProposer
-from specbatch.spec_decode.proposer import Proposal
-from specbatch.spec_decode.rejection import VerifyResult
-from tests.helpers import PagedHarness
+from specbatch.spec_decode.proposers.base import Proposal
+from specbatch.spec_decode.verification.chain import VerifyResult
+from tests.helpers import OracleProposer, PagedHarness
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 

@@ -5,46 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 
 from specbatch import LLM, LLMEngine, SamplingParams
 from specbatch.config import EngineConfig
 from specbatch.errors import ConfigError
-from specbatch.spec_decode.oracle import OracleProposer
-
-GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
-
-
-def engine_kwargs(**overrides: Any) -> dict[str, Any]:
-    kwargs: dict[str, Any] = {"num_kv_blocks": 160, "max_model_len": 256, "block_size": 8}
-    kwargs.update(overrides)
-    return kwargs
-
-
-def prompts_with_repeats(count: int, seed: int = 0) -> list[list[int]]:
-    """Prompts of which some repeat a phrase (n-gram matches) and some are random."""
-    rng = np.random.default_rng(seed)
-    out = []
-    for i in range(count):
-        phrase = rng.integers(3, 300, int(rng.integers(3, 8))).tolist()
-        if i % 3 == 0:
-            out.append(rng.integers(3, 300, int(rng.integers(5, 30))).tolist())
-        else:
-            out.append(phrase * int(rng.integers(2, 5)))
-    return out
-
-
-def greedy_tokens(
-    llm: LLM, prompts: list[list[int]], params: SamplingParams = GREEDY, batch: int = 16
-) -> list[list[int]]:
-    out: list[list[int]] = []
-    for i in range(0, len(prompts), batch):
-        out += [
-            o.outputs[0].token_ids
-            for o in llm.generate(prompts[i : i + batch], params, use_tqdm=False)
-        ]
-    return out
+from tests.helpers import GREEDY, OracleProposer, engine_kwargs, greedy_tokens, prompts_with_repeats
 
 
 @pytest.fixture(scope="module")
@@ -268,7 +234,7 @@ def test_each_step_reports_its_share_of_the_cores(
     import time
     from types import SimpleNamespace
 
-    from specbatch.engine import llm_engine
+    from specbatch.spec_decode.control import step_times
 
     engine = LLMEngine(
         EngineConfig(
@@ -289,7 +255,7 @@ def test_each_step_reports_its_share_of_the_cores(
     monkeypatch.setattr(controller, "observe_step", recording)
     clock = SimpleNamespace(**vars(time))
     clock.process_time = lambda: 0.5 * time.perf_counter()
-    monkeypatch.setattr(llm_engine, "time", clock)
+    monkeypatch.setattr(step_times, "time", clock)
     run_all(engine, prompts_with_repeats(4), GREEDY)
     assert len(shares) == engine.stats.num_steps > 0
     # (the two clocks are read a few microseconds apart: a 1 ms step reads 0.501)

@@ -5,79 +5,29 @@ from __future__ import annotations
 
 import random
 import shutil
-from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 
 from specbatch import LLM, LLMEngine, SamplingParams
 from specbatch.config import EngineConfig
 from specbatch.sequence import Sequence as EngineSequence
-from specbatch.spec_decode.controller import DRAFT, Candidate, Choice, PlanReport
-from specbatch.spec_decode.draft_model import DraftModelProposer, _with_siblings
-from specbatch.spec_decode.proposer import DraftRequest, Proposal, Proposer
-from tests.engine.test_block_accounting import check_blocks
-from tests.spec_decode.test_spec_engine import greedy_tokens, prompts_with_repeats
-
-GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
-VOCAB = 300  # the tiny model's
-
-
-def engine_kwargs(**overrides: Any) -> dict[str, Any]:
-    kwargs: dict[str, Any] = {"num_kv_blocks": 200, "max_model_len": 256, "block_size": 8}
-    kwargs.update(overrides)
-    return kwargs
-
-
-def prompts_with_variants(count: int, seed: int = 0) -> list[list[int]]:
-    """Prompts that repeat a phrase with a different token after each repeat (prompt lookup
-    finds several continuations that disagree), then the phrase-repeating and random ones."""
-    rng = np.random.default_rng(seed)
-    out = []
-    for _ in range(count):
-        phrase = rng.integers(3, 300, int(rng.integers(2, 4))).tolist()
-        variants = rng.integers(3, 300, int(rng.integers(2, 6))).tolist()
-        out.append([t for v in variants for t in [*phrase, v]] + phrase)
-    return out + prompts_with_repeats(count, seed)
-
-
-class SiblingOracle(Proposer):
-    """A tree around the known greedy continuation: at each depth a wrong sibling and the
-    right token in random order, the path continuing under the right one, so that accepted
-    nodes mostly sit at indices other than their depth (their K/V must move)."""
-
-    def __init__(self, continuations: Mapping[str, Sequence[int]], vocab: int, seed: int = 0):
-        self.continuations = continuations
-        self.vocab = vocab
-        self.random = random.Random(seed)
-        self.moved_trees = 0
-
-    def propose(self, requests: list[DraftRequest]) -> Proposal:
-        tokens, parents = [], []
-        for r in requests:
-            truth = self.continuations[r.seq.request_id][r.seq.num_output_tokens :]
-            nodes: list[int] = []
-            links: list[int] = []
-            parent = -1
-            for right in truth:
-                wrong = (right + 1 + self.random.randrange(self.vocab - 1)) % self.vocab
-                pair = [wrong, right] if self.random.random() < 0.7 else [right, wrong]
-                for token in pair:
-                    if len(nodes) < r.max_drafts:
-                        nodes.append(token)
-                        links.append(parent)
-                if len(nodes) >= r.max_drafts:
-                    break
-                parent = len(nodes) - 2 + pair.index(right)
-                if self.random.random() < 0.15:  # sometimes the path is wrong from here
-                    break
-            self.moved_trees += any(link != i - 1 for i, link in enumerate(links))
-            tokens.append(nodes)
-            parents.append(links)
-        return Proposal(tokens, parents=parents)
+from specbatch.spec_decode.proposers.base import DraftRequest, Proposal
+from specbatch.spec_decode.proposers.draft_trees import with_siblings
+from tests.helpers import (
+    GREEDY,
+    VOCAB,
+    SiblingOracle,
+    check_blocks,
+    engine_kwargs,
+    force_draft_chains,
+    greedy_tokens,
+    network_proposer,
+    prompts_with_variants,
+    run_engine,
+)
 
 
 @pytest.fixture(scope="module")
@@ -149,22 +99,6 @@ def test_tree_steps_with_chunked_prefill_and_preemption(
     assert engine.stats.num_tree_moves > 0
     assert batch == 1 or engine.scheduler.num_preemptions > 0
     assert engine.cache.num_free_blocks == engine.num_kv_blocks
-
-
-def run_engine(
-    engine: LLMEngine, prompts: list[list[int]], params: SamplingParams, batch: int
-) -> list[list[int]]:
-    out: dict[int, list[int]] = {}
-    pending = list(range(len(prompts)))[::-1]
-    while pending or engine.has_unfinished_requests():
-        while pending and engine.num_unfinished_requests() < batch:
-            i = pending.pop()
-            engine.add_request(str(i), prompt_token_ids=prompts[i], params=params)
-        for o in engine.step():
-            assert o.error is None
-            if o.finished:
-                out[int(o.request_id)] = o.outputs[0].token_ids
-    return [out[i] for i in range(len(prompts))]
 
 
 def oracle_engine(model_dir: Path, reference: list[list[int]], **overrides: Any) -> LLMEngine:
@@ -356,22 +290,6 @@ def sibling_engine(
     return LLMEngine(EngineConfig(model=str(model), speculative_config=spec, **engine_kwargs()))
 
 
-def force_draft_chains(engine: LLMEngine, depth: int, row_seconds: float = 1e-4) -> None:
-    """The controller's plan replaced: every sequence gets a draft-model chain of ``depth``
-    and a verify row costs ``row_seconds`` x 100 tokens (0.01 by default: the draft's likelier
-    siblings are added), whatever
-    the measured times say (this draft is as large as the target: it rarely pays)."""
-    controller = engine.speculator.controller
-    assert controller is not None
-
-    def plan(candidates: list[Candidate], *_: Any) -> list[Choice]:
-        controller.report = PlanReport(len(candidates), tokens_per_second=100.0)
-        return [Choice(DRAFT, min(depth, c.slots), (0.5, 0.8, 1.0)[:depth]) for c in candidates]
-
-    controller.plan = plan  # type: ignore[method-assign]
-    controller.row_seconds = lambda context: row_seconds  # type: ignore[method-assign]
-
-
 @pytest.mark.parametrize(
     ("batch", "forced", "dynamic"),
     [(1, True, False), (8, True, False), (8, False, False), (1, True, True), (8, True, True)],
@@ -389,8 +307,7 @@ def test_draft_siblings_give_the_output_of_speculation_off(
     engine = sibling_engine(
         tiny_model_dir, noisy_draft_dir, kind="dynamic" if dynamic else "siblings"
     )
-    assert engine.speculator.drafter is not None
-    assert engine.speculator.drafter.dynamic_trees == dynamic
+    assert network_proposer(engine).dynamic_trees == dynamic
     if forced:
         force_draft_chains(engine, 2)
     assert run_engine(engine, prompts, GREEDY, batch) == reference
@@ -458,8 +375,7 @@ def test_the_draft_cache_holds_what_it_claims_after_sibling_steps(
     force_draft_chains(engine, 3)
     params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
     engine.add_request("0", prompt_token_ids=prompts[0], params=params)
-    drafter = engine.proposer
-    assert isinstance(drafter, DraftModelProposer)
+    drafter = network_proposer(engine)
     sibling_accepted = 0
     verified = drafter.on_verified
 
@@ -489,7 +405,7 @@ def test_the_draft_cache_holds_what_it_claims_after_sibling_steps(
     plain.step()
     (computed,) = plain.scheduler.running
     for (k, v), (k_ref, v_ref) in zip(
-        drafter.model.kv_caches(), plain.model.kv_caches(), strict=True
+        drafter.net.model.kv_caches(), plain.model.kv_caches(), strict=True
     ):
         for cache, cache_ref in ((k, k_ref), (v, v_ref)):
             torch.testing.assert_close(
@@ -505,10 +421,10 @@ def test_siblings_are_added_best_first_within_price_and_slots() -> None:
     chain = [10, 11]
     candidates = [(0.30, 0, 20), (0.05, 0, 21), (0.20, 1, 22), (0.25, 1, 23)]
     request = DraftRequest(seq, 2, max_nodes=4, node_price=0.1)
-    parents = _with_siblings(chain, [], candidates, request)
+    parents = with_siblings(chain, [], candidates, request)
     assert chain == [10, 11, 20, 23]  # the two best of those above 0.1: two slots left
     assert parents == [-1, 0, -1, 0]  # 20 beside draft 0 (under the root), 23 beside draft 1
-    assert _with_siblings([10], [], [(0.05, 0, 21)], request) is None  # none pays
+    assert with_siblings([10], [], [(0.05, 0, 21)], request) is None  # none pays
 
 
 def test_per_request_metrics_count_tree_nodes_and_depths(
@@ -553,7 +469,7 @@ def test_priced_first_drafts_give_the_output_of_speculation_off(
         reference = run_engine(off, prompts, params, 8)
     engine = sibling_engine(tiny_model_dir, noisy_draft_dir, threshold=0.0)
     force_draft_chains(engine, 2, row_seconds=0.0002)
-    drafter = engine.speculator.drafter
+    drafter = network_proposer(engine)
     assert drafter is not None
     given: list[tuple[float, int]] = []
     propose = drafter.propose

@@ -23,8 +23,13 @@ from specbatch.kernels.sampling import (
 )
 from specbatch.sampling_params import SamplingParams
 from specbatch.sequence import Sequence
-from specbatch.spec_decode.rejection import verify
-from specbatch.spec_decode.tree_verify import DraftTree, TreeVerifyResult, tree_rows, verify_tree
+from specbatch.spec_decode.verification.chain import verify
+from specbatch.spec_decode.verification.tree import (
+    DraftTree,
+    TreeVerifyResult,
+    tree_rows,
+    verify_tree,
+)
 
 CPU = torch.device("cpu")
 GREEDY = SamplingParams(temperature=0.0)

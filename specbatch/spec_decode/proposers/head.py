@@ -1,4 +1,4 @@
-"""A draft head on the target's own features (EAGLE family), and the proposer that drafts with it.
+"""A draft head on the target's own features (EAGLE family), and the drafting network it is.
 
 The head predicts the target's next final-norm hidden state from the one before it: at position
 ``p`` it reads the embedding of token ``p`` (the target's own embedding) and the target's feature
@@ -13,9 +13,9 @@ those rows (one layer, no output layer but at the last row) before its first dra
 Its cache lives on the target's block ids (one allocation governs all, as for a draft model).
 Rows at draft positions read the head's own features, so after a verify its valid prefix ends
 at the first draft position (``on_verified``): the accepted tokens are recomputed next step
-with the target's real features, as EAGLE does. Trees (``siblings``) are EAGLE-2's dynamic
-trees by default (``DraftModelProposer._grow_trees``, one head forward per level through
-``_level_logits``), or the draft model's leaf siblings with ``draft_tree_kind="siblings"``.
+with the target's real features, as EAGLE does (``HeadNetwork.keeps_drafts``). Trees are
+EAGLE-2's dynamic trees by default (``drafting.NetworkProposer``, one head forward per level
+through ``level_logits``), or leaf siblings with ``draft_tree_kind="siblings"``.
 
 A head directory is ``config.json`` (``"architectures": ["EagleHead"]``, the layer's shape,
 the token map) plus ``model.safetensors``; ``save_head`` writes one, ``load_head`` reads it.
@@ -32,16 +32,17 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from specbatch.cache.kv_tensors import lazy_zeros
+from specbatch.cache.kv_tensors import allocate_kv_caches, lazy_zeros
 from specbatch.errors import ConfigError, ModelLoadError
 from specbatch.kernels.attention import AttentionBackend, LayerKVCache
 from specbatch.kernels.linear import Linear, cpu_packing_supported
 from specbatch.models.config import ModelConfig
 from specbatch.models.llama import LlamaDecoderLayer, LlamaForCausalLM, RMSNorm
 from specbatch.models.rotary import RotaryEmbedding
-from specbatch.runner.flat_batch import TokenRun, flatten
+from specbatch.runner.flat_batch import TokenRun, cache_slots, flatten
 from specbatch.sequence import Sequence
-from specbatch.spec_decode.draft_model import DraftModelProposer, GrowingTree
+from specbatch.spec_decode.proposers.draft_trees import TreeLevel
+from specbatch.spec_decode.proposers.drafting import DraftNetwork
 
 HEAD_ARCHITECTURE = "EagleHead"
 # the target's shape fields a head must match (its layer has the target's shape)
@@ -264,23 +265,25 @@ def feature_bytes_per_block(head: EagleHead, block_size: int) -> int:
     return block_size * head.config.hidden_size * head.dtype.itemsize
 
 
-class EagleProposer(DraftModelProposer):
-    """Drafts with a head on the target's features; the draft model's sampling, confidence
-    stop and dynamic trees (``DraftModelProposer``) over a head forward."""
+class HeadNetwork(DraftNetwork):
+    """A draft head as a drafting network: its one layer's paged K/V and a store of the
+    target's features, both on the target's block ids."""
 
-    dynamic_trees = True
+    keeps_drafts = False  # its rows at draft positions read its own features, not the target's
+    wants_features = True
 
-    def __init__(
-        self,
-        head: EagleHead,
-        num_blocks: int,
-        block_size: int,
-        generator: torch.Generator,
-        confidence_threshold: float = 0.0,
-        siblings: bool = False,
-    ) -> None:
+    def __init__(self, head: EagleHead) -> None:
         self.head = head
-        self._init_state(head, num_blocks, block_size, generator, confidence_threshold, siblings)
+        self.block_size = 0
+        self._feature_cache = torch.empty(0)
+        self._own: dict[int, torch.Tensor] = {}  # seq_id -> the head's last feature this step
+
+    def bind_cache(self, num_blocks: int, block_size: int) -> None:
+        head = self.head
+        head.bind_kv_caches(
+            allocate_kv_caches(head.config, num_blocks, block_size, head.dtype, head.device)
+        )
+        self.block_size = block_size
         # the target's final-norm hidden state at every cache slot it computed (paged like the
         # K/V, so a prefix-cache hit finds the features of the positions it skips)
         shape = (num_blocks * block_size, head.config.hidden_size)
@@ -288,7 +291,6 @@ class EagleProposer(DraftModelProposer):
             self._feature_cache = lazy_zeros(shape, head.dtype)
         else:
             self._feature_cache = torch.zeros(shape, dtype=head.dtype, device=head.device)
-        self._own: dict[int, torch.Tensor] = {}  # seq_id -> the head's last feature this step
 
     def observe_features(
         self, placements: list[tuple[Sequence, int, int]], features: torch.Tensor
@@ -302,33 +304,33 @@ class EagleProposer(DraftModelProposer):
         slots = torch.cat([self._slots(seq, start, count) for seq, start, count in placements])
         self._feature_cache[slots] = features.to(self._feature_cache.dtype)
 
-    def _slots(self, seq: Sequence, start: int, count: int) -> torch.Tensor:
-        bs = self.block_size
-        table = torch.tensor(seq.block_table, dtype=torch.long)
-        positions = torch.arange(start, start + count)
-        return (table[positions // bs] * bs + positions % bs).to(self._feature_cache.device)
+    def features_at(self, seq: Sequence, start: int, count: int) -> torch.Tensor:
+        """The target's features stored for positions ``start .. start + count``."""
+        return self._feature_cache[self._slots(seq, start, count)]
 
-    def _level_logits(
-        self,
-        runs: list[TokenRun],
-        levels: list[tuple[GrowingTree, Sequence, list[int]]],
-        wanted: list[list[int]],
+    def _slots(self, seq: Sequence, start: int, count: int) -> torch.Tensor:
+        positions = np.arange(start, start + count)
+        slots = cache_slots(np.asarray(seq.block_table), positions, self.block_size)
+        return torch.from_numpy(slots).to(self._feature_cache.device)
+
+    def level_logits(
+        self, runs: list[TokenRun], levels: list[TreeLevel], wanted: list[list[int]]
     ) -> torch.Tensor:
-        """A tree level (``DraftModelProposer._grow_trees``) through the head: each run's
-        first row (the last accepted token) reads the target's feature, a node its parent's
-        head output (the catch-up's last for a root); the outputs at the ``wanted`` rows are
-        kept for their children's rows."""
+        """Each run's first row (the last accepted token) reads the target's feature, a node
+        its parent's head output (the catch-up's last for a root); the outputs at the
+        ``wanted`` rows are kept for their children's rows."""
         features = []
-        for tree, seq, order in levels:
+        for level in levels:
+            tree, seq = level.tree, level.seq
             features.append(self._target_features(seq, seq.num_tokens - 1, 1))
-            for n in order:
+            for n in level.order:
                 parent = tree.parent[n]
                 features.append((self._own[seq.seq_id] if parent < 0 else tree.out[parent])[None])
         hidden = self._head_rows(runs, torch.cat(features))
         picked, first = [], 0
-        for (tree, _, order), run, rows in zip(levels, runs, wanted, strict=True):
+        for level, run, rows in zip(levels, runs, wanted, strict=True):
             for at in rows:
-                tree.out[order[at - 1]] = hidden[first + at]
+                level.tree.out[level.order[at - 1]] = hidden[first + at]
                 picked.append(first + at)
             first += len(run.token_ids)
         index = torch.tensor(picked, dtype=torch.long, device=hidden.device)
@@ -346,7 +348,7 @@ class EagleProposer(DraftModelProposer):
             positions = torch.from_numpy(batch.positions).to(head.device)
             return head(input_ids, positions, features.to(head.device), metadata)
 
-    def _draft_logits(self, runs: list[TokenRun], seqs: list[Sequence], step: int) -> torch.Tensor:
+    def draft_logits(self, runs: list[TokenRun], seqs: list[Sequence], step: int) -> torch.Tensor:
         if step == 0:  # the catch-up rows read the target's features
             features = torch.cat(
                 [
@@ -367,21 +369,11 @@ class EagleProposer(DraftModelProposer):
         """The features rows ``start .. start + count`` read: the target's at the position
         before each (zeros before position 0)."""
         if start > 0:
-            return self._feature_cache[self._slots(seq, start - 1, count)]
+            return self.features_at(seq, start - 1, count)
         zero = self._feature_cache.new_zeros(1, self._feature_cache.shape[1])
         if count == 1:
             return zero
-        return torch.cat([zero, self._feature_cache[self._slots(seq, 0, count - 1)]])
-
-    def on_verified(self, seq: Sequence) -> None:
-        held = self._computed.get(seq.seq_id)
-        if held is None:
-            return
-        chain = self._chains.pop(seq.seq_id, None)
-        if chain is not None:  # rows from the first draft on read the head's own features
-            held = min(held, chain[0])
-        self._computed[seq.seq_id] = min(held, seq.num_computed_tokens)
+        return torch.cat([zero, self.features_at(seq, 0, count - 1)])
 
     def forget(self, seq: Sequence) -> None:
-        super().forget(seq)
         self._own.pop(seq.seq_id, None)

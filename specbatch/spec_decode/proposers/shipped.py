@@ -14,7 +14,7 @@ from specbatch.errors import ConfigError, ModelLoadError
 from specbatch.models.config import ModelConfig
 from specbatch.tokenizer import Tokenizer
 
-DRAFT_DIR = Path(__file__).resolve().parent.parent / "assets" / "smollm2-135m-draft"
+DRAFT_DIR = Path(__file__).resolve().parents[2] / "assets" / "smollm2-135m-draft"
 # Whether `specbatch generate` drafts with it by default (inside the hybrid proposer: prompt
 # lookup where the text repeats, this draft elsewhere). Measured in docs/distillation.md: the
 # hybrid beats n-gram alone at batch 1 on the CPU; the draft alone is slower on some categories.
@@ -23,7 +23,7 @@ DRAFT_SHA256 = "a76042d7f311b87bcd6f0060d624f235183848e7317708e6e24265f4e1632f10
 # The shipped draft head (``specbatch train-head``, docs/distillation.md): what
 # ``{"method": "eagle"}`` drafts with by default, and whether the hybrid (``auto``) drafts
 # with it instead of the draft model beside prompt lookup.
-HEAD_DIR = Path(__file__).resolve().parent.parent / "assets" / "smollm2-135m-head"
+HEAD_DIR = Path(__file__).resolve().parents[2] / "assets" / "smollm2-135m-head"
 HEAD_SHA256 = "4cfd0995adaa165fa6e3da6e37e0033db91788ca960ac9ec3feb3a920f3da84b"
 HEAD_PREFERRED_BY_DEFAULT = False
 # What the draft was distilled for: SmolLM2-135M-Instruct's shape, and the sha256 of its

@@ -37,8 +37,9 @@ rounding: the rejection had probability 0), p_cur is kept, as the chain verifier
 Target rows and q rows are taken as distributions as they come (mass 1: a float32 softmax sums
 to 1 only up to ~1e-7), as the chain verifier does. A chain of k drafts is the tree with parents
 ``[-1, 0, .., k - 2]``, and on it this is the chain verifier of
-:mod:`specbatch.spec_decode.rejection`, uniform for uniform (its residual is float32, this one's
-float64: the final tokens could part only on a uniform within ~1e-7 of a CDF boundary).
+:mod:`specbatch.spec_decode.verification.chain`, uniform for uniform (its residual is float32,
+this one's float64: the final tokens could part only on a uniform within ~1e-7 of a CDF
+boundary).
 
 Batching: padded ``[S, n_max + 1]`` tensors over node *slots* (slot 0 the root, slot ``1 + i``
 node i); Python iterates over depths and sibling ranks, never over sequences. A node's first

@@ -13,8 +13,14 @@ from collections.abc import Sequence as SequenceT
 import numpy as np
 
 from specbatch.sequence import Sequence
-from specbatch.spec_decode.proposer import DraftRequest, Proposal, Proposer
-from specbatch.spec_decode.tree_verify import DraftTree
+from specbatch.spec_decode.proposers.base import (
+    DraftRequest,
+    LookupMatch,
+    LookupPart,
+    Proposal,
+    Proposer,
+)
+from specbatch.spec_decode.verification.tree import DraftTree
 
 MAX_ENDS = 4  # earlier occurrences of an n-gram remembered (the latest ones)
 # A tree node's score: the recency-weighted share of the occurrences whose continuation
@@ -153,20 +159,21 @@ class NgramProposer(Proposer):
         self.trees = trees
         self._indices: dict[int, NgramIndex] = {}
 
-    def match(
-        self, seq: Sequence, max_drafts: int, min_n: int | None = None
-    ) -> tuple[list[int], int]:
-        """The lookup for one sequence and the matched suffix length (``min_n`` overrides the
-        proposer's shortest)."""
+    @property
+    def lookup(self) -> LookupPart:
+        return self
+
+    def match(self, seq: Sequence, max_drafts: int, min_n: int | None = None) -> LookupMatch:
+        """The lookup for one sequence (``min_n`` overrides the proposer's shortest match)."""
         floor = self.min_n if min_n is None else min_n
         if floor < self.shortest:
             tokens = np.asarray(seq.token_ids, dtype=np.int64)
-            return ngram_match(tokens, floor, self.max_n, max_drafts)
+            return LookupMatch(*ngram_match(tokens, floor, self.max_n, max_drafts))
         index = self._indices.get(seq.seq_id)
         if index is None:
             index = self._indices[seq.seq_id] = NgramIndex(self.shortest, self.max_n)
         found, n = index.match(seq.token_ids, max_drafts)
-        return (found, n) if n >= floor else ([], 0)
+        return LookupMatch(found, n) if n >= floor else LookupMatch([], 0)
 
     def tree(self, seq: Sequence, max_nodes: int, n: int) -> DraftTree:
         """Up to ``max_nodes`` drafts after the latest occurrences of the last ``n`` tokens
@@ -179,21 +186,22 @@ class NgramProposer(Proposer):
         return continuation_tree(seq.token_ids, ends, max_nodes)
 
     def drafts(
-        self, seq: Sequence, found: list[int], n: int, max_drafts: int
+        self, seq: Sequence, match: LookupMatch, max_drafts: int
     ) -> tuple[list[int], list[int] | None]:
-        """A lookup's drafts: ``found`` (its chain, from :meth:`match`) or, with ``trees``,
-        the tree of the occurrences of its last ``n`` tokens, and the tree's parents (None
-        for a chain)."""
-        if not (self.trees and found and max_drafts > 1):
-            return found[:max_drafts], None
-        tree = self.tree(seq, max_drafts, n)
+        """A match's drafts: its chain or, with ``trees``, the tree of the occurrences of its
+        last ``n`` tokens, and the tree's parents (None for a chain)."""
+        if not (self.trees and match.tokens and max_drafts > 1):
+            return match.tokens[:max_drafts], None
+        tree = self.tree(seq, max_drafts, match.n)
         return tree.tokens, None if is_chain(tree.parents) else tree.parents
 
     def propose(self, requests: list[DraftRequest]) -> Proposal:
+        """Each request's drafts from the match the plan chose, or from its own lookup."""
         tokens: list[list[int]] = []
         parents: list[list[int] | None] = []
         for r in requests:
-            drafted, tree = self.drafts(r.seq, *self.match(r.seq, r.max_drafts), r.max_drafts)
+            match = r.lookup if r.lookup is not None else self.match(r.seq, r.max_drafts)
+            drafted, tree = self.drafts(r.seq, match, r.max_drafts)
             tokens.append(drafted)
             parents.append(tree)
         return Proposal(tokens, parents=parents if any(p is not None for p in parents) else None)

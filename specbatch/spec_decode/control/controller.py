@@ -35,12 +35,12 @@ steps), and a shape measured slow once is measured again.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from specbatch.spec_decode.acceptance import AcceptanceModel
-from specbatch.spec_decode.step_times import SMALL_STEP, ForwardTimes, StepTimes
+from specbatch.spec_decode.control.acceptance import AcceptanceModel
+from specbatch.spec_decode.control.step_times import SMALL_STEP, ForwardTimes, StepCost, StepTimes
 
 LOOKUP_WAYS = ("lookup1", "lookup2", "lookup3")  # by match length: 1, 2, 3 or more tokens
 DRAFT = "draft"
@@ -100,9 +100,9 @@ class Choice:
         return self.drafts if self.planned is None else self.planned
 
 
-@dataclass
+@dataclass(frozen=True)
 class PlanReport:
-    """What the controller decided for the last step, and why (for stats and /metrics)."""
+    """What the controller decided for a step, and why (for stats and /metrics)."""
 
     candidates: int = 0
     seqs_drafting: int = 0
@@ -111,7 +111,38 @@ class PlanReport:
     step_seconds: float = 0.0  # estimated, before drafts
     row_seconds: float = 0.0  # estimated target cost of one more row, mean over candidates
     expected_gain: float = 1.0  # planned goodput over the no-draft step's
-    tokens_per_second: float = 0.0  # the planned goodput (0: not planned on measured times)
+
+
+@dataclass(frozen=True)
+class Prices:
+    """What one more verify row costs a planned step: ``step`` seconds at the candidates'
+    mean context plus ``per_pair`` per key beyond it, worth ``tokens_per_second`` (the plan's
+    goodput; 0 where it was not planned on measured times)."""
+
+    step: float = 0.0
+    per_pair: float = 0.0
+    mean_context: float = 0.0
+    tokens_per_second: float = 0.0
+
+    def row_seconds(self, context: float) -> float:
+        """Seconds of one more verify row attending ``context`` keys."""
+        return max(self.step + self.per_pair * (context - self.mean_context), 0.0)
+
+    def row_tokens(self, context: float) -> float | None:
+        """That row's cost in tokens at the plan's goodput (None: not planned on measured
+        times)."""
+        if self.tokens_per_second <= 0.0:
+            return None
+        return self.tokens_per_second * self.row_seconds(context)
+
+
+@dataclass(frozen=True)
+class ControllerPlan:
+    """Each candidate's choice, what rows cost, and the report."""
+
+    choices: list[Choice]
+    prices: Prices = Prices()
+    report: PlanReport = PlanReport()
 
 
 class GoodputController:
@@ -126,7 +157,6 @@ class GoodputController:
         self.draft_times = ForwardTimes()
         self.acceptance = AcceptanceModel(steady=(DRAFT, EXTERNAL))
         self.external_seconds_per_draft = 0.0
-        self.report = PlanReport()
         self.plans_since_probe = 0  # see PROBE_AFTER
 
     def plan(
@@ -136,21 +166,21 @@ class GoodputController:
         base_seqs: int,
         base_pairs: float,
         budget: int,
-    ) -> list[Choice]:
+    ) -> ControllerPlan:
         """The drafts of each candidate for a step whose forward has ``base_tokens`` tokens of
         ``base_seqs`` sequences attending ``base_pairs`` (row, key) pairs before drafts, with
         at most ``budget`` draft rows in all."""
         self.acceptance.step += 1
         if not candidates or not max(c.slots for c in candidates):
-            self.report = PlanReport(candidates=len(candidates))
-            return [Choice(None, 0) for _ in candidates]
+            nothing = [Choice(None, 0) for _ in candidates]
+            return ControllerPlan(nothing, report=PlanReport(candidates=len(candidates)))
         options = self._options(candidates, base_tokens, base_seqs, base_pairs)
         gains, costs, valid = options.gains, options.costs, options.valid
         expected_gain, ratio = 1.0, 0.0
+        base = options.base_cost.seconds(base_tokens, base_seqs, base_pairs)
         if not self.times.ready:  # measure what drafts cost: every slot, the likeliest way
             chosen = _all_slots(gains, valid)
         else:
-            base = self._base_cost.seconds(base_tokens, base_seqs, base_pairs)
             chosen, ratio = self._solve(options, len(candidates), base)
             expected_gain = ratio * base / len(candidates)
         planned = chosen = _within_budget(chosen, gains, costs, max(budget, 0))
@@ -168,9 +198,9 @@ class GoodputController:
             else Choice(None, 0)
             for i, ((w, d), was) in enumerate(zip(chosen, planned, strict=True))
         ]
-        self._report(candidates, choices, base_tokens, base_seqs, base_pairs, expected_gain)
-        self.report.tokens_per_second = ratio
-        return choices
+        prices = replace(options.prices, tokens_per_second=ratio)
+        report = _report(candidates, choices, base, prices, expected_gain)
+        return ControllerPlan(choices, prices, report)
 
     def _probed(
         self, chosen: list[tuple[int, int]], options: _Options, ratio: float
@@ -191,7 +221,7 @@ class GoodputController:
                     continue
                 cost = costs[i, way, j]
                 if way == draft and j + 1 > depth:  # one more draft-model forward
-                    cost += self._draft_fit[0]
+                    cost += options.draft_fit[0]
                 value = gains[i, way, j] - ratio * cost
                 if value > best:
                     best, probe = value, (i, way, j)
@@ -215,8 +245,8 @@ class GoodputController:
         ).reshape(count, 4)
         slots, context = table[:, 0].astype(np.int64), table[:, 1]
         most = int(slots.max())
-        row = self._row_prices(base_tokens, base_seqs, base_pairs, context, most)
-        self._draft_fit = self.draft_times.fit(count) if DRAFT in self.ways else (0, 0)
+        row, base_cost, prices = self._row_prices(base_tokens, base_seqs, base_pairs, context, most)
+        draft_fit = self.draft_times.fit(count) if DRAFT in self.ways else (0.0, 0.0)
         acceptance = self.acceptance
         usable = np.zeros((count, len(self.ways)), dtype=np.int64)
         first = np.zeros(usable.shape)
@@ -249,7 +279,7 @@ class GoodputController:
         # a draft-model draft adds a row to a draft forward (the first: one catch-up row, see
         # the module docstring); an application's proposer its measured time per draft
         extra = [
-            self._draft_fit[1]
+            draft_fit[1]
             if way == DRAFT
             else self.external_seconds_per_draft
             if way == EXTERNAL
@@ -264,16 +294,19 @@ class GoodputController:
             # at the per-row cost of a forward of the catch-up's size, not of a one-row-per-
             # sequence forward (whose slope, near one row, says little about 40 rows)
             rows = float(catch_up.sum())
-            per_row = self._draft_fit[1]
+            per_row = draft_fit[1]
             if rows > count:
                 per_row = self.draft_times.fit(rows)[1]
             costs[:, self.ways.index(DRAFT), 0] += per_row * backlog
-        return _Options(gains, costs, valid, uncalibrated, made[0], ran[0])
+        return _Options(
+            gains, costs, valid, uncalibrated, made[0], ran[0], draft_fit, base_cost, prices
+        )
 
     def _row_prices(
         self, base_tokens: int, base_seqs: int, base_pairs: float, context: np.ndarray, most: int
-    ) -> np.ndarray:
-        """Seconds each candidate's draft j adds to the step (candidates x ``most``).
+    ) -> tuple[np.ndarray, StepCost, Prices]:
+        """Seconds each candidate's draft j adds to the step (candidates x ``most``), the fit
+        of the plain step, and the price of one more row.
 
         In a small step (at most ``SMALL_STEP`` tokens with every draft: batch 1 on a CPU) a
         row costs what it adds where it lands: draft j takes the step from ``base + j`` to
@@ -289,9 +322,12 @@ class GoodputController:
         positions = np.arange(most)
         if base_tokens + count * most > SMALL_STEP:
             fit = self.times.fit(base_tokens + count * most / 2, base_seqs)
-            self._base_cost = fit
-            self._row_price = (fit.row(0.0), fit.per_pair, 0.0)
-            return fit.per_token + fit.per_pair * (context[:, None] + positions[None, :])
+            prices = Prices(fit.row(0.0), fit.per_pair, 0.0)
+            return (
+                fit.per_token + fit.per_pair * (context[:, None] + positions[None, :]),
+                fit,
+                prices,
+            )
         mean_context = float(context.mean())
         fits, seconds = [], []
         for j in range(most + 1):
@@ -300,12 +336,11 @@ class GoodputController:
             fits.append(fit)
             pairs = base_pairs + count * j * (mean_context + (j - 1) / 2)
             seconds.append(fit.seconds(tokens, base_seqs, pairs))
-        self._base_cost = fits[0]
         step = np.maximum(np.diff(seconds) / count, 0.0)
         per_pair = np.array([fit.per_pair for fit in fits[1:]])
-        self._row_price = (float(step[0]), float(per_pair[0]), mean_context)
+        prices = Prices(float(step[0]), float(per_pair[0]), mean_context)
         offset = context[:, None] - mean_context
-        return np.maximum(step[None, :] + per_pair[None, :] * offset, 0.0)
+        return np.maximum(step[None, :] + per_pair[None, :] * offset, 0.0), fits[0], prices
 
     def _solve(
         self, options: _Options, seqs: int, base: float
@@ -324,7 +359,7 @@ class GoodputController:
             drafting = valid[:, draft].sum(axis=0)
             runs = 1.0 - (1.0 - options.ran[draft]) ** np.maximum(drafting, 1)
             forwards[1:] = np.cumsum(runs)
-        per_forward = self._draft_fit[0]
+        per_forward = options.draft_fit[0]
         plain = seqs / base
         floor = plain * (1 + self.hurdle)
         bases = base + per_forward * forwards[: len(depths)]
@@ -334,40 +369,43 @@ class GoodputController:
             return [(0, -1)] * seqs, plain
         return best
 
-    def _report(
-        self,
-        candidates: list[Candidate],
-        choices: list[Choice],
-        base_tokens: int,
-        base_seqs: int,
-        base_pairs: float,
-        expected_gain: float,
-    ) -> None:
-        by_way: dict[str, int] = {}
-        for choice in choices:
-            if choice.way is not None:
-                by_way[choice.way] = by_way.get(choice.way, 0) + choice.drafts
-        mean_context = sum(c.context for c in candidates) / len(candidates)
-        self.report = PlanReport(
-            candidates=len(candidates),
-            seqs_drafting=sum(1 for c in choices if c.drafts),
-            drafts=sum(c.drafts for c in choices),
-            by_way=by_way,
-            step_seconds=float(self._base_cost.seconds(base_tokens, base_seqs, base_pairs)),
-            row_seconds=self.row_seconds(mean_context),
-            expected_gain=float(expected_gain),
-        )
-
-    def row_seconds(self, context: float) -> float:
-        """The last plan's estimate of one more verify row attending ``context`` keys."""
-        step, per_pair, mean_context = self._row_price
-        return max(step + per_pair * (context - mean_context), 0.0)
+    def choose_ways(self, candidates: list[Candidate]) -> list[Choice]:
+        """Under a fixed k (every slot drafted, no plan): each candidate's way, the one whose
+        drafts are worth most at the plain step's goodput (the tokens they are expected to
+        add less what their time would have made; before steps are measured, the most
+        expected tokens)."""
+        self.acceptance.step += 1
+        if not candidates:
+            return []
+        count = len(candidates)
+        pairs = float(sum(c.context for c in candidates))
+        options = self._options(candidates, count, count, pairs)
+        usable = options.valid.sum(axis=2)  # candidates x ways
+        last = np.maximum(usable - 1, 0)[..., None]
+        gain = np.take_along_axis(np.cumsum(options.gains, axis=2), last, axis=2)[..., 0]
+        cost = np.take_along_axis(np.cumsum(options.costs, axis=2), last, axis=2)[..., 0]
+        if DRAFT in self.ways:  # a draft-model chain runs a forward per draft
+            draft = self.ways.index(DRAFT)
+            cost[:, draft] += usable[:, draft] * options.draft_fit[0]
+        rate = 0.0
+        if self.times.ready:
+            rate = count / options.base_cost.seconds(count, count, pairs)
+        value = np.where(usable > 0, gain - rate * cost, -np.inf)
+        expected = np.cumsum(options.uncalibrated, axis=2)
+        choices = []
+        for i in range(count):
+            w = int(value[i].argmax())
+            if not np.isfinite(value[i, w]):
+                choices.append(Choice(None, 0))
+                continue
+            drafts = int(usable[i, w])
+            choices.append(Choice(self.ways[w], drafts, tuple(expected[i, w, :drafts].tolist())))
+        return choices
 
     def plain_step(self) -> None:
         """A step planned without drafts by rule (it computes a prompt): time still passes
-        for the acceptance estimates, and the report is empty."""
+        for the acceptance estimates."""
         self.acceptance.step += 1
-        self.report = PlanReport()
 
     def observe_step(
         self, tokens: int, seqs: int, pairs: float, seconds: float, share: float = 1.0
@@ -425,6 +463,9 @@ class _Options:
     uncalibrated: np.ndarray  # chance it is accepted once made, before calibration
     made: np.ndarray  # chance the proposer makes it when allotted
     ran: np.ndarray  # chance the proposer works for it when allotted (made, or the first)
+    draft_fit: tuple[float, float]  # a draft forward's (fixed, per row) seconds near this step
+    base_cost: StepCost  # the fit of the plain step
+    prices: Prices  # of one more verify row
 
 
 def _amortised_backlog(catch_up: np.ndarray, remaining: np.ndarray) -> np.ndarray:
@@ -578,3 +619,26 @@ def _within_budget(
         chosen[worst] = (way, last - 1)
         total -= 1
     return chosen
+
+
+def _report(
+    candidates: list[Candidate],
+    choices: list[Choice],
+    base_seconds: float,
+    prices: Prices,
+    expected_gain: float,
+) -> PlanReport:
+    by_way: dict[str, int] = {}
+    for choice in choices:
+        if choice.way is not None:
+            by_way[choice.way] = by_way.get(choice.way, 0) + choice.drafts
+    mean_context = sum(c.context for c in candidates) / len(candidates)
+    return PlanReport(
+        candidates=len(candidates),
+        seqs_drafting=sum(1 for c in choices if c.drafts),
+        drafts=sum(c.drafts for c in choices),
+        by_way=by_way,
+        step_seconds=float(base_seconds),
+        row_seconds=prices.row_seconds(mean_context),
+        expected_gain=float(expected_gain),
+    )

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
@@ -63,6 +64,24 @@ CACHE_SIZE = 64
 Fit = TypeVar("Fit")
 # a draft forward's fit is trusted only near a measured row count (log distance: ~4x)
 EXTRAPOLATE = math.log(4.0)
+
+
+class StepClock:
+    """A step's wall seconds and the process's share of the cores meanwhile (its CPU seconds
+    over its wall seconds, on a CPU: what tells a step slowed by another process from a dear
+    one; 1.0 on an accelerator, whose steps wait on the device)."""
+
+    def __init__(self, on_cpu: bool) -> None:
+        self.on_cpu = on_cpu
+        self.started = time.perf_counter()
+        self.cpu_started = time.process_time()
+
+    def read(self) -> tuple[float, float]:
+        """(seconds, share) since the clock started."""
+        seconds = time.perf_counter() - self.started
+        if not self.on_cpu or seconds <= 0:
+            return seconds, 1.0
+        return seconds, (time.process_time() - self.cpu_started) / seconds
 
 
 @dataclass(frozen=True)

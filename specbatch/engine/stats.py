@@ -1,0 +1,67 @@
+"""The engine's counters and gauges, read by metrics exporters and benchmarks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from specbatch.spec_decode.control.controller import PlanReport
+from specbatch.spec_decode.plan import SpecCounters
+
+
+@dataclass
+class EngineStats:
+    """Engine-wide counters (monotonic) and the latest gauges, for metrics exporters."""
+
+    num_steps: int = 0
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    num_requests_finished: int = 0
+    num_requests_failed: int = 0
+    num_failed_steps: int = 0
+    num_preemptions: int = 0
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_tree_drafts: int = 0  # sequence-steps whose drafts were a tree (of num_drafts)
+    num_tree_moves: int = 0  # accepted tree nodes whose K/V moved to their position
+    # per draft depth d (0: the first draft): verifies with a draft at that depth, and those
+    # that accepted it (acceptance by depth is their ratio; a tree's depth is its levels)
+    num_drafts_per_pos: list[int] = field(default_factory=list)
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    # The goodput controller (speculation on, adaptive_k): counters, then its last step's
+    # report (candidates, sequences drafting, drafts, estimated step and row seconds, gain).
+    num_planned_steps: int = 0  # steps it planned (with decodes that had draft slots)
+    num_drafting_steps: int = 0  # ... of which it gave some sequence drafts
+    num_drafts_allotted: int = 0  # draft slots it gave (proposers may draft fewer)
+    last_plan: PlanReport = field(default_factory=PlanReport)
+
+    def add_speculation(self, step: SpecCounters) -> None:
+        """A step's speculation counters (and its plan's report, when it was planned)."""
+        self.num_drafts += step.num_drafts
+        self.num_draft_tokens += step.num_draft_tokens
+        self.num_accepted_tokens += step.num_accepted_tokens
+        self.num_tree_drafts += step.num_tree_drafts
+        self.num_tree_moves += step.num_tree_moves
+        for depth, accepted in step.depths:
+            self._count_depth(depth, accepted)
+        report = step.report
+        if report is None or not report.candidates:
+            return
+        self.num_planned_steps += 1
+        self.num_drafting_steps += report.drafts > 0
+        self.num_drafts_allotted += report.drafts
+        self.last_plan = report
+
+    def _count_depth(self, depth: int, accepted: int) -> None:
+        """A verify whose drafts reached ``depth`` levels and accepted ``accepted`` of them."""
+        for counts, upto in (
+            (self.num_drafts_per_pos, depth),
+            (self.num_accepted_tokens_per_pos, accepted),
+        ):
+            if len(counts) < depth:
+                counts.extend([0] * (depth - len(counts)))
+            for d in range(upto):
+                counts[d] += 1
