@@ -1,4 +1,5 @@
-"""Shared benchmark helpers: conditions banner, prompts, timing statistics, HF baseline."""
+"""Shared benchmark helpers: conditions banner, prompts, timing statistics, HF baseline,
+resident memory."""
 
 from __future__ import annotations
 
@@ -137,3 +138,34 @@ def rss_bytes() -> int:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) * 1024
     return 0
+
+
+def resident_bytes(ranges: list[tuple[int, int]]) -> int:
+    """Resident bytes of this process's mappings that overlap the given address ranges (read
+    from ``/proc/self/smaps``: the KV cache is committed as its blocks are first used)."""
+    total, current = 0, None
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and all(c in "0123456789abcdef-" for c in head):
+                start, end = (int(x, 16) for x in head.split("-"))
+                current = (start, end)
+            elif (
+                head == "Rss:"
+                and current is not None
+                and any(s < current[1] and current[0] < e for s, e in ranges)
+            ):
+                total += int(line.split()[1]) * 1024
+    return total
+
+
+def kv_ranges(engine: Any) -> list[tuple[int, int]]:
+    """The address ranges of an engine's KV caches (the target's and a draft model's)."""
+    ranges = []
+    models = [engine.model] + ([engine.draft_model] if engine.draft_model is not None else [])
+    for model in models:
+        for layer in model.model.layers:
+            for tensor in layer.self_attn.kv_cache or ():
+                start = tensor.data_ptr()
+                ranges.append((start, start + tensor.numel() * tensor.element_size()))
+    return ranges

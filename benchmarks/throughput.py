@@ -4,14 +4,21 @@
         --batch-sizes 1 16 64 --output-len 128 --compare-hf
 
 Every request generates exactly ``--output-len`` tokens (EOS ignored) so both systems do the same
-work. Reports output tok/s, requests/s, time per output token, the per-step Python overhead (step
-time minus model time), KV-cache waste (allocated slots not holding a valid token, averaged over
-steps) and resident memory beyond weights and KV cache. Ratios are against HF run in this process.
+work, with speculation off (``--speculative auto``: the default speculation). Reports output
+tok/s, requests/s, time per output token, the per-step Python overhead (step time minus model
+time), KV-cache waste (allocated slots not holding a valid token, averaged over steps) and
+resident memory beyond weights and KV cache (the KV cache's resident pages read from
+``/proc/self/smaps``). Ratios are against HF run in this process. ``--profile N``: one more run
+per batch size under cProfile, printing the N functions with the most time of their own (the
+linears are oneDNN's ``_linear_pointwise`` or ``gguf_linear``'s kernel, attention the
+backend's call).
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import statistics
 import sys
 import time
@@ -25,13 +32,14 @@ import torch
 from benchmarks.common import (
     hf_generate_tokens,
     hf_model,
+    kv_ranges,
     load_specbench,
     median_and_spread,
     print_conditions,
+    resident_bytes,
     rss_bytes,
     write_json,
 )
-from benchmarks.memory import kv_ranges, resident_bytes
 from specbatch import LLMEngine, SamplingParams
 from specbatch.cache.kv_tensors import kv_bytes_per_block
 from specbatch.config import EngineConfig
@@ -99,6 +107,18 @@ def run_specbatch(
     }
 
 
+def profile(
+    engine: LLMEngine, prompts: list[list[int]], output_len: int, batch: int, top: int
+) -> None:
+    """One run under cProfile: the ``top`` functions by their own time."""
+    profiler = cProfile.Profile()
+    profiler.enable()
+    result = run_specbatch(engine, prompts, output_len, batch)
+    profiler.disable()
+    print(f"-- cProfile, batch {batch}: {result['steps']} steps in {result['elapsed']:.2f} s")
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(top)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -116,20 +136,25 @@ def main() -> None:
     parser.add_argument("--max-prompt-len", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--quantization", default=None, help="gguf: the GGUF weights as stored")
+    parser.add_argument("--speculative", choices=["off", "auto"], default="off")
     parser.add_argument("--compare-hf", action="store_true")
+    parser.add_argument("--profile", type=int, default=0, metavar="N", help="cProfile's top N")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
 
     baseline_rss = rss_bytes()  # interpreter, torch and the other libraries
-    engine = LLMEngine(
-        EngineConfig(
-            model=args.model,
-            dtype=args.dtype,
-            max_model_len=1024,
-            max_num_seqs=max(args.batch_sizes),
-            max_num_batched_tokens=2048,
-        )
-    )
+    config: dict[str, Any] = {
+        "model": args.model,
+        "dtype": args.dtype,
+        "quantization": args.quantization,
+        "max_model_len": 1024,
+        "max_num_seqs": max(args.batch_sizes),
+        "max_num_batched_tokens": 2048,
+    }
+    if args.speculative == "off":  # auto: omitted, the default speculation
+        config["speculative_config"] = {"method": "off"}
+    engine = LLMEngine(EngineConfig(**config))
     weights = engine.model.weight_bytes()
     kv_reserved = engine.num_kv_blocks * kv_bytes_per_block(
         engine.model.config, engine.config.block_size, engine.dtype
@@ -138,6 +163,8 @@ def main() -> None:
         "throughput (offline batch, greedy, EOS ignored)",
         model=engine.model_path.name,
         dtype=args.dtype,
+        quantization=args.quantization,
+        speculative=args.speculative,
         device=engine.device,
         batch_sizes=args.batch_sizes,
         output_len=args.output_len,
@@ -181,6 +208,10 @@ def main() -> None:
             print(f"HF batch {b}: {[round(r, 1) for r in hf_rates[b]]} tok/s", flush=True)
         del hf
         specbatch_pass(args.repeats - first)
+
+    if args.profile:
+        for b in sizes:
+            profile(engine, prompts[b], args.output_len, b, args.profile)
 
     rows, results = [], {}
     for b in sizes:
