@@ -158,7 +158,8 @@ LAYERS: dict[str, list[set[str]]] = {
         {"cli"},
     ],
     "specbatch.spec_decode": [
-        {"config", "tuning"},
+        {"tuning"},
+        {"config"},
         {"verification"},
         {"control", "proposers"},
         {"plan"},

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, Field, dataclass, field, fields
 from typing import Any
 
 from specbatch.errors import ConfigError
+from specbatch.spec_decode.tuning import SpeculationTuning
 
 METHODS = ("auto", "off", "draft_model", "eagle", "ngram", "hybrid", "external")
 DRAFT_METHODS = ("draft_model", "eagle", "hybrid")
@@ -73,6 +74,9 @@ class SpeculativeConfig:
     budget instead: ``num_speculative_tokens`` nodes per sequence (verify rows), at most
     ``draft_tree_depth`` deep, the likeliest nodes kept (SGLang's ``num_draft_tokens`` and
     ``num_steps``).
+    ``tuning``: the controller's and proposers' constants
+    (:class:`~specbatch.spec_decode.tuning.SpeculationTuning`, or a dict of some of its
+    fields), for experiments.
     None of these change what is generated: greedy and seeded outputs are token for token the
     same, unseeded sampling keeps the target's distribution (its draws differ).
     """
@@ -89,10 +93,12 @@ class SpeculativeConfig:
     draft_tree_depth: int | None = None  # a fixed tree (adaptive_k=False): its depth
     draft_tree_kind: str | None = None  # None: dynamic for a draft head, else siblings
     draft_dtype: str = "auto"  # the draft model's; "auto": see the docstring
+    tuning: SpeculationTuning = field(default_factory=SpeculationTuning)
 
     MAX_TOKENS = 16
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "tuning", SpeculationTuning.parse(self.tuning))
         if self.method not in METHODS:
             raise ConfigError(
                 f"speculative_config method must be one of {METHODS}, got {self.method!r}"
@@ -101,7 +107,7 @@ class SpeculativeConfig:
             extra = [
                 f.name
                 for f in fields(self)
-                if f.name != "method" and getattr(self, f.name) != f.default
+                if f.name != "method" and getattr(self, f.name) != _default(f)
             ]
             if extra:
                 raise ConfigError(
@@ -259,3 +265,9 @@ class SpeculativeConfig:
         """``draft_confidence_threshold``, resolved."""
         assert self.draft_confidence_threshold is not None
         return self.draft_confidence_threshold
+
+
+def _default(f: Field[Any]) -> Any:
+    if f.default is MISSING and f.default_factory is not MISSING:
+        return f.default_factory()
+    return f.default

@@ -157,6 +157,7 @@ def build_speculator(
     external: Proposer | None = None,
     draft_graphs: Callable[[], CudaGraphRunner | None] | None = None,
     cuda_graphs: bool = False,
+    max_model_len: int = 2**31,
 ) -> Speculator:
     """The engine's speculator: the proposer of ``spec`` (none when it is None: the plain
     sampler) and, with ``adaptive_k``, the goodput controller. Under CUDA graphs every decode
@@ -173,8 +174,10 @@ def build_speculator(
     ways = Speculator.controller_ways(proposer)
     controller = None
     if spec.adaptive_k or len(ways) > 1:  # with a fixed k it only chooses the way
-        controller = GoodputController(ways)
-    return Speculator(proposer, controller, generator, spec.adaptive_k, spec.draft_tree_depth)
+        controller = GoodputController(ways, spec.tuning)
+    return Speculator(
+        proposer, controller, generator, spec.adaptive_k, spec.draft_tree_depth, max_model_len
+    )
 
 
 def build_proposer(
@@ -197,7 +200,11 @@ def build_proposer(
     # the hybrid weighs short matches against the draft model: its lookup goes down to 1 token
     shortest = 1 if spec.method == "hybrid" else spec.prompt_lookup_min
     lookup = NgramProposer(
-        spec.prompt_lookup_min, spec.prompt_lookup_max, shortest, trees=spec.lookup_tree
+        spec.prompt_lookup_min,
+        spec.prompt_lookup_max,
+        shortest,
+        trees=spec.lookup_tree,
+        width=spec.tuning.tree_width,
     )
     if spec.method == "ngram":
         return lookup
@@ -217,6 +224,7 @@ def build_proposer(
         confidence_threshold=spec.confidence_threshold,
         siblings=spec.draft_siblings(cuda_graphs),
         dynamic_trees=kind == "dynamic",
+        tree_width=spec.tuning.tree_width,
     )
     if spec.method == "hybrid":
         return HybridProposer(lookup, drafter)

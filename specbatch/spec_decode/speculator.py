@@ -48,9 +48,6 @@ from specbatch.spec_decode.proposers.base import LookupMatch, Proposal, Proposer
 from specbatch.spec_decode.verification.chain import VerifyResult, verify
 from specbatch.spec_decode.verification.tree import DraftTree, node_depths, tree_rows, verify_tree
 
-UNBOUNDED_HORIZON = 256  # remaining tokens assumed for a request without max_tokens
-SIBLING_SLOTS = 4  # draft-model siblings a chain may get beside it (draft_tree)
-
 
 class TargetRunner(Protocol):
     """What ``settle`` needs of the target's runner."""
@@ -76,15 +73,17 @@ class Speculator:
         generator: torch.Generator,
         adaptive: bool = True,
         tree_depth: int | None = None,
+        max_model_len: int = 2**31,
     ) -> None:
         """``adaptive``: the controller chooses each sequence's drafts (else every slot, and
         a controller only chooses the way); ``tree_depth``: a fixed tree, every slot a node,
-        this deep at most."""
+        this deep at most; ``max_model_len``: where every sequence ends at the latest."""
         self.proposer = proposer
         self.controller = controller
         self.adaptive = adaptive and controller is not None
         self.tree_depth = tree_depth
         self.generator = generator
+        self.max_model_len = max_model_len
 
     @staticmethod
     def controller_ways(proposer: Proposer | None) -> tuple[str, ...]:
@@ -198,7 +197,7 @@ class Speculator:
                     match.tokens,
                     match.n,
                     catch_up,
-                    _remaining(seq),
+                    self._remaining(seq),
                 )
             )
         return candidates
@@ -215,8 +214,9 @@ class Speculator:
         price = prices.row_tokens(candidate.context) if choice.way == DRAFT else None
         if price is None or network is None:
             return SeqPlan(choice.way, choice.drafts, choice=choice)
-        if price < 1.0 and network.siblings:
-            rows = min(candidate.slots, choice.drafts + SIBLING_SLOTS)
+        if price < 1.0 and network.siblings:  # a node beside the chain may be worth its row
+            assert self.controller is not None
+            rows = min(candidate.slots, choice.drafts + self.controller.tuning.tree_width)
             return SeqPlan(
                 DRAFT, rows, chain=choice.drafts, node_price=price, row_price=price, choice=choice
             )
@@ -238,6 +238,14 @@ class Speculator:
             assert choice.way is not None
             return Shadow(choice.way, match.tokens[offset:], seq.num_tokens + offset, offset)
         return None
+
+    def _remaining(self, seq: Sequence) -> int:
+        """Tokens the sequence may still generate: to ``max_tokens`` or the context's end."""
+        room = self.max_model_len - seq.num_tokens
+        max_tokens = seq.params.max_tokens
+        if max_tokens is not None:
+            room = min(room, max_tokens - seq.num_output_tokens)
+        return max(room, 1)
 
     # ------------------------------------------------------------------ drafting
 
@@ -477,12 +485,6 @@ def _features(
         placements.append((s.seq, run.start_position, len(rows)))
     index = torch.tensor(order, dtype=torch.long, device=hidden.device)
     return placements, hidden.index_select(0, index)
-
-
-def _remaining(seq: Sequence) -> int:
-    """Tokens the sequence may still generate (a horizon of 256 without max_tokens)."""
-    max_tokens = seq.params.max_tokens
-    return max(max_tokens - seq.num_output_tokens if max_tokens else UNBOUNDED_HORIZON, 1)
 
 
 def _pairs(start: int, count: int) -> int:

@@ -21,6 +21,7 @@ from specbatch import LLM, SamplingParams
 from specbatch.engine import llm_engine, setup
 from specbatch.kernels.attention import PAD_SLOT
 from specbatch.runner.model_runner import ModelRunner
+from tests.helpers import network_proposer
 
 pytest.importorskip("triton")
 
@@ -102,7 +103,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
 @pytest.mark.parametrize(
     "speculative",
     [
-        None,
+        {"method": "off"},
         {"method": "ngram", "num_speculative_tokens": 3},
         {"method": "draft_model", "num_speculative_tokens": 3},
         {"method": "hybrid", "num_speculative_tokens": 3, "draft_confidence_threshold": 0.3},
@@ -112,7 +113,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
 def test_graph_steps_equal_eager(
     cpu_graphs: None, tiny_model_dir: Path, tiny_draft_dir: Path, speculative: Any
 ) -> None:
-    if speculative is not None and speculative["method"] != "ngram":
+    if speculative["method"] not in ("off", "ngram"):
         speculative = {**speculative, "model": str(tiny_draft_dir)}
     # the second request ends early: the fifth is admitted while the others decode
     params = [
@@ -125,7 +126,7 @@ def test_graph_steps_equal_eager(
     assert graphed == eager
     # fillers only where they buy a replay (a step with a prefill chunk runs eager, unpadded)
     assert all(replays for fillers, replays in FORWARDS if fillers)
-    if speculative is not None and speculative["method"] != "ngram":
+    if speculative["method"] not in ("off", "ngram"):
         assert any(fillers for fillers, _ in FORWARDS)
     assert any(not replays for _, replays in FORWARDS)  # the fifth prompt's prefill
 
@@ -184,7 +185,8 @@ def test_every_decode_step_replays(
     if method == "draft_model":
         assert engine.stats.num_drafts > 0
         # the draft's own single-token forwards (its drafts after the first) replay too
-        assert engine.proposer.runner.graphs.replays >= engine.stats.num_steps - 1
+        runner = network_proposer(engine).net.runner
+        assert runner.graphs.replays >= engine.stats.num_steps - 1
 
 
 def test_long_contexts_replay_split_kv_graphs(

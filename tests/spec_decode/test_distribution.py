@@ -140,10 +140,9 @@ def choose_ways_at_random(engine: LLMEngine, looked_up: list[bool]) -> None:
         for c in candidates:
             lookup = bool(c.lookup) and (c.lookup_n >= 2 or coin.random() < 0.5)
             looked_up.append(lookup)
-            if lookup:
-                choices.append(Choice(lookup_way(c.lookup_n), min(c.slots, len(c.lookup))))
-            else:
-                choices.append(Choice(DRAFT, c.slots))
+            way = lookup_way(c.lookup_n) if lookup else DRAFT
+            drafts = min(c.slots, len(c.lookup)) if lookup else c.slots
+            choices.append(Choice(way, drafts, (0.5,) * drafts))
         return choices
 
     controller.choose_ways = choose  # type: ignore[method-assign]

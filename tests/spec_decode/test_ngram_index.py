@@ -9,8 +9,6 @@ from specbatch.sampling_params import SamplingParams
 from specbatch.sequence import Sequence
 from specbatch.spec_decode.proposers.base import DraftRequest, LookupMatch
 from specbatch.spec_decode.proposers.ngram import (
-    DEPTH_DECAY,
-    RECENCY,
     NgramIndex,
     NgramProposer,
     continuation_tree,
@@ -58,28 +56,26 @@ def test_index_ends_match_the_scan(seed: int) -> None:
     rng = np.random.default_rng(100 + seed)
     vocab = int(rng.choice([2, 3, 5, 50]))
     tokens = rng.integers(0, vocab, int(rng.integers(0, 20))).tolist()
-    index = NgramIndex(1, 3)
+    index = NgramIndex(1, 3, limit=4)
     for _ in range(20):
         index.match(tokens, 4)
         for n in range(1, 4):
-            assert index.ends(tokens, n) == ngram_ends(np.asarray(tokens, dtype=np.int64), n)
+            assert index.ends(tokens, n) == ngram_ends(np.asarray(tokens, dtype=np.int64), n, 4)
         tokens += rng.integers(0, vocab, int(rng.integers(1, 4))).tolist()
 
 
 def reference_tree(tokens: list[int], ends: list[int], max_nodes: int) -> set[tuple[int, ...]]:
-    """The obvious construction: every prefix of every continuation is a path, scored by the
-    recency-weighted share of the continuations it begins, decayed per level; the best
-    ``max_nodes`` paths (ties: the latest occurrence's first, shallower first)."""
-    shares = [RECENCY**j for j in range(len(ends))]
-    scores: dict[tuple[int, ...], float] = {}
-    order: dict[tuple[int, ...], tuple[int, int]] = {}
+    """The obvious construction: every prefix of every continuation is a path; the paths the
+    most continuations begin with are kept, then the shorter, then the latest occurrence's."""
+    counts: dict[tuple[int, ...], int] = {}
+    order: dict[tuple[int, ...], int] = {}
     for j, end in enumerate(ends):
         continuation = tokens[end : end + max_nodes]
         for depth in range(1, len(continuation) + 1):
             path = tuple(continuation[:depth])
-            scores[path] = scores.get(path, 0.0) + shares[j] / sum(shares)
-            order.setdefault(path, (j, depth))
-    ranked = sorted(scores, key=lambda p: (-scores[p] * DEPTH_DECAY ** (len(p) - 1), order[p]))
+            counts[path] = counts.get(path, 0) + 1
+            order.setdefault(path, j)
+    ranked = sorted(counts, key=lambda p: (-counts[p], len(p), order[p]))
     return set(ranked[:max_nodes])
 
 
@@ -92,7 +88,7 @@ def test_continuation_tree_keeps_the_best_scored_paths(seed: int) -> None:
     rng = np.random.default_rng(200 + seed)
     tokens = rng.integers(0, int(rng.choice([2, 3, 6])), int(rng.integers(2, 40))).tolist()
     n = int(rng.integers(1, 3))
-    ends = ngram_ends(np.asarray(tokens, dtype=np.int64), n)
+    ends = ngram_ends(np.asarray(tokens, dtype=np.int64), n, 4)
     max_nodes = int(rng.integers(1, 9))
     tree = continuation_tree(tokens, ends, max_nodes)  # DraftTree checks it is a tree
     assert len(tree) == min(max_nodes, len(reference_tree(tokens, ends, 99)))
@@ -102,11 +98,11 @@ def test_continuation_tree_keeps_the_best_scored_paths(seed: int) -> None:
 def test_disagreeing_occurrences_become_siblings() -> None:
     #         a  b  X  .  a  b  Y  .  a  b
     tokens = [1, 2, 7, 0, 1, 2, 8, 0, 1, 2]
-    tree = continuation_tree(tokens, ngram_ends(np.asarray(tokens), 2), 4)
-    # the latest occurrence's continuation first; the older one's first token as a sibling
-    assert tree.tokens == [8, 0, 1, 7]
-    assert tree.parents == [-1, 0, 1, -1]
-    one = continuation_tree(tokens, ngram_ends(np.asarray(tokens), 2)[:1], 4)
+    tree = continuation_tree(tokens, ngram_ends(np.asarray(tokens), 2, 4), 4)
+    # one occurrence each: the shallower nodes of both continuations, the latest's first
+    assert tree.tokens == [8, 0, 7, 0]
+    assert tree.parents == [-1, 0, -1, 2]
+    one = continuation_tree(tokens, ngram_ends(np.asarray(tokens), 2, 4)[:1], 4)
     assert is_chain(one.parents)
     assert one.tokens == [8, 0, 1, 2]
 
@@ -115,8 +111,8 @@ def test_proposer_trees_only_where_occurrences_disagree() -> None:
     proposer = NgramProposer(1, 2, trees=True)  # "0 1 2" occurred once: a chain with n = 3
     seq = Sequence(0, "a", 0, [1, 2, 7, 0, 1, 2, 8, 0, 1, 2], SamplingParams(max_tokens=8), 0.0)
     proposal = proposer.propose([DraftRequest(seq, 4)])
-    assert proposal.tokens == [[8, 0, 1, 7]]
-    assert proposal.parents == [[-1, 0, 1, -1]]
+    assert proposal.tokens == [[8, 0, 7, 0]]
+    assert proposal.parents == [[-1, 0, -1, 2]]
     agreeing = Sequence(1, "a", 0, [1, 2, 3, 1, 2, 3, 1, 2], SamplingParams(max_tokens=8), 0.0)
     proposal = proposer.propose([DraftRequest(agreeing, 4)])
     assert proposal.tokens == [[3, 1, 2, 3]]

@@ -5,17 +5,17 @@ match is better evidence than a 1-token one; a draft model is its own way), and 
 that is right for one token is usually right for the next, so the chance of draft ``j`` given
 draft ``j - 1`` was accepted is learned per position, not taken as a power of the first. A
 sequence's first-draft rate is a decaying count of its own outcomes pulled towards the rate of
-all sequences drafted that way (a new sequence starts from the population's rate); counts decay
-per outcome and, more slowly, per step without one, so a sequence that stopped drafting drifts
-back to the population's rate and is tried again when that pays. Every estimate is a ratio of
-decayed counts with a prior: no rate is ever exactly 0 or 1.
+all sequences drafted that way (a new sequence starts from the population's rate). Every
+estimate is a ratio of decayed counts with ``prior_weight`` pseudo-outcomes at its prior: no
+rate is ever exactly 0 or 1. A bursty way's (a lookup's) per-sequence counts keep
+``sequence_decay`` per outcome, a steady way's (a draft model's: its rate is the text's)
+``steady_decay``; shared counts (a population's, a position's) ``shared_decay``.
 
 The sequences a plan drafts are the ones whose estimates are highest, so their estimates are
 biased up (the winner's curse: measured at batch 32, 17% more accepted drafts expected than
 came). Per way, a calibration factor corrects it: the decayed sum of drafts accepted over the
-decayed sum the plans expected of them (``calibration``), applied to every gain of that way.
-The sums also decay per step, so that a way no plan uses (its factor frozen low: nothing to
-correct it) returns to a factor of 1 and is judged on its rates again.
+decayed sum the plans expected of them (``calibration``, at most 1: it corrects optimism),
+applied to every gain of that way.
 
 A proposer may give fewer drafts than it was allotted (a draft model's confidence stop: it
 stops once its own probability that every draft so far is right falls below a threshold). Per
@@ -24,17 +24,14 @@ stops once its own probability that every draft so far is right falls below a th
 confident ones, whose follow-on rates (learned from verifies of made drafts only) are higher.
 
 There is no separate exploration: every estimate that nothing refreshes drifts back to its
-prior (``IDLE_DECAY`` per step since its last outcome): a sequence's rate to its population's,
-a population's to 0.5, a per-position rate (follow-on, made) to its prior. So a way or a depth
-that a few early outcomes ruled out is tried again once its prior pays at the current batch
-size, and its true rate is learned. Both were seen: at batch 4 the draft model's first five
-verifies (the first answer token of four sequences in lockstep, which it rarely gets right)
-put its population at 0.22 against ~0.45 in steady state, and it was not used for 100 steps;
-one early miss at position 1 (0.25 with its prior; a follow-on rate is learned only from
-verifies of two or more drafts) kept every batch-1 plan at one draft, where its true
-follow-on rate given a made draft is ~0.8. The population's rate starts at 0.5 with the
-weight of ``SHARED_WEIGHT`` outcomes, so that two unlucky first verifies (a new engine, one
-sequence) do not rule a way out at once.
+prior (``steady_decay`` per step since its last outcome; the calibration sums keep
+``shared_decay``): a sequence's rate to its population's, a population's to 0.5, a
+per-position rate (follow-on, made) to its prior, a calibration factor to 1. So a way or a
+depth that a few early outcomes ruled out is tried again once its prior pays at the current
+batch size, and its true rate is learned (at batch 4 the draft model's first five verifies,
+the first answer token of four sequences in lockstep, put its population at 0.22 against
+~0.45 in steady state; one early miss at position 1 kept every batch-1 plan at one draft,
+where the follow-on rate given a made draft is ~0.8).
 """
 
 from __future__ import annotations
@@ -44,18 +41,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-DECAY = 0.9  # a sequence keeps this much of its history per outcome ...
-IDLE_DECAY = 0.97  # ... and this much per step without an outcome
-STEADY_DECAY = 0.97  # per outcome, for a way whose rate is the text's, not a span's (a draft model)
-SHARED_DECAY = 0.99  # the same for the rates shared by all sequences
-PRIOR_WEIGHT = 2.0  # pseudo-outcomes at the population's rate behind each sequence's own
-STEADY_PRIOR_WEIGHT = 8.0  # ... for a steady way
-SHARED_PRIOR = 0.5  # the population's rate before any outcome
-SHARED_WEIGHT = 4.0  # ... its weight in pseudo-outcomes
-CALIBRATION_DECAY = 0.995  # per verified sequence, of the expected/accepted sums
-CALIBRATION_IDLE_DECAY = 0.99  # ... and per step: an unused way's factor returns towards 1
-CALIBRATION_PRIOR = 4.0  # pseudo-drafts at a factor of 1
-CALIBRATION_RANGE = (0.5, 1.1)  # it corrects optimism; little room the other way
+from specbatch.spec_decode.tuning import SpeculationTuning
+
+UNINFORMED = 0.5  # the prior of a rate nothing has measured: as likely right as wrong
 
 
 @dataclass
@@ -81,21 +69,22 @@ def _pulled(hits: float, total: float, scale: float, prior: float, weight: float
 
 @dataclass
 class _TimedRate:
-    """A rate and the step of its last outcome: its counts decay by ``IDLE_DECAY`` per step
-    since then, so an estimate that nothing refreshes returns to its prior."""
+    """A rate and the step of its last outcome: its counts decay by ``idle`` per step since
+    then, so an estimate that nothing refreshes returns to its prior."""
 
     rate: DecayedRate
     step: int  # when it last had an outcome
+    idle: float
 
     def observe(self, accepted: bool, decay: float, step: int) -> None:
-        scale = IDLE_DECAY ** max(step - self.step, 0)
+        scale = self.idle ** max(step - self.step, 0)
         self.rate.hits *= scale
         self.rate.total *= scale
         self.rate.observe(accepted, decay)
         self.step = step
 
     def value(self, prior: float, weight: float, step: int) -> float:
-        return self.rate.rate(prior, weight, IDLE_DECAY ** max(step - self.step, 0))
+        return self.rate.rate(prior, weight, self.idle ** max(step - self.step, 0))
 
 
 class _PositionRates:
@@ -104,7 +93,8 @@ class _PositionRates:
     numpy's per-call cost and a loop over per-position objects each cost more than the
     rest of the plan's estimates."""
 
-    def __init__(self) -> None:
+    def __init__(self, idle: float) -> None:
+        self.idle = idle
         self.hits: list[float] = []
         self.total: list[float] = []
         self.step: list[int] = []  # when each position last had an outcome
@@ -118,7 +108,7 @@ class _PositionRates:
             self.total += [0.0] * grow
             self.step += [step] * grow
         for position in range(start, stop):
-            scale = IDLE_DECAY ** max(step - self.step[position], 0)
+            scale = self.idle ** max(step - self.step[position], 0)
             self.hits[position] = decay * (self.hits[position] * scale) + (position < right_below)
             self.total[position] = decay * (self.total[position] * scale) + 1.0
             self.step[position] = step
@@ -128,34 +118,22 @@ class _PositionRates:
         out = []
         seen = zip(self.hits[:count], self.total[:count], self.step[:count], strict=True)
         for hits, total, last in seen:
-            out.append(_pulled(hits, total, IDLE_DECAY ** max(step - last, 0), prior, weight))
+            out.append(_pulled(hits, total, self.idle ** max(step - last, 0), prior, weight))
         return out + [prior] * (count - len(out))
-
-    @staticmethod
-    def rows(
-        table: dict[str, _PositionRates],
-        ways: tuple[str, ...],
-        count: int,
-        prior: float,
-        step: int,
-    ) -> np.ndarray:
-        """``values`` of each of ``ways`` in ``table`` (ways x count; a way not in it: all
-        ``prior``), with the weight of one outcome."""
-        rows = []
-        for way in ways:
-            rates = table.get(way)
-            rows.append([prior] * count if rates is None else rates.values(count, prior, 1.0, step))
-        return np.array(rows, dtype=np.float64).reshape(len(ways), count)
 
 
 class AcceptanceModel:
     """Per (sequence, way) first-draft rates and per (way, position) follow-on rates."""
 
-    def __init__(self, steady: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self, tuning: SpeculationTuning | None = None, steady: tuple[str, ...] = ()
+    ) -> None:
         """``steady``: the ways whose acceptance holds over a text (a draft model), kept with
         a longer memory than bursty ones (a lookup: right through a copied span, then not)."""
-        self._decay = {way: STEADY_DECAY for way in steady}
-        self._prior_weight = {way: STEADY_PRIOR_WEIGHT for way in steady}
+        self.tuning = tuning = tuning or SpeculationTuning()
+        self._decay = {way: tuning.steady_decay for way in steady}
+        self._idle = tuning.steady_decay
+        self._weight = tuning.prior_weight
         self._first: dict[tuple[int, str], _TimedRate] = {}
         self._shared_first: dict[str, _TimedRate] = {}
         self._follow: dict[str, _PositionRates] = {}
@@ -167,8 +145,8 @@ class AcceptanceModel:
     def population(self, way: str) -> float:
         shared = self._shared_first.get(way)
         if shared is None:
-            return SHARED_PRIOR
-        return shared.value(SHARED_PRIOR, SHARED_WEIGHT, self.step)
+            return UNINFORMED
+        return shared.value(UNINFORMED, self._weight, self.step)
 
     def first(self, seq_id: int, way: str) -> float:
         """The chance that the sequence's next first draft drafted ``way`` is accepted."""
@@ -178,47 +156,45 @@ class AcceptanceModel:
         """``first`` of each of ``seq_ids`` drafting ``way`` (a plan asks for every
         candidate's each step: one pass, the population's rate found once)."""
         prior = self.population(way)
-        weight = self._prior_weight.get(way, PRIOR_WEIGHT)
-        states, step = self._first, self.step
+        states, step, weight = self._first, self.step, self._weight
         out = []
         for seq_id in seq_ids:
             state = states.get((seq_id, way))
             out.append(prior if state is None else state.value(prior, weight, step))
         return out
 
-    def follow(self, way: str, count: int) -> np.ndarray:
-        """Chance that draft ``j`` (1 .. count - 1) is accepted given draft ``j - 1`` was;
-        entry 0 is 1."""
-        return self.follow_rows((way,), count)[0]
-
     def follow_rows(self, ways: tuple[str, ...], count: int) -> np.ndarray:
-        """``follow`` of each of ``ways`` (ways x count), in one array."""
-        out = _PositionRates.rows(self._follow, ways, count, SHARED_PRIOR, self.step)
+        """Per way (ways x count), the chance that draft ``j`` (1 .. count - 1) is accepted
+        given draft ``j - 1`` was; entry 0 is 1."""
+        out = self._rows(self._follow, ways, count, UNINFORMED)
         out[:, :1] = 1.0
         return out
 
-    def made(self, way: str, count: int) -> np.ndarray:
-        """Chance that draft ``j`` (0 .. count - 1) is made when ``count`` are allotted: the
-        proposer made every one before it and did not stop (1 until a proposer stops early
-        or drops a first draft: a prior of one pseudo-outcome at "made")."""
-        return self.made_rows((way,), count)[0]
-
     def made_rows(self, ways: tuple[str, ...], count: int) -> np.ndarray:
-        """``made`` of each of ``ways`` (ways x count), in one array."""
-        going_on = _PositionRates.rows(self._made, ways, count, 1.0, self.step)
-        return np.cumprod(going_on, axis=1)
+        """Per way (ways x count), the chance that draft ``j`` is made when ``count`` are
+        allotted: the proposer made every one before it and did not stop (1 until a
+        proposer stops early or drops a first draft)."""
+        return np.cumprod(self._rows(self._made, ways, count, 1.0), axis=1)
+
+    def _rows(
+        self, table: dict[str, _PositionRates], ways: tuple[str, ...], count: int, prior: float
+    ) -> np.ndarray:
+        """The position rates of each of ``ways`` in ``table`` (a way not in it: ``prior``)."""
+        rows = []
+        for way in ways:
+            rates = table.get(way)
+            if rates is None:
+                rows.append([prior] * count)
+            else:
+                rows.append(rates.values(count, prior, self._weight, self.step))
+        return np.array(rows, dtype=np.float64).reshape(len(ways), count)
 
     def observe_made(self, way: str, allotted: int, made: int) -> None:
         """The proposer made ``made`` of the ``allotted`` drafts of ``way``."""
         if allotted <= 0:
             return
-        rates = self._made.setdefault(way, _PositionRates())
-        rates.observe(0, min(made + 1, allotted), made, SHARED_DECAY, self.step)
-
-    def gains(self, seq_id: int, way: str, count: int) -> np.ndarray:
-        """Chance that each of the next ``count`` drafts is emitted (it and every one before
-        it accepted), given that it is made."""
-        return self.first(seq_id, way) * np.cumprod(self.follow(way, count))
+        rates = self._made.setdefault(way, _PositionRates(self._idle))
+        rates.observe(0, min(made + 1, allotted), made, self.tuning.shared_decay, self.step)
 
     def observe(self, seq_id: int, way: str, num_drafts: int, num_accepted: int) -> None:
         """``num_drafts`` drafts of ``way`` were judged (verified, or compared with what the
@@ -228,12 +204,16 @@ class AcceptanceModel:
         first = num_accepted > 0
         state = self._first.get((seq_id, way))
         if state is None:
-            state = self._first[(seq_id, way)] = _TimedRate(DecayedRate(), self.step)
-        state.observe(first, self._decay.get(way, DECAY), self.step)
-        shared = self._shared_first.setdefault(way, _TimedRate(DecayedRate(), self.step))
-        shared.observe(first, SHARED_DECAY, self.step)
-        follow = self._follow.setdefault(way, _PositionRates())
-        follow.observe(1, min(num_accepted + 1, num_drafts), num_accepted, SHARED_DECAY, self.step)
+            state = self._first[(seq_id, way)] = self._timed()
+        state.observe(first, self._decay.get(way, self.tuning.sequence_decay), self.step)
+        shared = self._shared_first.setdefault(way, self._timed())
+        shared.observe(first, self.tuning.shared_decay, self.step)
+        follow = self._follow.setdefault(way, _PositionRates(self._idle))
+        stop = min(num_accepted + 1, num_drafts)
+        follow.observe(1, stop, num_accepted, self.tuning.shared_decay, self.step)
+
+    def _timed(self) -> _TimedRate:
+        return _TimedRate(DecayedRate(), self.step, self._idle)
 
     def observe_beyond(self, way: str, offset: int, num_drafts: int, num_accepted: int) -> None:
         """Follow-on outcomes at positions ``offset .. offset + num_drafts - 1`` given every
@@ -241,31 +221,35 @@ class AcceptanceModel:
         right below ``offset + num_accepted``, up to and including the first miss."""
         if num_drafts <= 0 or offset <= 0:
             return
-        follow = self._follow.setdefault(way, _PositionRates())
+        follow = self._follow.setdefault(way, _PositionRates(self._idle))
         stop = offset + min(num_accepted + 1, num_drafts)
-        follow.observe(offset, stop, offset + num_accepted, SHARED_DECAY, self.step)
+        follow.observe(offset, stop, offset + num_accepted, self.tuning.shared_decay, self.step)
 
     def calibration(self, way: str) -> float:
         """Drafts of ``way`` accepted per draft the plans expected to be by the uncalibrated
-        estimates (decayed, with a prior of 1), within ``CALIBRATION_RANGE``."""
+        estimates (decayed, with the prior at a factor of 1), at most 1."""
         accepted, expected = self._calibration_sums(way)
-        factor = (accepted + CALIBRATION_PRIOR) / (expected + CALIBRATION_PRIOR)
-        return min(max(factor, CALIBRATION_RANGE[0]), CALIBRATION_RANGE[1])
+        weight = self._weight
+        return min((accepted + weight) / (expected + weight), 1.0)
 
     def calibrate(self, way: str, expected: float, accepted: int) -> None:
         """A verify of a plan's drafts: ``expected`` accepted by its estimates before
         calibration (against calibrated ones the factor would settle at the square root of
         the bias), ``accepted`` in fact."""
         old_accepted, old_expected = self._calibration_sums(way)
+        decay = self.tuning.shared_decay
         self._calibration[way] = (
-            CALIBRATION_DECAY * old_accepted + accepted,
-            CALIBRATION_DECAY * old_expected + expected,
+            decay * old_accepted + accepted,
+            decay * old_expected + expected,
             self.step,
         )
 
     def _calibration_sums(self, way: str) -> tuple[float, float]:
+        """The sums as of now: they keep ``shared_decay`` per step too, so that a way no plan
+        uses (its factor frozen low: nothing to correct it) returns to a factor of 1 and is
+        judged on its rates again."""
         accepted, expected, step = self._calibration.get(way, (0.0, 0.0, self.step))
-        idle = CALIBRATION_IDLE_DECAY ** max(self.step - step, 0)
+        idle = self.tuning.shared_decay ** max(self.step - step, 0)
         return accepted * idle, expected * idle
 
     def forget(self, seq_id: int) -> None:

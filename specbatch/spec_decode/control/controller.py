@@ -28,9 +28,10 @@ Times come from :mod:`step_times` (measured as the engine runs), chances from
 lookup was not used: what it would have drafted is compared with what the target emitted, which
 judges a point-mass draft exactly as a verify would). Until the step-time model has a few
 steps it drafts every slot, so that it sees what drafts cost. The step-time model learns a
-drafted step's shape only from drafted steps, so every ``PROBE_AFTER`` plans one draft more
+drafted step's shape only from drafted steps, so every ``probe_every`` plans one draft more
 than the plan chose is run (the exception to "never planned slower": one row in so many
-steps), and a shape measured slow once is measured again.
+steps), and a shape measured slow once is measured again. The constants are fields of
+:class:`~specbatch.spec_decode.tuning.SpeculationTuning`.
 """
 
 from __future__ import annotations
@@ -40,26 +41,13 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from specbatch.spec_decode.control.acceptance import AcceptanceModel
-from specbatch.spec_decode.control.step_times import SMALL_STEP, ForwardTimes, StepCost, StepTimes
+from specbatch.spec_decode.control.step_times import ForwardTimes, StepCost, StepTimes
+from specbatch.spec_decode.tuning import SpeculationTuning
 
 LOOKUP_WAYS = ("lookup1", "lookup2", "lookup3")  # by match length: 1, 2, 3 or more tokens
 DRAFT = "draft"
 EXTERNAL = "external"
-MAX_ITERATIONS = 32
-# A plan with drafts must beat the plain step by this much by its own estimates: the
-# estimates err (acceptance is noisy, the sequences with the best estimates are the ones
-# drafted, so their estimates are biased up), and a plan within the error gains nothing sure.
-HURDLE = 0.03
-AMORTISE_STEPS = 16  # at most, over which a draft model's catch-up backlog is charged
-# Every this many plans, one draft more than the plan chose (the first of a sequence that got
-# none, or one past a sequence's last): the one whose gain falls least short of its cost at
-# the plan's goodput. The step-time model learns a step's shape only from steps of that shape,
-# so a shape measured slow (another process had the cores, a cold start) would otherwise stay
-# slow while no plan chose it, until it left the step-time window (measured: 3 s of two busy
-# processes at the start of a batch-1 run priced a row at 2.6 steps, and drafting stopped for
-# ~500 steps: 47-77 tok/s against 137). The probe's cost is bounded: one row in so many steps.
-PROBE_AFTER = 16
-EPSILON = 1e-12
+EPSILON = 1e-12  # relative: below it two goodputs are one (rounding)
 
 
 def lookup_way(match_length: int) -> str:
@@ -89,7 +77,7 @@ class Choice:
     # accepted drafts expected, by the uncalibrated estimates it was chosen on, if the
     # proposer makes 1, 2, ... drafts
     expected: tuple[float, ...] = ()
-    # the drafts the plan chose where a probe added one (``PROBE_AFTER``); acceptance is
+    # the drafts the plan chose where a probe added one (``probe_every``); acceptance is
     # learned from those only: the probe's draft is one no plan would choose, and counted it
     # would pull the rate of its position down for the drafts plans do choose
     planned: int | None = None
@@ -148,16 +136,14 @@ class ControllerPlan:
 class GoodputController:
     """Chooses each step's drafts; learns step times and acceptance from the engine."""
 
-    def __init__(self, ways: tuple[str, ...], hurdle: float = HURDLE) -> None:
-        if hurdle < 0:  # the plain step is always a candidate: no plan may be worth less
-            raise ValueError(f"hurdle must be >= 0, got {hurdle}")
+    def __init__(self, ways: tuple[str, ...], tuning: SpeculationTuning | None = None) -> None:
         self.ways = ways
-        self.hurdle = hurdle
-        self.times = StepTimes()
-        self.draft_times = ForwardTimes()
-        self.acceptance = AcceptanceModel(steady=(DRAFT, EXTERNAL))
-        self.external_seconds_per_draft = 0.0
-        self.plans_since_probe = 0  # see PROBE_AFTER
+        self.tuning = tuning = tuning or SpeculationTuning()
+        self.times = StepTimes(tuning)
+        self.draft_times = ForwardTimes(tuning)  # a draft model's forwards, by rows
+        self._external = (0.0, 0.0)  # an application's proposer: decayed seconds and drafts
+        self.acceptance = AcceptanceModel(tuning, steady=(DRAFT, EXTERNAL))
+        self.plans_since_probe = 0  # see ``SpeculationTuning.probe_every``
 
     def plan(
         self,
@@ -205,9 +191,11 @@ class GoodputController:
     def _probed(
         self, chosen: list[tuple[int, int]], options: _Options, ratio: float
     ) -> list[tuple[int, int]]:
-        """``chosen``, with one draft more every ``PROBE_AFTER`` plans (see there)."""
+        """``chosen``, with one draft more every ``probe_every`` plans (see the module
+        docstring)."""
         self.plans_since_probe += 1
-        if self.plans_since_probe < PROBE_AFTER:
+        every = self.tuning.probe_every
+        if not every or self.plans_since_probe < every:
             return chosen
         gains, costs, valid = options.gains, options.costs, options.valid
         _count, ways, slots = gains.shape
@@ -278,19 +266,14 @@ class GoodputController:
         ran[..., 0] = 1.0
         # a draft-model draft adds a row to a draft forward (the first: one catch-up row, see
         # the module docstring); an application's proposer its measured time per draft
-        extra = [
-            draft_fit[1]
-            if way == DRAFT
-            else self.external_seconds_per_draft
-            if way == EXTERNAL
-            else 0.0
-            for way in self.ways
-        ]
+        seconds, drafts = self._external
+        per_draft = {DRAFT: draft_fit[1], EXTERNAL: seconds / drafts if drafts else 0.0}
+        extra = [per_draft.get(way, 0.0) for way in self.ways]
         proposing = np.array(extra)[None, :, None] * ran
         costs = np.where(valid, row[:, None, :] * made + proposing, 0.0)
         if DRAFT in self.ways:  # the backlog a draft model must catch up on, amortised
             catch_up = np.maximum(table[:, 2], 1.0)
-            backlog = _amortised_backlog(catch_up, table[:, 3])
+            backlog = _amortised_backlog(catch_up, table[:, 3], self.tuning.catch_up_steps)
             # at the per-row cost of a forward of the catch-up's size, not of a one-row-per-
             # sequence forward (whose slope, near one row, says little about 40 rows)
             rows = float(catch_up.sum())
@@ -308,32 +291,28 @@ class GoodputController:
         """Seconds each candidate's draft j adds to the step (candidates x ``most``), the fit
         of the plain step, and the price of one more row.
 
-        In a small step (at most ``SMALL_STEP`` tokens with every draft: batch 1 on a CPU) a
-        row costs what it adds where it lands: draft j takes the step from ``base + j`` to
-        ``base + j + 1`` rows per candidate, so its price is the difference of the model's
-        predicted step times at those sizes (extra rows attending the mean context), per
-        row, plus the per-pair slope times how far the candidate's context is from the mean.
-        Differences of predicted times, not a slope: with padded products a batch-1 step of
-        1..4 rows costs the same here and rows past them do not, a kink that local fits
-        predict well at the sizes themselves and badly as a slope. Larger steps are priced by
-        the local slope around the step with half the slots drafted (their time grows
-        smoothly with rows, and sizes several times the measured ones are extrapolations)."""
+        For a single sequence (batch 1) a row costs what it adds where it lands: draft j
+        takes the step from ``base + j`` to ``base + j + 1`` rows, so its price is the
+        difference of the model's predicted step times at those sizes, plus the per-pair
+        slope times how far the candidate's context is from the mean. Differences of
+        predicted times, not a slope: with padded products a batch-1 step of 1..4 rows costs
+        the same here and rows past them do not, a kink that local fits predict well at the
+        sizes themselves and badly as a slope. Larger steps are priced by the local slope
+        around the step with half the slots drafted (their time grows smoothly with rows,
+        and sizes several times the measured ones are extrapolations), the plain step by the
+        same fit."""
         count = len(context)
         positions = np.arange(most)
-        if base_tokens + count * most > SMALL_STEP:
+        if base_seqs > 1:
             fit = self.times.fit(base_tokens + count * most / 2, base_seqs)
             prices = Prices(fit.row(0.0), fit.per_pair, 0.0)
-            return (
-                fit.per_token + fit.per_pair * (context[:, None] + positions[None, :]),
-                fit,
-                prices,
-            )
+            rows = fit.per_token + fit.per_pair * (context[:, None] + positions[None, :])
+            return rows, fit, prices
         mean_context = float(context.mean())
-        fits, seconds = [], []
-        for j in range(most + 1):
-            tokens = base_tokens + count * j
-            fit = self.times.fit(tokens, base_seqs)
-            fits.append(fit)
+        sizes = [float(base_tokens + count * j) for j in range(most + 1)]
+        fits = self.times.fits(sizes, base_seqs)
+        seconds = []
+        for j, (tokens, fit) in enumerate(zip(sizes, fits, strict=True)):
             pairs = base_pairs + count * j * (mean_context + (j - 1) / 2)
             seconds.append(fit.seconds(tokens, base_seqs, pairs))
         step = np.maximum(np.diff(seconds) / count, 0.0)
@@ -361,7 +340,7 @@ class GoodputController:
             forwards[1:] = np.cumsum(runs)
         per_forward = options.draft_fit[0]
         plain = seqs / base
-        floor = plain * (1 + self.hurdle)
+        floor = plain * (1 + self.tuning.hurdle)
         bases = base + per_forward * forwards[: len(depths)]
         solve = _best_single if len(gains) == 1 else _best_by_depth
         best = solve(cum_gains, cum_costs, valid, draft, bases, seqs, floor)
@@ -418,12 +397,11 @@ class GoodputController:
         self.draft_times.observe(rows, seconds, share)
 
     def observe_external(self, drafts: int, seconds: float) -> None:
+        """An application's proposer took ``seconds`` for ``drafts`` drafts."""
         if drafts:
-            per_draft = seconds / drafts
-            old = self.external_seconds_per_draft
-            self.external_seconds_per_draft = (
-                per_draft if not old else old + 0.2 * (per_draft - old)
-            )
+            decay = self.tuning.shared_decay
+            total, count = self._external
+            self._external = (decay * total + seconds, decay * count + drafts)
 
     def observe_verify(
         self,
@@ -468,12 +446,12 @@ class _Options:
     prices: Prices  # of one more verify row
 
 
-def _amortised_backlog(catch_up: np.ndarray, remaining: np.ndarray) -> np.ndarray:
+def _amortised_backlog(catch_up: np.ndarray, remaining: np.ndarray, most: int) -> np.ndarray:
     """Per candidate, catch-up rows beyond the one a step costs anyway (``catch_up``: at
     least 1), spread over the steps left to the sequence (about two tokens a step while it
-    drafts), at most ``AMORTISE_STEPS``: a first draft is a bet that drafting goes on, not
-    that it lasts the whole sequence."""
-    steps = np.minimum(remaining / 2, AMORTISE_STEPS)
+    drafts), at most ``most``: a first draft is a bet that drafting goes on, not that it
+    lasts the whole sequence."""
+    steps = np.minimum(remaining / 2, most)
     return (catch_up - 1) / np.maximum(steps, 1.0)
 
 
@@ -575,7 +553,7 @@ def _dinkelbach(
     flat_gains = cum_gains.reshape(count, -1)
     flat_costs = cum_costs.reshape(count, -1)
     flat_allowed = allowed.reshape(count, -1)
-    for _ in range(MAX_ITERATIONS):
+    while True:  # the ratio rises at every pass, through finitely many plans
         values = np.where(flat_allowed, flat_gains - ratio * flat_costs, -np.inf)
         index = values.argmax(axis=1)
         take = values[rows, index] > EPSILON * max(ratio, 1.0)

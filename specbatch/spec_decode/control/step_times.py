@@ -5,25 +5,22 @@ traffic dominates and four more rows are nearly free; at batch 64 the matmuls ar
 and a verify row costs as much as a decode row; attention adds a term per (query row, cached
 key) pair that grows with context; sampling and bookkeeping add one per sequence. So the
 target's step time is fitted, near the composition asked about, as a linear function of its
-tokens, its sequences and its attention pairs: a least-squares fit over the recent steps,
-weighted by how close each was in tokens and sequences (log scale) and by its age. Close
-steps decide the local slope (the knee between memory- and compute-bound is respected); far
-ones (prefills: many tokens, few sequences) still weigh a little, which separates the cost of a
-row from the cost of a sequence when every close step had as many tokens as sequences.
-
-A draft model's forwards are fitted the same way on their row count.
+tokens, its sequences and its attention pairs: a least-squares fit over the window of recent
+steps (``SpeculationTuning.step_window``), weighted by age and by how close each was in tokens and
+sequences (a Gaussian kernel in log space, ``bandwidth`` wide; in tokens ``small_bandwidth``
+for a single sequence's steps, whose few rows sit on the padded products' kink). Close steps
+decide the local slope; in the wide kernel far ones (prefills: many tokens, few sequences)
+weigh ``FAR``, which separates the cost of a row from the cost of a sequence when every close
+step had as many tokens as sequences. A draft model's forwards are fitted the same way on
+their row count.
 
 Contention: another process that takes the cores for a few seconds makes every step timed
-meanwhile slow, and a shape is timed again only when a plan asks for it, so a spell's samples
-priced drafting out of batch-1 plans for hundreds of steps after it (a drafted shape's only
-samples were slow). On a CPU the engine measures it directly: each step's share of the cores
-(the process's CPU seconds over its wall seconds; ~1.0 per thread on a free machine, half that
-while two busy processes share two cores with it), and a sample taken at a share below
-``CONTENDED`` of the usual one (a high quantile of the window's, so that a slow machine's
-usual is its own) weighs much less in every fit (``CONTENTION_POWER``): a spell's samples
-inform a fit while nothing else is known, and a step timed on a free machine outweighs them
-at once (``benchmarks/contention.py``). Under lasting contention every share is the usual
-one and nothing is weighed down.
+meanwhile slow. On a CPU the engine measures it (``StepClock``): each step's share of the
+cores (the process's CPU seconds over its wall seconds). A sample timed at a share below
+``contended_share`` of the usual (the window's ``contention_quantile``, so that a loaded
+machine's usual is its own) weighs ``FAR`` too: it informs a fit only where nothing else is
+known, and a step timed on a free machine outweighs a spell's at once. Under lasting
+contention every share is the usual one and nothing is weighed down.
 """
 
 from __future__ import annotations
@@ -31,39 +28,17 @@ from __future__ import annotations
 import itertools
 import math
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Generic, TypeVar
 
 import numpy as np
 
-WINDOW = 512  # steps remembered
-AGE_DECAY = 0.995  # weight of a step per step since it ran
-BANDWIDTH = 0.7  # of the log-distance kernel, in tokens and in sequences
-FLOOR = 1e-6  # weight of a step however far: enough to fix a slope no close step varies
-# Steps of at most SMALL_STEP tokens (where padded products make a CPU step flat to 4 rows,
-# then rise) are fitted with a kernel this narrow in tokens, so that a step of 2 tokens is
-# judged by steps of 1..3 (and the floor shrunk to match); above, the wide kernel
-SMALL_STEP = 16
-SMALL_BANDWIDTH = 0.15
-SMALL_FLOOR = 1e-9
-PAIR_SCALE = 1e-4  # attention pairs are counted in units of 10^4
-# a sample whose share of the cores is below CONTENDED times the usual (USUAL_QUANTILE of the
-# window's shares) weighs (share / usual / CONTENDED) ** CONTENTION_POWER: at half the usual
-# (two busy processes on two cores) 0.002, so that one step timed on a free machine outweighs
-# a spell's samples of its shape; at 3/4 of it 0.2. On a free machine shares vary by a few
-# percent (0.95-1.05 at batch 1, 0.98-1.01 at batch 64): no sample is weighed down
-CONTENDED = 0.85
-CONTENTION_POWER = 12
-USUAL_QUANTILE = 0.9
-MIN_STEPS = 3
-REFIT_EVERY = 4  # steps a fit is reused for while the step's shape stays within ~10%
-CACHE_WIDTH = 0.1  # of a cached fit's shape, in log tokens and log sequences
-CACHE_SIZE = 64
+from specbatch.spec_decode.tuning import SpeculationTuning
 
-Fit = TypeVar("Fit")
-# a draft forward's fit is trusted only near a measured row count (log distance: ~4x)
-EXTRAPOLATE = math.log(4.0)
+# The weight of a sample however far from the shape asked about, or timed contended: enough
+# to fix a slope that no close step varies, never enough to move one that they do.
+FAR = 1e-6
+PAIR_SCALE = 1e-4  # attention pairs are fitted in units of 10^4 (the fit's conditioning)
+SLOPES = 3  # a step's fit has one per tokens, sequences, pairs: it needs as many samples
 
 
 class StepClock:
@@ -106,26 +81,19 @@ class StepCost:
 class StepTimes:
     """The target's step times: (tokens, sequences, attention pairs) -> seconds."""
 
-    def __init__(self, window: int = WINDOW) -> None:
+    def __init__(self, tuning: SpeculationTuning | None = None) -> None:
+        self.tuning = tuning or SpeculationTuning()
+        window = self.tuning.step_window
         # each step's row of the fit's design: 1, tokens, sequences, pairs (in PAIR_SCALE)
         self._design = np.zeros((window, 4))
         self._design[:, 0] = 1.0
         self._log = np.zeros((window, 2))  # log tokens, log sequences (for nearness)
         self._y = np.zeros(window)
-        self._priors = _Priors(window)
-        self._cache: _FitCache[StepCost] = _FitCache()
-        self._pair_cache: _FitCache[float] = _FitCache()
-
-    def fit(self, tokens: float, seqs: float) -> StepCost:
-        """The local linear model around a step of ``tokens`` tokens and ``seqs`` sequences
-        (reused while one fitted within ~10% of that shape is at most ``REFIT_EVERY`` steps
-        old: a plan asks for one per draft position at batch 1, and a decode step at batch
-        64 keeps its shape for many steps)."""
-        return self._cache.get((tokens, seqs), self._priors.count, lambda: self._fit(tokens, seqs))
+        self._ring = _Ring(window, self.tuning)
 
     @property
     def ready(self) -> bool:
-        return self._priors.count >= MIN_STEPS
+        return self._ring.count >= SLOPES
 
     def observe(
         self, tokens: int, seqs: int, pairs: float, seconds: float, share: float = 1.0
@@ -134,97 +102,109 @@ class StepTimes:
         ``seconds``, with ``share`` of the cores (CPU over wall seconds; 1.0 where unknown)."""
         if tokens <= 0 or seconds <= 0 or not math.isfinite(seconds):
             return
-        slot = self._priors.add(share)
+        slot = self._ring.add(share)
         seqs = max(seqs, 1)
         self._design[slot, 1:] = (tokens, seqs, pairs * PAIR_SCALE)
         self._log[slot] = (math.log(tokens), math.log(seqs))
         self._y[slot] = seconds
 
-    def _fit(self, tokens: float, seqs: float) -> StepCost:
-        if not self._priors.count:
-            return StepCost(0.0, 0.0, 0.0, 0.0)
-        prior = self._priors.weights()  # 0 where no step is stored yet
+    def fit(self, tokens: float, seqs: float) -> StepCost:
+        """The local linear model around a step of ``tokens`` tokens and ``seqs`` sequences."""
+        return self.fits([tokens], seqs)[0]
+
+    def fits(self, sizes: list[float], seqs: float) -> list[StepCost]:
+        """``fit`` at each of ``sizes`` tokens, ``seqs`` sequences (in one computation: a
+        batch-1 plan asks for one per draft position)."""
+        if not self._ring.count:
+            return [StepCost(0.0, 0.0, 0.0, 0.0) for _ in sizes]
+        prior = self._ring.weights()  # 0 where no step is stored yet
         design, y = self._design, self._y
-        if tokens > SMALL_STEP:
+        if seqs > 1:
             # larger steps keep the clamp: there its bias is on the dear side, and with the
             # fit unbiased the draft model was started at batch 8 and lost (humanities b=8
             # 0.91x, c 2.0: its catch-up on whole histories)
-            weight = prior * (np.exp(-self._nearness(tokens, seqs, BANDWIDTH)) + FLOOR)
-            fixed, per_token, per_seq, per_pair = _weighted_fit(design, y, weight, False)
-            return StepCost(
-                fixed, max(per_token, 0.0), max(per_seq, 0.0), max(per_pair, 0.0) * PAIR_SCALE
-            )
-        # Small steps: the narrow kernel in tokens leaves few close steps (at batch 1, those
-        # of one size), whose attention pairs barely vary: a per-pair slope fitted on them is
-        # their noise, and a row's price extrapolates it to another context (two warm-up
-        # steps of 2 tokens at context ~60, 1 ms apart, priced a row at context 229 at 83 ms,
-        # three decode steps, and the plan stopped drafting for good). The per-pair cost of
+            bandwidth = self.tuning.bandwidth
+            near = [self._nearness(tokens, seqs, bandwidth) for tokens in sizes]
+            weights = prior * (np.exp(-np.array(near)) + FAR)
+            return [
+                StepCost(
+                    fixed, max(per_token, 0.0), max(per_seq, 0.0), max(per_pair, 0.0) * PAIR_SCALE
+                )
+                for fixed, per_token, per_seq, per_pair in _weighted_fits(design, y, weights, False)
+            ]
+        # One sequence: the narrow kernel in tokens leaves few close steps (those of one
+        # size), whose attention pairs barely vary: a per-pair slope fitted on them is their
+        # noise, and a row's price extrapolates it to another context (two warm-up steps of 2
+        # tokens at context ~60, 1 ms apart, priced a row at context 229 at 83 ms, three
+        # decode steps, and the plan stopped drafting for good). The per-pair cost of
         # attention is one number whatever the step's size, so it is fitted on the wide
-        # kernel around the plain step of ``seqs`` sequences (decodes at every context), and
-        # the narrow one fits the rest, all slopes >= 0 (see _weighted_fit).
-        per_pair = self._pair_cache.get(
-            (seqs,), self._priors.count, lambda: self._pair_slope(prior, seqs)
-        )
-        narrow = prior * (np.exp(-self._nearness(tokens, seqs, SMALL_BANDWIDTH)) + SMALL_FLOOR)
-        fixed, per_token, per_seq = _weighted_fit(
-            design[:, :3], y - per_pair * design[:, 3], narrow, constrained=True
-        )
-        return StepCost(fixed, per_token, per_seq, per_pair * PAIR_SCALE)
+        # kernel around the plain step (decodes at every context), and the narrow one fits
+        # the rest, all slopes >= 0 (see _weighted_fit).
+        per_pair = self._pair_slope(prior, seqs)
+        small = self.tuning.small_bandwidth
+        near = [self._nearness(tokens, seqs, small) for tokens in sizes]
+        # no floor: so narrow a kernel weighs a step two sizes away at ~1e-5, and far ones
+        # (prefills) would bend its slope (the float's least positive value keeps the sums)
+        weights = prior * np.maximum(np.exp(-np.array(near)), np.finfo(float).tiny)
+        fitted = _weighted_fits(design[:, :3], y - per_pair * design[:, 3], weights, True)
+        return [
+            StepCost(fixed, per_token, per_seq, per_pair * PAIR_SCALE)
+            for fixed, per_token, per_seq in fitted
+        ]
 
     def _nearness(self, tokens: float, seqs: float, token_bandwidth: float) -> np.ndarray:
         """Half the squared log-distance of each step's (tokens, sequences) from the shape
-        asked about, in bandwidths (``token_bandwidth`` in tokens, ``BANDWIDTH`` in
+        asked about, in bandwidths (``token_bandwidth`` in tokens, the wide one in
         sequences)."""
         log = self._log
         return (
             ((log[:, 0] - math.log(max(tokens, 1.0))) / token_bandwidth) ** 2
-            + ((log[:, 1] - math.log(max(seqs, 1.0))) / BANDWIDTH) ** 2
+            + ((log[:, 1] - math.log(max(seqs, 1.0))) / self.tuning.bandwidth) ** 2
         ) / 2
 
     def _pair_slope(self, prior: np.ndarray, seqs: float) -> float:
         """The per-pair slope (in units of ``PAIR_SCALE`` pairs) of the wide, constrained
         fit around the plain step of ``seqs`` sequences."""
-        weight = prior * (np.exp(-self._nearness(seqs, seqs, BANDWIDTH)) + FLOOR)
+        near = self._nearness(seqs, seqs, self.tuning.bandwidth)
+        weight = prior * (np.exp(-near) + FAR)
         return float(_weighted_fit(self._design, self._y, weight, constrained=True)[3])
 
 
 class ForwardTimes:
     """A draft model's forward times: rows -> seconds, fitted locally like the target's."""
 
-    def __init__(self, window: int = WINDOW) -> None:
+    def __init__(self, tuning: SpeculationTuning | None = None) -> None:
+        self.tuning = tuning or SpeculationTuning()
+        window = self.tuning.step_window
         self._design = np.ones((window, 2))  # 1, rows
         self._y = np.zeros(window)
-        self._priors = _Priors(window)
-        self._cache: _FitCache[tuple[float, float]] = _FitCache()
+        self._ring = _Ring(window, self.tuning)
 
     @property
     def ready(self) -> bool:
-        return self._priors.count > 0
+        return self._ring.count > 0
 
     def observe(self, rows: int, seconds: float, share: float = 1.0) -> None:
         if rows <= 0 or seconds <= 0 or not math.isfinite(seconds):
             return
-        slot = self._priors.add(share)
+        slot = self._ring.add(share)
         self._design[slot, 1], self._y[slot] = rows, seconds
 
     def fit(self, rows: float) -> tuple[float, float]:
-        """(seconds per forward, seconds per row) near forwards of ``rows`` rows (reused like
-        the target's: a plan asks for it every step, drafting or not, and while the draft
-        model is not used nothing new is measured)."""
-        return self._cache.get((rows,), self._priors.count, lambda: self._fit(rows))
-
-    def _fit(self, rows: float) -> tuple[float, float]:
-        if not self._priors.count:
+        """(seconds per forward, seconds per row) near forwards of ``rows`` rows."""
+        if not self._ring.count:
             return 0.0, 0.0
-        stored = self._priors.stored
+        stored = self._ring.stored
         r, y = self._design[:, 1], self._y
         near = np.log(r / max(rows, 1.0)) ** 2  # stored rows are >= 1, the rest are 1
-        if near[stored].min() > EXTRAPOLATE**2:
-            # nothing measured near: a fit would put a far forward's whole time (a prompt's
-            # catch-up) in its fixed part and a plan would never try a small forward, so
-            # never learn better; the optimistic reading (all of it per row) gets it tried
+        bandwidth = self.tuning.bandwidth
+        if near[stored].min() > (2 * bandwidth) ** 2:
+            # nothing measured within two kernel widths (~4x the rows): a fit would put a far
+            # forward's whole time (a prompt's catch-up) in its fixed part and a plan would
+            # never try a small forward, so never learn better; the optimistic reading (all
+            # of it per row) gets it tried
             return 0.0, float((y[stored] / r[stored]).min())
-        weight = self._priors.weights() * (np.exp(-near / (2 * BANDWIDTH**2)) + FLOOR)
+        weight = self._ring.weights() * (np.exp(-near / (2 * bandwidth**2)) + FAR)
         fixed, per_row = _weighted_fit(self._design, y, weight, constrained=False)
         per_row = max(per_row, 0.0)
         if fixed < 0:  # a line through the origin's side: all of it per row
@@ -232,15 +212,17 @@ class ForwardTimes:
         return fixed, per_row
 
 
-class _Priors:
-    """The ring of stored samples: each one's weight before nearness, its age's decay times
-    its contention weight (see the module docstring); 0 for slots not yet used. Computed
-    once per new sample and shared by every fit until the next."""
+class _Ring:
+    """The window's samples, a slot per step in turn, and each one's weight before nearness:
+    its age's decay (``step_age_decay`` per sample since), times ``FAR`` for one timed
+    contended (see the module docstring); 0 for slots not yet used. Computed once per new
+    sample and shared by every fit until the next."""
 
-    def __init__(self, window: int) -> None:
+    def __init__(self, window: int, tuning: SpeculationTuning) -> None:
         self._share = np.ones(window)  # the process's share of the cores at each sample
-        self._decay = np.zeros(window)  # AGE_DECAY ** age; 0 for slots not yet used
+        self._decay = np.zeros(window)  # step_age_decay ** age; 0 for slots not yet used
         self._stored = np.zeros(window, dtype=bool)
+        self._tuning = tuning
         self.count = 0
         self._computed = -1
         self._weights = self._decay
@@ -253,7 +235,7 @@ class _Priors:
         """Store a sample's share of the cores; its slot in the ring."""
         slot = self.count % len(self._stored)
         self._share[slot] = share if share > 0 and math.isfinite(share) else 1.0
-        self._decay *= AGE_DECAY
+        self._decay *= self._tuning.step_age_decay
         self._decay[slot] = 1.0
         self._stored[slot] = True
         self.count += 1
@@ -262,13 +244,13 @@ class _Priors:
     def weights(self) -> np.ndarray:
         if self._computed != self.count and self.count:
             self._computed = self.count
-            shares = self._share[self._stored] if self.count < len(self._stored) else self._share
-            bar = _quantile(shares, USUAL_QUANTILE) * CONTENDED
+            tuning = self._tuning
+            shares = self._share[self._stored]
+            bar = _quantile(shares, tuning.contention_quantile) * tuning.contended_share
             if shares.min() >= bar:  # nothing contended (the usual case): the decay alone
                 self._weights = self._decay
             else:
-                clean = np.minimum(self._share / bar, 1.0) ** CONTENTION_POWER
-                self._weights = clean * self._decay
+                self._weights = np.where(self._share < bar, FAR, 1.0) * self._decay
         return self._weights
 
 
@@ -280,25 +262,6 @@ def _quantile(values: np.ndarray, q: float) -> float:
     high = min(low + 1, len(values) - 1)
     part = np.partition(values, (low, high))
     return float(part[low] + (part[high] - part[low]) * (position - low))
-
-
-class _FitCache(Generic[Fit]):
-    """Fits by shape (log buckets of ``CACHE_WIDTH``), each reused for ``REFIT_EVERY``
-    observations."""
-
-    def __init__(self) -> None:
-        self._fits: dict[tuple[int, ...], tuple[int, Fit]] = {}
-
-    def get(self, shape: tuple[float, ...], count: int, compute: Callable[[], Fit]) -> Fit:
-        key = tuple(round(math.log(max(v, 1.0)) / CACHE_WIDTH) for v in shape)
-        cached = self._fits.get(key)
-        if cached is not None and count - cached[0] < REFIT_EVERY:
-            return cached[1]
-        if len(self._fits) > CACHE_SIZE:
-            self._fits = {k: v for k, v in self._fits.items() if count - v[0] < REFIT_EVERY}
-        fit = compute()
-        self._fits[key] = (count, fit)
-        return fit
 
 
 def _weighted_fit(
@@ -318,39 +281,49 @@ def _weighted_fit(
     ones).
 
     ``weight`` may be 0 for rows that are not samples (the ring's unused slots)."""
-    total = weight.sum()
-    # sums about the heaviest sample (exact zeros for a column that does not vary, and no
-    # cancellation between large raw sums), then centred on the weighted means
-    heaviest = int(np.argmax(weight))
-    x = design[:, 1:] - design[heaviest, 1:]
-    dy = y - y[heaviest]
-    weighted = x * weight[:, None]
-    sum_x = weighted.sum(0)
-    sum_y = float(weight @ dy)
-    gram = weighted.T @ x - np.outer(sum_x, sum_x) / total
-    moment = weighted.T @ dy - sum_x * (sum_y / total)
+    return _weighted_fits(design, y, weight[None], constrained)[0]
+
+
+def _weighted_fits(
+    design: np.ndarray, y: np.ndarray, weights: np.ndarray, constrained: bool
+) -> np.ndarray:
+    """``_weighted_fit`` for each row of ``weights`` (fits x samples), in one computation."""
+    totals = weights.sum(1)
+    # sums about each fit's heaviest sample (exact zeros for a column that does not vary,
+    # and no cancellation between large raw sums), then centred on the weighted means
+    heaviest = np.argmax(weights, axis=1)
+    x = design[None, :, 1:] - design[heaviest, None, 1:]
+    dy = y[None, :] - y[heaviest, None]
+    weighted = x * weights[:, :, None]
+    sum_x = weighted.sum(1)
+    sum_y = (weights * dy).sum(1)
+    gram = np.einsum("kni,knj->kij", weighted, x)
+    gram -= sum_x[:, :, None] * sum_x[:, None, :] / totals[:, None, None]
+    moment = np.einsum("kni,kn->ki", weighted, dy) - sum_x * (sum_y / totals)[:, None]
     slopes = _ridge_solve(gram, moment, constrained)
-    mean_x = sum_x / total + design[heaviest, 1:]
-    intercept = sum_y / total + y[heaviest] - float(mean_x @ slopes)
-    if constrained and intercept < 0:
+    mean_x = sum_x / totals[:, None] + design[heaviest, 1:]
+    intercepts = sum_y / totals + y[heaviest] - (mean_x * slopes).sum(1)
+    for k in np.flatnonzero(intercepts < 0) if constrained else ():
         # no forward takes negative time: the optimum with the intercept >= 0 too has it at
         # 0 (the problem is convex and its optimum without that bound is past it), so the
         # slopes are refitted through the origin. Without it a few far steps (a fresh
         # engine's prefills and drafted steps, a CPU spell among them) extrapolated a
         # batch-1 decode step to -1.5 s, and a plan priced rows against a free step
-        raw = design[:, 1:] * weight[:, None]
-        slopes = _ridge_solve(raw.T @ design[:, 1:], raw.T @ y, constrained)
-        intercept = 0.0
-    return np.concatenate([[intercept], slopes])
+        raw = design[:, 1:] * weights[k, :, None]
+        through = _ridge_solve((raw.T @ design[:, 1:])[None], (raw.T @ y)[None], constrained)
+        slopes[k], intercepts[k] = through[0], 0.0
+    return np.concatenate([intercepts[:, None], slopes], axis=1)
 
 
 def _ridge_solve(gram: np.ndarray, moment: np.ndarray, constrained: bool) -> np.ndarray:
-    """The slopes minimising ``x.G.x - 2 x.h`` with a whisper of ridge on ``gram`` (in
-    place), all >= 0 if ``constrained``."""
-    gram += np.eye(gram.shape[0]) * (1e-9 * np.trace(gram) + 1e-30)
-    slopes = np.linalg.solve(gram, moment)
-    if constrained and (slopes < 0).any():
-        slopes = _nonnegative_slopes(gram, moment, slopes)
+    """Per fit (``gram``: fits x slopes x slopes), the slopes minimising ``x.G.x - 2 x.h``
+    with a whisper of ridge on ``gram`` (in place), all >= 0 if ``constrained``."""
+    columns = gram.shape[1]
+    trace = np.trace(gram, axis1=1, axis2=2)
+    gram += np.eye(columns)[None] * (1e-9 * trace + 1e-30)[:, None, None]
+    slopes = np.linalg.solve(gram, moment[:, :, None])[:, :, 0]
+    for k in np.flatnonzero((slopes < 0).any(axis=1)) if constrained else ():
+        slopes[k] = _nonnegative_slopes(gram[k], moment[k], slopes[k])
     return slopes
 
 

@@ -3,7 +3,7 @@
 Siblings (``with_siblings``): beside the chain a sequence may get *leaf* siblings at each chain
 position, scored by the network's probability that the chain up to there is right times the
 sibling's probability. On greedy and seeded rows they are the network's next likeliest tokens
-(its top ``SIBLING_CANDIDATES`` after the chain's own), taken best first; on unseeded random
+(its top ``width - 1`` after the chain's own), taken best first; on unseeded random
 rows they are further draws from the same q without replacement (what the recursive
 rejection sampler needs to stay exact), taken in draw order, each position's a prefix that
 stops at the first draw that does not pay. They cost no forward (their distributions were
@@ -13,11 +13,11 @@ holds the chain's tokens at their positions): when the target accepts one, the v
 ends before it and the next step catches up on it.
 
 Dynamic trees (``GrowingTree``): each level expands the likeliest nodes (by path probability,
-the product of the network's probabilities along the path) into their ``TREE_CHILDREN``
-likeliest children, one forward per level; the nodes kept are the chain of likeliest tokens
-while its path probability stays above the confidence threshold, plus every other node whose
-path probability beats the request's ``node_price``, best first, up to its slots (a node's
-ancestors always rank before it).
+the product of the network's probabilities along the path: the chain's node and ``width - 1``
+others) into their ``width`` likeliest children, one forward per level; the nodes kept are the
+chain of likeliest tokens while its path probability stays above the confidence threshold,
+plus every other node whose path probability beats the request's ``node_price``, best first,
+up to its slots (a node's ancestors always rank before it).
 """
 
 from __future__ import annotations
@@ -29,10 +29,6 @@ import torch
 from specbatch.runner.flat_batch import TokenRun
 from specbatch.sequence import Sequence
 from specbatch.spec_decode.proposers.base import DraftRequest
-
-SIBLING_CANDIDATES = 3  # per chain position, the likeliest tokens besides the chain's
-TREE_CHILDREN = 4  # children per expanded node
-TREE_EXPAND = 3  # nodes expanded per level (besides the chain's)
 
 
 @dataclass(frozen=True)
@@ -51,8 +47,9 @@ class TreeLevel:
 class GrowingTree:
     """A request's growing draft tree: candidate nodes with their path probabilities."""
 
-    def __init__(self, request: DraftRequest) -> None:
+    def __init__(self, request: DraftRequest, width: int) -> None:
         self.request = request
+        self.width = width
         self.token: list[int] = []
         self.parent: list[int] = []
         self.score: list[float] = []  # the network's probability of the path to the node
@@ -66,7 +63,7 @@ class GrowingTree:
         if depth > self.request.max_drafts:
             return
         base = 1.0 if parent < 0 else self.score[parent]
-        values, ids = probs.topk(TREE_CHILDREN)
+        values, ids = probs.topk(self.width)
         for rank, (p, token) in enumerate(zip(values.tolist(), ids.tolist(), strict=True)):
             if p <= 0.0:
                 break
@@ -91,7 +88,7 @@ class GrowingTree:
             (n for n in level if n not in chosen and self.score[n] > self.request.node_price),
             key=lambda n: -self.score[n],
         )
-        return (chosen + others[:TREE_EXPAND])[:room]
+        return (chosen + others[: self.width - 1])[:room]
 
     def level(self, seq: Sequence, nodes: list[int]) -> TreeLevel:
         """Expand ``nodes``: the sequence's run of every expanded node so far (creation order,

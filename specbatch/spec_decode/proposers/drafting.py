@@ -48,12 +48,7 @@ from specbatch.spec_decode.proposers.base import (
     Proposer,
     with_point_masses,
 )
-from specbatch.spec_decode.proposers.draft_trees import (
-    SIBLING_CANDIDATES,
-    GrowingTree,
-    TreeLevel,
-    with_siblings,
-)
+from specbatch.spec_decode.proposers.draft_trees import GrowingTree, TreeLevel, with_siblings
 
 
 class DraftNetwork(ABC):
@@ -102,7 +97,9 @@ class NetworkProposer(Proposer):
         confidence_threshold: float = 0.0,
         siblings: bool = False,
         dynamic_trees: bool = False,
+        tree_width: int = 4,
     ) -> None:
+        """``tree_width``: a tree node's children looked at (``draft_trees``)."""
         network.bind_cache(num_blocks, block_size)
         self.net = network
         self.generator = generator
@@ -111,6 +108,7 @@ class NetworkProposer(Proposer):
         # where nodes beside the chain pay: EAGLE-2's dynamic tree (a forward per level)
         # instead of siblings of the chain (no extra forward)
         self.dynamic_trees = dynamic_trees
+        self.tree_width = tree_width
         self._computed: dict[int, int] = {}  # seq_id -> leading tokens held by its cache
         # seq_id -> (position of the first draft, the chain): what the cache holds past the
         # sequence's tokens, checked against what the target accepted
@@ -225,7 +223,7 @@ class NetworkProposer(Proposer):
         seqs = [r.seq for r in requests]
         runs = self._catch_up_runs(seqs)
         logits = self.net.draft_logits(runs, seqs, 0)
-        trees = [GrowingTree(r) for r in requests]
+        trees = [GrowingTree(r, self.tree_width) for r in requests]
         for tree, row in zip(trees, torch.softmax(logits.float(), dim=-1), strict=True):
             tree.add_children(-1, row, self.confidence_threshold)
         for seq in seqs:
@@ -261,9 +259,9 @@ class NetworkProposer(Proposer):
         of each drafted token (for greedy rows: under its unscaled softmax; 1 without a
         threshold, siblings or ``need_chosen``), and for the rows ``likeliest`` sibling
         candidates with their probabilities: on greedy and seeded rows the network's
-        ``SIBLING_CANDIDATES + 1`` likeliest tokens (unscaled softmax), on unseeded random
-        rows ``SIBLING_CANDIDATES`` further draws from q without replacement (the drafted
-        token excluded), in draw order, with q at each."""
+        ``tree_width`` likeliest tokens (unscaled softmax), on unseeded random rows
+        ``tree_width - 1`` further draws from q without replacement (the drafted token
+        excluded), in draw order, with q at each."""
         t = SamplingTensors.build(rows, logits.shape[1], logits.device)
         q = target_probs(logits, t) if need_q or not t.all_greedy else None
         drafted = greedy_tokens(logits, t) if q is None else sample_rows(q, rows, t, self.generator)
@@ -281,7 +279,7 @@ class NetworkProposer(Proposer):
         if ranked:
             assert natural is not None
             index = torch.tensor(ranked, dtype=torch.long, device=logits.device)
-            values, ids = natural.index_select(0, index).topk(SIBLING_CANDIDATES + 1, dim=-1)
+            values, ids = natural.index_select(0, index).topk(self.tree_width, dim=-1)
             for row, v, i in zip(ranked, values.tolist(), ids.tolist(), strict=True):
                 top[row] = list(zip(v, i, strict=True))
         for row in likeliest:
@@ -291,11 +289,11 @@ class NetworkProposer(Proposer):
         return drafted.tolist(), q, chosen.tolist(), top
 
     def _draws(self, q: torch.Tensor, drafted: int) -> list[tuple[float, int]]:
-        """Up to ``SIBLING_CANDIDATES`` draws from ``q`` without ``drafted`` and without
+        """Up to ``tree_width - 1`` draws from ``q`` without ``drafted`` and without
         replacement, in draw order, with q at each."""
         rest = q.clone()
         rest[drafted] = 0.0
-        count = min(SIBLING_CANDIDATES, int((rest > 0).sum()))
+        count = min(self.tree_width - 1, int((rest > 0).sum()))
         if count == 0:
             return []
         ids = torch.multinomial(rest, count, replacement=False, generator=self.generator)

@@ -1,9 +1,9 @@
 """Prompt lookup: propose what followed the latest earlier occurrence of the sequence's suffix.
 
-With trees (``lookup_tree``) the lookup proposes what followed each of the latest
-``MAX_ENDS`` earlier occurrences, merged into a trie where they agree: text that repeats a
-phrase with different continuations (a variable name, a list's items) gets each of them
-checked in the same verify.
+With trees (``lookup_tree``) the lookup proposes what followed each of the latest ``width``
+earlier occurrences (``SpeculationTuning.tree_width``), merged into a trie where they agree:
+text that repeats a phrase with different continuations (a variable name, a list's items) gets
+each of them checked in the same verify.
 """
 
 from __future__ import annotations
@@ -21,15 +21,6 @@ from specbatch.spec_decode.proposers.base import (
     Proposer,
 )
 from specbatch.spec_decode.verification.tree import DraftTree
-
-MAX_ENDS = 4  # earlier occurrences of an n-gram remembered (the latest ones)
-# A tree node's score: the recency-weighted share of the occurrences whose continuation
-# passes through it (the latest weighs 1, the one before RECENCY, ...), times DEPTH_DECAY per
-# level below the first (a copied span's next token is right less often the further it is
-# from the match). The best-scoring nodes are kept; a child never outscores its parent, so
-# they form a tree.
-RECENCY = 0.5
-DEPTH_DECAY = 0.75
 
 
 def ngram_propose(tokens: np.ndarray, min_n: int, max_n: int, max_drafts: int) -> list[int]:
@@ -59,7 +50,7 @@ def ngram_match(
     return [], 0
 
 
-def ngram_ends(tokens: np.ndarray, n: int, limit: int = MAX_ENDS) -> list[int]:
+def ngram_ends(tokens: np.ndarray, n: int, limit: int) -> list[int]:
     """Where the latest ``limit`` earlier occurrences of the sequence's last ``n`` tokens end
     (the index just past each), latest first; the slow reference of
     :meth:`NgramIndex.ends`."""
@@ -72,15 +63,17 @@ def ngram_ends(tokens: np.ndarray, n: int, limit: int = MAX_ENDS) -> list[int]:
 
 
 def continuation_tree(tokens: SequenceT[int], ends: SequenceT[int], max_nodes: int) -> DraftTree:
-    """The trie of what followed each occurrence (``ends``, latest first), cut to the
-    ``max_nodes`` nodes of best score (see ``RECENCY``); nodes in creation order (topological:
-    the latest occurrence's continuation first, so one occurrence gives its chain)."""
-    total = sum(RECENCY**j for j in range(len(ends)))
+    """The trie of what followed each occurrence (``ends``, latest first), cut to its best
+    ``max_nodes`` nodes: those the most occurrences pass through (the likeliest to be the
+    text's), then the shallower (a path is right only if its parent is), then the latest
+    occurrence's. A child never ranks before its parent, so they form a tree; nodes in
+    creation order (topological: one occurrence gives its chain)."""
     index: dict[tuple[int, int], int] = {}  # (parent, token) -> node
     node_tokens: list[int] = []
     parents: list[int] = []
-    scores: list[float] = []
-    for j, end in enumerate(ends):
+    depths: list[int] = []
+    counts: list[int] = []
+    for end in ends:
         parent = -1
         for depth, token in enumerate(tokens[end : end + max_nodes]):
             node = index.get((parent, token))
@@ -88,10 +81,12 @@ def continuation_tree(tokens: SequenceT[int], ends: SequenceT[int], max_nodes: i
                 node = index[(parent, token)] = len(node_tokens)
                 node_tokens.append(token)
                 parents.append(parent)
-                scores.append(0.0)
-            scores[node] += RECENCY**j / total * DEPTH_DECAY**depth
+                depths.append(depth)
+                counts.append(0)
+            counts[node] += 1
             parent = node
-    keep = sorted(sorted(range(len(node_tokens)), key=lambda i: (-scores[i], i))[:max_nodes])
+    ranked = sorted(range(len(node_tokens)), key=lambda i: (-counts[i], depths[i], i))
+    keep = sorted(ranked[:max_nodes])
     renumber = {old: new for new, old in enumerate(keep)}
     return DraftTree(
         [node_tokens[i] for i in keep],
@@ -111,9 +106,10 @@ class NgramIndex:
     tokens): every decoding sequence is looked up every step, drafted or not.
     """
 
-    def __init__(self, min_n: int, max_n: int) -> None:
-        self.min_n, self.max_n = min_n, max_n
-        # n-gram -> the index just past each of its latest MAX_ENDS ends, oldest first
+    def __init__(self, min_n: int, max_n: int, limit: int = 1) -> None:
+        """``limit``: the latest ends of each n-gram remembered (one for a chain)."""
+        self.min_n, self.max_n, self.limit = min_n, max_n, limit
+        # n-gram -> the index just past each of its latest ``limit`` ends, oldest first
         self._ends: dict[tuple[int, ...], list[int]] = {}
         self._next_end = 0  # n-grams ending before this index are in _ends
 
@@ -127,7 +123,7 @@ class NgramIndex:
             for n in range(self.min_n, min(self.max_n, end) + 1):
                 ends = self._ends.setdefault(tuple(tokens[end - n : end]), [])
                 ends.append(end)
-                if len(ends) > MAX_ENDS:
+                if len(ends) > self.limit:
                     del ends[0]
         self._next_end = max(self._next_end, length)
         for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
@@ -148,15 +144,21 @@ class NgramProposer(Proposer):
     """Draft tokens copied from the sequence's own prompt and output (no draft model)."""
 
     def __init__(
-        self, min_n: int, max_n: int, shortest: int | None = None, trees: bool = False
+        self,
+        min_n: int,
+        max_n: int,
+        shortest: int | None = None,
+        trees: bool = False,
+        width: int = 4,
     ) -> None:
         """``shortest`` (at most ``min_n``): the shortest match :meth:`match` may be asked
-        for (the hybrid asks down to 1 token). ``trees``: propose the continuations of
-        several earlier occurrences as a tree (:meth:`tree`)."""
+        for (the hybrid asks down to 1 token). ``trees``: propose the continuations of the
+        latest ``width`` earlier occurrences as a tree (:meth:`tree`)."""
         self.min_n = min_n
         self.max_n = max_n
         self.shortest = min_n if shortest is None else min(shortest, min_n)
         self.trees = trees
+        self.width = width
         self._indices: dict[int, NgramIndex] = {}
 
     @property
@@ -171,7 +173,8 @@ class NgramProposer(Proposer):
             return LookupMatch(*ngram_match(tokens, floor, self.max_n, max_drafts))
         index = self._indices.get(seq.seq_id)
         if index is None:
-            index = self._indices[seq.seq_id] = NgramIndex(self.shortest, self.max_n)
+            limit = self.width if self.trees else 1
+            index = self._indices[seq.seq_id] = NgramIndex(self.shortest, self.max_n, limit)
         found, n = index.match(seq.token_ids, max_drafts)
         return LookupMatch(found, n) if n >= floor else LookupMatch([], 0)
 
@@ -182,7 +185,7 @@ class NgramProposer(Proposer):
         if n >= self.shortest and index is not None:
             ends = index.ends(seq.token_ids, n)
         else:
-            ends = ngram_ends(np.asarray(seq.token_ids, dtype=np.int64), n)
+            ends = ngram_ends(np.asarray(seq.token_ids, dtype=np.int64), n, self.width)
         return continuation_tree(seq.token_ids, ends, max_nodes)
 
     def drafts(

@@ -1,0 +1,122 @@
+"""Every tunable constant of speculation's control and drafting, in one frozen object.
+
+A field is here because a measurement says it matters; each says what it trades and which
+measurement set it (the numbers are in ``docs/notes.md``). Pass another through
+``SpeculativeConfig(tuning=...)`` (or ``speculative_config={"tuning": {...}}``) to experiment:
+an experiment changes a field of a config, never an attribute of a live object. A fix replaces
+a knob or a branch; it does not add one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+from specbatch.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class SpeculationTuning:
+    """The goodput controller's, its step-time and acceptance models' and the proposers'
+    constants (see the module docstring)."""
+
+    # -- the controller
+    # A plan with drafts must beat the plain step by this share of its own estimate: the
+    # estimates err, and the sequences drafted are those whose estimates run high.
+    hurdle: float = 0.03
+    # Every this many plans, one draft more than the plan chose (0: never), so that a drafted
+    # step shape measured slow (another process had the cores) is measured again.
+    probe_every: int = 16
+    # A draft model's catch-up backlog is charged spread over at most this many steps of the
+    # sequence (a first draft bets that drafting goes on, not that it lasts the sequence).
+    catch_up_steps: int = 16
+
+    # -- the step-time model (``control/step_times.py``)
+    # Steps remembered, and the weight a step keeps per step since it ran: newer steps
+    # outweigh older ones of the same shape, so a shape measured slow is soon remeasured.
+    step_window: int = 512
+    step_age_decay: float = 0.995
+    # Width of the nearness kernel in log tokens and log sequences: how local a fit is.
+    bandwidth: float = 0.7
+    # A single sequence's steps (where padded products make a CPU step flat to 4 rows) are
+    # fitted with a kernel this wide in log tokens, so that a step of 2 tokens is judged by
+    # steps of 1-3.
+    small_bandwidth: float = 0.15
+    # A step timed with a share of the cores below ``contended_share`` of the usual (the
+    # window's ``contention_quantile``: most steps', so a loaded machine's usual is its own)
+    # informs a fit only where nothing else is known (another process had the cores).
+    contended_share: float = 0.85
+    contention_quantile: float = 0.9
+
+    # -- the acceptance model (``control/acceptance.py``)
+    # A sequence keeps this much of a bursty way's history per outcome (a lookup is right
+    # through a copied span, then not) ...
+    sequence_decay: float = 0.9
+    # ... and of a steady way's (a draft model's rate is the text's), per outcome; every
+    # estimate keeps this much per step without an outcome, drifting back to its prior.
+    steady_decay: float = 0.97
+    # The rates shared by all sequences (a way's population, per position) keep this much
+    # per outcome, the calibration sums per verify and per step.
+    shared_decay: float = 0.99
+    # Pseudo-outcomes behind every estimate, at its prior (a sequence's: its population's
+    # rate; a population's and a position's: 0.5; calibration: a factor of 1).
+    prior_weight: float = 4.0
+
+    # -- the proposers
+    # Branching of draft trees: children per node looked at (a dynamic tree's; a chain's
+    # siblings and sibling slots), occurrences a lookup tree follows.
+    tree_width: int = 4
+
+    def __post_init__(self) -> None:
+        for name in ("hurdle", "bandwidth", "small_bandwidth", "prior_weight"):
+            _check(name, getattr(self, name), float, low=0.0, open_low=name != "hurdle")
+        _check("probe_every", self.probe_every, int, low=0)
+        for name in ("catch_up_steps", "step_window", "tree_width"):
+            _check(name, getattr(self, name), int, low=1)
+        for name in (
+            "contended_share",
+            "contention_quantile",
+            "step_age_decay",
+            "sequence_decay",
+            "steady_decay",
+            "shared_decay",
+        ):
+            _check(name, getattr(self, name), float, low=0.0, high=1.0)
+
+    @classmethod
+    def parse(cls, value: SpeculationTuning | dict[str, Any] | None) -> SpeculationTuning:
+        """Accept a tuning, a dict of some of its fields, or None (the defaults)."""
+        if value is None:
+            return cls()
+        if isinstance(value, SpeculationTuning):
+            return value
+        if not isinstance(value, dict):
+            raise ConfigError(f"speculative_config tuning must be a dict, got {value!r}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ConfigError(f"unknown tuning keys {unknown}; known: {sorted(known)}")
+        return cls(**value)
+
+
+def _check(
+    name: str,
+    value: object,
+    kind: type,
+    low: float,
+    high: float | None = None,
+    open_low: bool = False,
+) -> None:
+    """``value`` is a ``kind`` (an int counts as a float) within [low, high]."""
+    numeric = isinstance(value, int | float) and not isinstance(value, bool)
+    if kind is int:
+        numeric = isinstance(value, int) and not isinstance(value, bool)
+    bounds = f"({low}" if open_low else f"[{low}"
+    bounds += f", {high}]" if high is not None else ", inf)"
+    if (
+        not numeric
+        or value < low  # type: ignore[operator]
+        or (open_low and value == low)
+        or (high is not None and value > high)  # type: ignore[operator]
+    ):
+        raise ConfigError(f"tuning {name} must be a {kind.__name__} in {bounds}, got {value!r}")
