@@ -14,6 +14,7 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -176,6 +177,35 @@ class CorpusPart:
     sequences: list[list[int]]
     labels: list[tuple[torch.Tensor, torch.Tensor] | None]
     prompt_lens: list[int]  # 0 where unknown (plain text)
+
+
+class CorpusSettings(Protocol):
+    """What building a corpus takes from ``distill-draft``'s or ``train-head``'s config."""
+
+    target: str | None
+    work: Path
+    num_prompts: int
+    extra_prompts: int
+    answer_tokens: int
+    generation_batch: int
+    seed: int
+    max_len: int
+
+
+def answered_corpus(settings: CorpusSettings, text_chars: int = 0) -> list[CorpusPart]:
+    """The target's answers to the prompt families (generated into the work directory the
+    first time) and, with ``text_chars``, that much plain text, as corpus parts."""
+    generate_all_answers(
+        settings.target,
+        settings.work,
+        (settings.num_prompts, settings.extra_prompts),
+        settings.answer_tokens,
+        settings.generation_batch,
+        settings.seed,
+    )
+    if text_chars:
+        tokenize_text(settings.target, settings.work, text_chars)
+    return corpus_parts(settings.work, settings.max_len)
 
 
 def corpus_parts(work: Path, max_len: int, text_max_len: int = 512) -> list[CorpusPart]:

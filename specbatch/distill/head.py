@@ -33,7 +33,7 @@ from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
 from specbatch.cache.kv_tensors import allocate_kv_caches
-from specbatch.distill.corpus import corpus_parts, generate_all_answers
+from specbatch.distill.corpus import answered_corpus
 from specbatch.distill.pipeline import decode_ms, load_and_pack, median_ms, split_corpus
 from specbatch.distill.student import select_vocabulary
 from specbatch.distill.teacher import dense_batches, label_shards, load_shards
@@ -82,15 +82,7 @@ class HeadExample:
 
 def run(config: HeadTrainConfig) -> Path:
     work = config.work
-    generate_all_answers(
-        config.target,
-        work,
-        (config.num_prompts, config.extra_prompts),
-        config.answer_tokens,
-        config.generation_batch,
-        config.seed,
-    )
-    parts = [p for p in corpus_parts(work, config.max_len) if p.name != "text"]
+    parts = [p for p in answered_corpus(config) if p.name != "text"]
     sequences = [s for part in parts for s in part.sequences]
     token_map = head_vocabulary(config, sequences)
     shards = []

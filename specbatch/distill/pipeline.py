@@ -29,11 +29,7 @@ from typing import Generic, TypeVar
 import torch
 
 from specbatch.cache.kv_tensors import allocate_kv_caches
-from specbatch.distill.corpus import (
-    corpus_parts,
-    generate_all_answers,
-    tokenize_text,
-)
+from specbatch.distill.corpus import answered_corpus
 from specbatch.distill.student import (
     StudentShape,
     build_student,
@@ -96,16 +92,7 @@ def parse_shape(text: str) -> StudentShape:
 
 def run(config: DistillConfig) -> Path:
     work = config.work
-    generate_all_answers(
-        config.target,
-        work,
-        (config.num_prompts, config.extra_prompts),
-        config.answer_tokens,
-        config.generation_batch,
-        config.seed,
-    )
-    tokenize_text(config.target, work, config.text_chars)
-    parts = corpus_parts(work, config.max_len)
+    parts = answered_corpus(config, config.text_chars)
     # the vocabulary comes from the base answers and the text (it was fixed before the extra
     # prompt families existed; recomputing it would mean scoring all of them again)
     token_map = _vocabulary(

@@ -151,10 +151,6 @@ class AsyncEngine:
         """Whether new requests are taken (not draining, stopped or dead)."""
         return not (self._draining or self._stopped or self._error is not None)
 
-    def num_in_flight(self) -> int:
-        with self._lock:
-            return len(self._streams)
-
     def num_waiting(self) -> int:
         """Requests not yet running: those being added plus the scheduler's waiting queue."""
         with self._lock:

@@ -149,10 +149,6 @@ class ModelConfig:
             return self.target_vocab_size
         return self.vocab_size
 
-    @property
-    def num_queries_per_kv(self) -> int:
-        return self.num_attention_heads // self.num_key_value_heads
-
     def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes)
 

@@ -16,7 +16,7 @@ import torch
 
 from specbatch.kernels.attention import PAD_SLOT, AttentionInputs
 from specbatch.kernels.attention.triton_backend import TileConfig, TritonAttentionBackend
-from specbatch.kernels.compile_report import CompileReport, compile_launch
+from tests.kernels.compile_report import CompileReport, compile_launch
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

@@ -32,8 +32,8 @@ from specbatch.kernels.attention.triton_backend import (
     TILE_CANDIDATES,
     TritonAttentionBackend,
 )
-from specbatch.kernels.compile_report import CompileReport
 from tests.kernels.compile_cases import step_inputs
+from tests.kernels.compile_report import CompileReport
 
 ROOT = Path(__file__).resolve().parents[2]
 SHARED_LIMIT = {80: 163 * 1024, 90: 227 * 1024}  # bytes of shared memory per block
