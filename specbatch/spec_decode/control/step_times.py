@@ -29,6 +29,7 @@ import itertools
 import math
 import time
 from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 
@@ -39,6 +40,8 @@ from specbatch.spec_decode.tuning import SpeculationTuning
 FAR = 1e-6
 PAIR_SCALE = 1e-4  # attention pairs are fitted in units of 10^4 (the fit's conditioning)
 SLOPES = 3  # a step's fit has one per tokens, sequences, pairs: it needs as many samples
+
+Fit = TypeVar("Fit")
 
 
 class StepClock:
@@ -90,6 +93,7 @@ class StepTimes:
         self._log = np.zeros((window, 2))  # log tokens, log sequences (for nearness)
         self._y = np.zeros(window)
         self._ring = _Ring(window, self.tuning)
+        self._cache: _FitCache[Any] = _FitCache(self.tuning.refit_every)
 
     @property
     def ready(self) -> bool:
@@ -113,19 +117,27 @@ class StepTimes:
         return self.fits([tokens], seqs)[0]
 
     def fits(self, sizes: list[float], seqs: float) -> list[StepCost]:
-        """``fit`` at each of ``sizes`` tokens, ``seqs`` sequences (in one computation: a
-        batch-1 plan asks for one per draft position)."""
-        if not self._ring.count:
+        """``fit`` at each of ``sizes`` tokens, ``seqs`` sequences: the ones fitted within
+        the last ``refit_every`` samples as they were, the rest in one computation (a
+        batch-1 plan asks for one per draft position every step)."""
+        count = self._ring.count
+        if not count:
             return [StepCost(0.0, 0.0, 0.0, 0.0) for _ in sizes]
+        cached = {size: self._cache.get((size, seqs), count) for size in sizes}
+        missing = [size for size, fit in cached.items() if fit is None]
+        if missing:
+            for size, fit in zip(missing, self._fit(missing, seqs), strict=True):
+                cached[size] = self._cache.put((size, seqs), count, fit)
+        return [cached[size] for size in sizes]  # type: ignore[misc]
+
+    def _fit(self, sizes: list[float], seqs: float) -> list[StepCost]:
         prior = self._ring.weights()  # 0 where no step is stored yet
         design, y = self._design, self._y
         if seqs > 1:
             # larger steps keep the clamp: there its bias is on the dear side, and with the
-            # fit unbiased the draft model was started at batch 8 and lost (humanities b=8
-            # 0.91x, c 2.0: its catch-up on whole histories)
-            bandwidth = self.tuning.bandwidth
-            near = [self._nearness(tokens, seqs, bandwidth) for tokens in sizes]
-            weights = prior * (np.exp(-np.array(near)) + FAR)
+            # fit unbiased the draft model was started at batch 8 and lost (its catch-up on
+            # whole histories)
+            weights = prior * (self._kernel(sizes, seqs, self.tuning.bandwidth) + FAR)
             return [
                 StepCost(
                     fixed, max(per_token, 0.0), max(per_seq, 0.0), max(per_pair, 0.0) * PAIR_SCALE
@@ -134,39 +146,39 @@ class StepTimes:
             ]
         # One sequence: the narrow kernel in tokens leaves few close steps (those of one
         # size), whose attention pairs barely vary: a per-pair slope fitted on them is their
-        # noise, and a row's price extrapolates it to another context (two warm-up steps of 2
-        # tokens at context ~60, 1 ms apart, priced a row at context 229 at 83 ms, three
-        # decode steps, and the plan stopped drafting for good). The per-pair cost of
-        # attention is one number whatever the step's size, so it is fitted on the wide
+        # noise, and a row's price would extrapolate it to another context. The per-pair cost
+        # of attention is one number whatever the step's size, so it is fitted on the wide
         # kernel around the plain step (decodes at every context), and the narrow one fits
         # the rest, all slopes >= 0 (see _weighted_fit).
-        per_pair = self._pair_slope(prior, seqs)
-        small = self.tuning.small_bandwidth
-        near = [self._nearness(tokens, seqs, small) for tokens in sizes]
+        per_pair = self._cache.get(("pair", seqs), self._ring.count)
+        if per_pair is None:
+            per_pair = self._cache.put(
+                ("pair", seqs), self._ring.count, self._pair_slope(prior, seqs)
+            )
+        kernel = self._kernel(sizes, seqs, self.tuning.small_bandwidth)
         # no floor: so narrow a kernel weighs a step two sizes away at ~1e-5, and far ones
         # (prefills) would bend its slope (the float's least positive value keeps the sums)
-        weights = prior * np.maximum(np.exp(-np.array(near)), np.finfo(float).tiny)
+        weights = prior * np.maximum(kernel, np.finfo(float).tiny)
         fitted = _weighted_fits(design[:, :3], y - per_pair * design[:, 3], weights, True)
         return [
             StepCost(fixed, per_token, per_seq, per_pair * PAIR_SCALE)
             for fixed, per_token, per_seq in fitted
         ]
 
-    def _nearness(self, tokens: float, seqs: float, token_bandwidth: float) -> np.ndarray:
-        """Half the squared log-distance of each step's (tokens, sequences) from the shape
-        asked about, in bandwidths (``token_bandwidth`` in tokens, the wide one in
-        sequences)."""
+    def _kernel(self, sizes: list[float], seqs: float, token_bandwidth: float) -> np.ndarray:
+        """Per size (sizes x samples), the Gaussian kernel of each step's (log tokens, log
+        sequences) distance from (``size`` tokens, ``seqs`` sequences), ``token_bandwidth``
+        wide in tokens and the wide bandwidth in sequences."""
         log = self._log
-        return (
-            ((log[:, 0] - math.log(max(tokens, 1.0))) / token_bandwidth) ** 2
-            + ((log[:, 1] - math.log(max(seqs, 1.0))) / self.tuning.bandwidth) ** 2
-        ) / 2
+        tokens = np.log(np.maximum(sizes, 1.0))[:, None]
+        in_tokens = ((log[None, :, 0] - tokens) / token_bandwidth) ** 2
+        in_seqs = ((log[:, 1] - math.log(max(seqs, 1.0))) / self.tuning.bandwidth) ** 2
+        return np.exp(-(in_tokens + in_seqs[None]) / 2)
 
     def _pair_slope(self, prior: np.ndarray, seqs: float) -> float:
         """The per-pair slope (in units of ``PAIR_SCALE`` pairs) of the wide, constrained
         fit around the plain step of ``seqs`` sequences."""
-        near = self._nearness(seqs, seqs, self.tuning.bandwidth)
-        weight = prior * (np.exp(-near) + FAR)
+        weight = prior * (self._kernel([seqs], seqs, self.tuning.bandwidth)[0] + FAR)
         return float(_weighted_fit(self._design, self._y, weight, constrained=True)[3])
 
 
@@ -179,6 +191,7 @@ class ForwardTimes:
         self._design = np.ones((window, 2))  # 1, rows
         self._y = np.zeros(window)
         self._ring = _Ring(window, self.tuning)
+        self._cache: _FitCache[tuple[float, float]] = _FitCache(self.tuning.refit_every)
 
     @property
     def ready(self) -> bool:
@@ -191,9 +204,17 @@ class ForwardTimes:
         self._design[slot, 1], self._y[slot] = rows, seconds
 
     def fit(self, rows: float) -> tuple[float, float]:
-        """(seconds per forward, seconds per row) near forwards of ``rows`` rows."""
-        if not self._ring.count:
+        """(seconds per forward, seconds per row) near forwards of ``rows`` rows (fitted
+        again every ``refit_every`` samples)."""
+        count = self._ring.count
+        if not count:
             return 0.0, 0.0
+        cached = self._cache.get((rows,), count)
+        if cached is None:
+            cached = self._cache.put((rows,), count, self._fit(rows))
+        return cached
+
+    def _fit(self, rows: float) -> tuple[float, float]:
         stored = self._ring.stored
         r, y = self._design[:, 1], self._y
         near = np.log(r / max(rows, 1.0)) ** 2  # stored rows are >= 1, the rest are 1
@@ -252,6 +273,27 @@ class _Ring:
             else:
                 self._weights = np.where(self._share < bar, FAR, 1.0) * self._decay
         return self._weights
+
+
+class _FitCache(Generic[Fit]):
+    """Fits by exact shape, each reused until ``refit_every`` samples have arrived since it
+    was fitted (entries older than that are dropped as new ones come)."""
+
+    def __init__(self, refit_every: int) -> None:
+        self.refit_every = refit_every
+        self._fits: dict[tuple[Any, ...], tuple[int, Fit]] = {}
+
+    def get(self, shape: tuple[Any, ...], count: int) -> Fit | None:
+        cached = self._fits.get(shape)
+        if cached is not None and count - cached[0] < self.refit_every:
+            return cached[1]
+        return None
+
+    def put(self, shape: tuple[Any, ...], count: int, fit: Fit) -> Fit:
+        if shape not in self._fits:  # a new shape: the stale ones go first
+            self._fits = {k: v for k, v in self._fits.items() if count - v[0] < self.refit_every}
+        self._fits[shape] = (count, fit)
+        return fit
 
 
 def _quantile(values: np.ndarray, q: float) -> float:
@@ -322,35 +364,27 @@ def _ridge_solve(gram: np.ndarray, moment: np.ndarray, constrained: bool) -> np.
     trace = np.trace(gram, axis1=1, axis2=2)
     gram += np.eye(columns)[None] * (1e-9 * trace + 1e-30)[:, None, None]
     slopes = np.linalg.solve(gram, moment[:, :, None])[:, :, 0]
-    for k in np.flatnonzero((slopes < 0).any(axis=1)) if constrained else ():
-        slopes[k] = _nonnegative_slopes(gram[k], moment[k], slopes[k])
+    if constrained:
+        negative = (slopes < 0).any(axis=1)
+        if negative.any():
+            slopes[negative] = _nonnegative_slopes(gram[negative], moment[negative])
     return slopes
 
 
-def _nonnegative_slopes(
-    gram: np.ndarray, moment: np.ndarray, unconstrained: np.ndarray
-) -> np.ndarray:
-    """argmin over x >= 0 of x.G.x - 2 x.h: the best of the unconstrained optima on every
-    set of free slopes that are all >= 0."""
-    columns = gram.shape[0]
-    # usually the negative slopes of the unconstrained fit are the zero ones: fit the rest and
-    # accept it if it is optimal (all >= 0, and no zero slope would lower the objective)
-    free = unconstrained >= 0
-    if free.any():
-        slopes = np.zeros(columns)
-        slopes[free] = np.linalg.solve(gram[np.ix_(free, free)], moment[free])
-        if (slopes >= 0).all() and (moment - gram @ slopes)[~free].max() <= 0:
-            return slopes
-    slopes = np.zeros(columns)
-    best = 0.0  # the objective's decrease from all slopes 0 (which is always feasible)
+def _nonnegative_slopes(gram: np.ndarray, moment: np.ndarray) -> np.ndarray:
+    """Per fit, argmin over x >= 0 of x.G.x - 2 x.h: the best of the unconstrained optima on
+    every set of free slopes that are all >= 0 (every fit's set at once)."""
+    count, columns = moment.shape
+    slopes = np.zeros((count, columns))
+    best = np.zeros(count)  # the objective's decrease from all slopes 0 (always feasible)
     for size in range(1, columns + 1):
         for subset in itertools.combinations(range(columns), size):
             index = list(subset)
-            trial = np.linalg.solve(gram[np.ix_(index, index)], moment[index])
-            if (trial < 0).any():
-                continue
-            decrease = float(trial @ moment[index])  # = 2 x.h - x.G.x at the subset's optimum
-            if decrease > best:
-                best, slopes = decrease, np.zeros(columns)
-                slopes[index] = trial
+            sub = gram[:, index][:, :, index]
+            trial = np.linalg.solve(sub, moment[:, index, None])[:, :, 0]
+            decrease = (trial * moment[:, index]).sum(1)  # = 2 x.h - x.G.x at the optimum
+            better = (trial >= 0).all(1) & (decrease > best)
+            best = np.where(better, decrease, best)
+            slopes[better] = 0.0
+            slopes[np.ix_(better, index)] = trial[better]
     return slopes
