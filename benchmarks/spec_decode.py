@@ -5,16 +5,18 @@
 
 ``default`` is what ``LLM()`` does without a speculative_config (auto: the goodput controller
 choosing every step's drafts); ``ngram``, ``draft`` and ``hybrid`` are fixed-k unless given
-``adaptive=1``. Every cell runs its engines in lockstep by progress: the next step is always
-that of the engine with the fewest tokens emitted so far, each engine's time the sum of its
-own steps, so that all of them cover the same tokens over the same stretch of wall time and
-the machine's drift (10-15% between runs minutes apart on this shared host) lands on every
-engine alike (``--sequential``: each engine's run whole, one after another, as before
-session 37). With ``--repeats`` every cell runs that many times and the speedup is the
-median of the per-repeat ratios, printed with their range (the run-to-run spread). For the
-controller, each row also prints the share of its planned steps that drafted, the drafts per
-planned step, and the measured cost of one verify row over the step's (its step-time model
-at the end of the cell).
+``adaptive=1``; any field of ``SpeculationTuning`` is an option of every spec, so variants of
+one configuration run side by side (``--proposers default default:hurdle=0,probe_every=0``).
+Every cell runs its engines in lockstep by progress (``lockstep.run_lockstep``): the next
+step is always that of the engine with the fewest tokens emitted so far, each engine's time
+the sum of its own steps, so that all of them cover the same tokens over the same stretch of
+wall time and the machine's drift (10-15% between runs minutes apart on this shared host)
+lands on every engine alike (``--sequential``: each engine's run whole, one after another).
+With ``--repeats`` every cell runs that many times and the speedup is the median of the
+per-repeat ratios, printed with their range (the run-to-run spread). For the controller,
+each row also prints the share of its planned steps that drafted, the drafts per planned
+step, and the measured cost of one verify row over the step's (its step-time model at the
+end of the cell).
 
 For every category and batch size, each engine (speculation off, then each proposer) generates
 greedily for the same chat-formatted first turns (cycled to fill the batch), stopping at EOS or
@@ -23,16 +25,23 @@ output differs says so), so tok/s compare equal work. Reported per row: tok/s, s
 off, mean accepted length (tokens per verify step, bonus included), per-draft acceptance rate,
 and c, the measured cost of one draft step relative to one speculation-off target step at that
 batch size (proposal time for n-gram).
+
+Two diagnostics (``spec_probes.py``): ``--steps`` prints, per cell, where each engine's step
+time goes (plan, controller, proposal, forward, verify, learn, the rest) and its steps grouped
+by the way and number of drafts; ``--contention SECONDS`` replaces the cells by fresh engines
+at batch 1 hit by a CPU spell that long, against speculation off (``--categories
+code_editing --code-edit --proposers default --contention 3``: the code-editing prompts).
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
 import statistics
 import sys
-import time
 from collections import defaultdict
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -40,35 +49,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.code_edit_prompt import CODE_EDIT_PROMPTS
 from benchmarks.common import Prompt, load_specbench, print_conditions, write_json
-from specbatch import LLMEngine, SamplingParams
+from benchmarks.lockstep import Timer, run, run_lockstep
+from benchmarks.spec_probes import contention, part_timers, print_steps
+from specbatch import LLMEngine
 from specbatch.config import EngineConfig
 from specbatch.spec_decode.proposers.drafting import NetworkProposer
-
-
-class Timer:
-    """Accumulates the time and calls of a wrapped method."""
-
-    def __init__(self, owner: Any, name: str) -> None:
-        self.seconds, self.calls = 0.0, 0
-        original = getattr(owner, name)
-
-        def wrapped(*args: Any, **kwargs: Any) -> Any:
-            start = time.perf_counter()
-            try:
-                return original(*args, **kwargs)
-            finally:
-                self.seconds += time.perf_counter() - start
-                self.calls += 1
-
-        setattr(owner, name, wrapped)
-
-    def reset(self) -> None:
-        self.seconds, self.calls = 0.0, 0
-
-    @property
-    def mean(self) -> float:
-        return self.seconds / self.calls if self.calls else 0.0
-
+from specbatch.spec_decode.tuning import SpeculationTuning
 
 PROPOSER_OPTIONS = {
     "k": int,
@@ -86,6 +72,15 @@ PROPOSER_OPTIONS = {
 }
 
 
+TUNING = {f.name: type(getattr(SpeculationTuning(), f.name)) for f in fields(SpeculationTuning)}
+
+
+def tuning_value(key: str, text: str) -> Any:
+    """A ``SpeculationTuning`` field's value from the command line (``0``/``1`` for a flag)."""
+    kind = TUNING[key]
+    return bool(int(text)) if kind is bool else kind(text)
+
+
 def proposer_config(spec: str, args: argparse.Namespace) -> dict[str, Any] | None:
     """``name[:key=value,...]`` (name default, ngram, draft, eagle or hybrid; keys k, min, max,
     conf, adaptive, tree: lookup trees, dtree: draft siblings, model: a draft model or head
@@ -94,16 +89,30 @@ def proposer_config(spec: str, args: argparse.Namespace) -> dict[str, Any] | Non
     ``eagle:nodes=16,depth=5``, dkind: ``siblings`` or ``dynamic`` trees) as a
     speculative_config, the command-line defaults filling what the spec leaves out;
     None for a plain ``default`` (``default:k=8``: auto with that k; ``default:tree=1,dtree=1``:
-    auto with both trees; ``eagle`` without model: the shipped head)."""
+    auto with both trees; ``eagle`` without model: the shipped head). Any field of
+    ``SpeculationTuning`` is an option too (``default:hurdle=0,probe_every=0``)."""
     name, _, rest = spec.partition(":")
     if name not in ("default", "ngram", "draft", "eagle", "hybrid"):
         raise SystemExit(f"--proposers: unknown proposer {name!r} in {spec!r}")
     options: dict[str, Any] = {}
+    tuning: dict[str, Any] = {}
     for item in filter(None, rest.split(",")):
         key, _, value = item.partition("=")
-        if key not in PROPOSER_OPTIONS:
+        if key in TUNING:
+            tuning[key] = tuning_value(key, value)
+        elif key in PROPOSER_OPTIONS:
+            options[key] = PROPOSER_OPTIONS[key](value)
+        else:
             raise SystemExit(f"--proposers: unknown option {key!r} in {spec!r}")
-        options[key] = PROPOSER_OPTIONS[key](value)
+    config = _proposer_config(name, spec, options, args)
+    if tuning:
+        config = {**(config or {}), "tuning": tuning}
+    return config
+
+
+def _proposer_config(
+    name: str, spec: str, options: dict[str, Any], args: argparse.Namespace
+) -> dict[str, Any] | None:
     if name == "default":  # auto, with only what the spec names changed
         if set(options) - {"k", "tree", "dtree", "model", "dkind", "ddtype"}:
             raise SystemExit(
@@ -154,21 +163,6 @@ def proposer_config(spec: str, args: argparse.Namespace) -> dict[str, Any] | Non
     return config
 
 
-def build_engines(args: argparse.Namespace) -> dict[str, LLMEngine]:
-    common = {
-        "model": args.model,
-        "dtype": args.dtype,
-        "max_model_len": 2048,
-        "max_num_seqs": max(args.batch_sizes),
-        "enable_prefix_caching": False,
-    }
-    engines = {"off": LLMEngine(EngineConfig(**common, speculative_config={"method": "off"}))}
-    for name in args.proposers:
-        spec = proposer_config(name, args)
-        engines[name] = LLMEngine(EngineConfig(**common, speculative_config=spec))
-    return engines
-
-
 def draft_forward_owner(engine: LLMEngine) -> tuple[Any, str]:
     """What to time for c: a drafting network's forward (catch-up or draft), or an n-gram
     proposer's lookup."""
@@ -178,127 +172,7 @@ def draft_forward_owner(engine: LLMEngine) -> tuple[Any, str]:
     return engine.proposer, "propose"
 
 
-class Job:
-    """One engine generating for every prompt with at most ``concurrency`` requests in flight,
-    one step at a time (``step``), timed per step so that jobs of several engines can run in
-    lockstep (``run_lockstep``)."""
-
-    def __init__(
-        self, engine: LLMEngine, prompts: list[list[int]], max_tokens: int, concurrency: int
-    ) -> None:
-        self.engine, self.concurrency = engine, concurrency
-        self.params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-        stats = engine.stats
-        self.before = (
-            stats.num_drafts,
-            stats.num_draft_tokens,
-            stats.num_accepted_tokens,
-            stats.num_planned_steps,
-            stats.num_drafting_steps,
-            stats.num_drafts_allotted,
-        )
-        self.depth_before = (
-            list(stats.num_drafts_per_pos),
-            list(stats.num_accepted_tokens_per_pos),
-        )
-        self.pending = list(enumerate(prompts))
-        self.index: dict[str, int] = {}
-        self.outputs: list[list[int]] = [[] for _ in prompts]
-        self.emitted: dict[str, int] = {}  # tokens each request has so far
-        self.progress = 0  # tokens emitted, all requests
-        self.elapsed = 0.0
-
-    @property
-    def done(self) -> bool:
-        return not self.pending and not self.engine.has_unfinished_requests()
-
-    def step(self) -> None:
-        """Admit what fits, then one engine step; both timed."""
-        engine = self.engine
-        start = time.perf_counter()
-        while self.pending and engine.num_unfinished_requests() < self.concurrency:
-            i, prompt = self.pending.pop(0)
-            request_id = f"spec-{time.monotonic_ns()}-{i}"
-            self.index[request_id] = i
-            engine.add_request(request_id, prompt, self.params)
-        outputs = engine.step()
-        self.elapsed += time.perf_counter() - start
-        for out in outputs:
-            count = len(out.outputs[0].token_ids)
-            self.progress += count - self.emitted.get(out.request_id, 0)
-            self.emitted[out.request_id] = count
-            if out.finished:
-                self.outputs[self.index[out.request_id]] = list(out.outputs[0].token_ids)
-
-    def result(self) -> dict[str, Any]:
-        stats, before = self.engine.stats, self.before
-        tokens = sum(len(ids) for ids in self.outputs)
-        drafts = stats.num_drafts - before[0]
-        drafted = stats.num_draft_tokens - before[1]
-        accepted = stats.num_accepted_tokens - before[2]
-        planned = stats.num_planned_steps - before[3]
-        return {
-            "drafting_share": (stats.num_drafting_steps - before[4]) / planned if planned else 0.0,
-            "drafts_per_step": (stats.num_drafts_allotted - before[5]) / planned
-            if planned
-            else 0.0,
-            "row_cost": stats.last_plan.row_seconds / stats.last_plan.step_seconds
-            if stats.last_plan.step_seconds
-            else 0.0,
-            "outputs": self.outputs,
-            "tokens": tokens,
-            "seconds": self.elapsed,
-            "tok_s": tokens / self.elapsed,
-            "mean_accepted_length": 1 + accepted / drafts if drafts else 1.0,
-            "acceptance_rate": accepted / drafted if drafted else 0.0,
-            "acceptance_by_depth": _by_depth(stats, *self.depth_before),
-        }
-
-
-def run(
-    engine: LLMEngine, prompts: list[list[int]], max_tokens: int, concurrency: int
-) -> dict[str, Any]:
-    """Generate for every prompt with at most ``concurrency`` requests in flight."""
-    job = Job(engine, prompts, max_tokens, concurrency)
-    while not job.done:
-        job.step()
-    return job.result()
-
-
-def run_lockstep(
-    engines: dict[str, LLMEngine], prompts: list[list[int]], max_tokens: int, concurrency: int
-) -> dict[str, dict[str, Any]]:
-    """``run`` for every engine at once, in lockstep by progress: the next step is always
-    the one of the engine that has emitted the fewest tokens so far, each engine's time the
-    sum of its own steps. Outputs are the same across engines (greedy), so a faster engine
-    steps less often and all of them cover the same tokens over the same stretch of wall
-    time, ending together: a drift in the machine's speed (10-15% between runs minutes apart
-    on this shared host) lands on every engine alike, where whole runs one after another
-    each met their own stretch of it."""
-    jobs = {name: Job(engine, prompts, max_tokens, concurrency) for name, engine in engines.items()}
-    turn = 0
-    while waiting := [job for job in jobs.values() if not job.done]:
-        least = min(job.progress for job in waiting)
-        tied = [job for job in waiting if job.progress == least]
-        tied[turn % len(tied)].step()  # ties (the start) taken in turn
-        turn += 1
-    return {name: job.result() for name, job in jobs.items()}
-
-
-def _by_depth(stats: Any, drafts_before: list[int], accepted_before: list[int]) -> list[float]:
-    """Acceptance at each draft depth since the counts ``*_before``."""
-    out = []
-    for d, drafts in enumerate(stats.num_drafts_per_pos):
-        n = drafts - (drafts_before[d] if d < len(drafts_before) else 0)
-        a = stats.num_accepted_tokens_per_pos[d] - (
-            accepted_before[d] if d < len(accepted_before) else 0
-        )
-        if n > 0:
-            out.append(a / n)
-    return out
-
-
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -310,12 +184,12 @@ def main() -> None:
         "--proposers",
         nargs="+",
         default=["ngram"],
-        help="ngram, draft, eagle or hybrid, each optionally with options: "
+        help="default, ngram, draft, eagle or hybrid, each optionally with options: "
         "'hybrid:min=2,conf=0.3' "
         "(k, min and max n-gram length, conf: draft confidence threshold, adaptive=1: "
         "adaptive_k, tree=1: lookup trees, dtree=1: draft siblings, model=PATH: a draft model "
-        "or head, ddtype=float32|bfloat16: the draft model's dtype); "
-        "'default:tree=1,dtree=1' is auto with both",
+        "or head, ddtype=float32|bfloat16: the draft model's dtype, or any SpeculationTuning "
+        "field: 'default:hurdle=0'); 'default:tree=1,dtree=1' is auto with both",
     )
     parser.add_argument("--draft-model", default=None)
     parser.add_argument("-k", type=int, default=4)
@@ -345,20 +219,27 @@ def main() -> None:
         action="store_true",
         help="add a 'code_editing' category (prompts that copy given code)",
     )
+    parser.add_argument(
+        "--steps", action="store_true", help="per cell, where each engine's step time goes"
+    )
+    parser.add_argument(
+        "--contention",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="instead of the cells: fresh engines at batch 1 after a CPU spell this long "
+        "(one busy process per core; --repeats: engines hit by one)",
+    )
+    parser.add_argument("--contention-runs", type=int, default=4, help="runs after the spell")
+    parser.add_argument("--clean-first", type=int, default=0, help="runs before the spell")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--json", default=None)
     parser.add_argument("--plot", default=None)
-    args = parser.parse_args()
+    return parser.parse_args()
 
-    engines = build_engines(args)
-    off = engines["off"]
-    target_timer = {name: Timer(e.runner, "forward") for name, e in engines.items()}
-    draft_timer = {
-        name: Timer(*draft_forward_owner(engine))
-        for name, engine in engines.items()
-        if engine.proposer is not None
-    }
-    tokenizer = off.tokenizer
+
+def prompts_by_category(args: argparse.Namespace, tokenizer: Any) -> dict[str, list[list[int]]]:
+    """Up to ``--prompts-per-category`` chat-formatted first turns per category."""
     by_category: dict[str, list[list[int]]] = defaultdict(list)
     prompts = load_specbench(args.dataset, args.categories)
     if args.code_edit:
@@ -366,28 +247,42 @@ def main() -> None:
     for prompt in prompts:
         if len(by_category[prompt.category]) < args.prompts_per_category:
             _, ids = tokenizer.encode_chat([{"role": "user", "content": prompt.text}])
-            ids = ids[-args.max_prompt_len :]
-            by_category[prompt.category].append(ids)
+            by_category[prompt.category].append(ids[-args.max_prompt_len :])
+    return dict(by_category)
+
+
+def main() -> None:
+    args = parse_args()
+    if args.contention > 0:
+        off = new_engine(args, "off")
+        by_category = prompts_by_category(args, off.tokenizer)
+        prompts = [ids for group in by_category.values() for ids in group]
+        print_conditions(
+            "a CPU spell at batch 1: fresh engines against speculation off (greedy)",
+            **conditions(args, by_category, off),
+            spell=f"{os.cpu_count()} busy processes for {args.contention} s at the start of "
+            f"the first measured run, after {args.clean_first} undisturbed runs",
+            runs=args.contention_runs,
+        )
+        del off
+        contention(lambda name: new_engine(args, name), args.proposers, prompts, args)
+        return
+    engines = {name: new_engine(args, name) for name in ["off", *args.proposers]}
+    off = engines["off"]
+    parts = {name: part_timers(engine) for name, engine in engines.items()}
+    draft_timer = {
+        name: Timer(*draft_forward_owner(engine))
+        for name, engine in engines.items()
+        if engine.proposer is not None
+    }
+    timers = [*draft_timer.values(), *(t for p in parts.values() for t in p.values())]
+    by_category = prompts_by_category(args, off.tokenizer)
     print_conditions(
         "speculative decoding vs off (greedy, EOS or max tokens)",
-        model=off.model_path.name,
-        dtype=args.dtype,
-        device=off.device,
-        k=args.k,
-        proposers=args.proposers,
-        draft_model=args.draft_model or "-",
-        ngram=f"{args.ngram_min}..{args.ngram_max}",
-        draft_confidence=args.draft_confidence,
-        batch_sizes=args.batch_sizes,
-        max_tokens=args.max_tokens,
-        repeats=args.repeats,
-        timing="sequential runs" if args.sequential else "lockstep by tokens emitted",
-        dataset=args.dataset,
-        categories=sorted(by_category),
-        prompts_per_category=args.prompts_per_category,
+        **conditions(args, by_category, off),
     )
     for engine in engines.values():  # warm-up
-        run(engine, [by_category[next(iter(by_category))][0]], 8, 1)
+        run(engine, [next(iter(by_category.values()))[0]], 8, 1)
 
     rows = []
     for category, token_ids in sorted(by_category.items()):
@@ -396,7 +291,7 @@ def main() -> None:
             batch_prompts = cycled[: max(batch, len(token_ids))]
             results: dict[str, list[dict[str, Any]]] = defaultdict(list)
             for _ in range(args.repeats):
-                for timer in (*target_timer.values(), *draft_timer.values()):
+                for timer in timers:
                     timer.reset()
                 if args.sequential:
                     repeat = {
@@ -406,43 +301,105 @@ def main() -> None:
                 else:
                     repeat = run_lockstep(engines, batch_prompts, args.max_tokens, batch)
                 for name, result in repeat.items():
-                    result["target_step_s"] = target_timer[name].mean
+                    result["target_step_s"] = parts[name]["forward"].mean
                     if name in draft_timer:  # per draft forward (n-gram: per lookup)
                         result["draft_step_s"] = draft_timer[name].mean
                     results[name].append(result)
-            base = results["off"]
-            for name, repeats in results.items():
-                ratios = sorted(r["tok_s"] / b["tok_s"] for r, b in zip(repeats, base, strict=True))
-                r = repeats[-1]
-                row = {
-                    "category": category,
-                    "batch": batch,
-                    "proposer": name,
-                    "tok_s": statistics.median(x["tok_s"] for x in repeats),
-                    "speedup": statistics.median(ratios),
-                    "speedup_min": ratios[0],
-                    "speedup_max": ratios[-1],
-                    "mean_accepted_length": r["mean_accepted_length"],
-                    "acceptance_rate": r["acceptance_rate"],
-                    "c": r.get("draft_step_s", 0.0) / base[-1]["target_step_s"],
-                    "drafting_share": r["drafting_share"],
-                    "drafts_per_step": r["drafts_per_step"],
-                    "row_cost": r["row_cost"],
-                    "tokens": r["tokens"],
-                    "identical_output": all(x["outputs"] == base[0]["outputs"] for x in repeats),
-                    "acceptance_by_depth": r["acceptance_by_depth"],
-                }
-                rows.append(row)
-                print(
-                    f"{category:>18} b={batch:<3} {name:>22}: {row['tok_s']:7.1f} tok/s "
-                    f"x{row['speedup']:.2f} ({ratios[0]:.2f}..{ratios[-1]:.2f}) "
-                    f"len {row['mean_accepted_length']:.2f} c {row['c']:.3f} "
-                    f"drafting {row['drafting_share']:.0%} {row['drafts_per_step']:.1f}/step "
-                    f"row {row['row_cost']:.3f} by depth "
-                    + "/".join(f"{a:.2f}" for a in row["acceptance_by_depth"][:6])
-                    + ("" if row["identical_output"] else " OUTPUT DIFFERS"),
-                    flush=True,
-                )
+            rows += cell_rows(category, batch, results)
+            if args.steps:
+                for name, repeats in results.items():
+                    print_steps(name, repeats[-1]["steps"], parts[name])
+    print_summary(rows, list(engines), args.batch_sizes, sorted(by_category))
+    write_json(args.json, {"conditions": vars(args), "rows": rows})
+    if args.plot:
+        plot(rows, args)
+
+
+def new_engine(args: argparse.Namespace, name: str) -> LLMEngine:
+    """An engine for ``off`` or a ``--proposers`` spec."""
+    spec = {"method": "off"} if name == "off" else proposer_config(name, args)
+    config = EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        max_model_len=2048,
+        max_num_seqs=max(args.batch_sizes),
+        enable_prefix_caching=False,
+        speculative_config=spec,
+    )
+    return LLMEngine(config)
+
+
+def conditions(
+    args: argparse.Namespace, by_category: dict[str, Any], off: LLMEngine
+) -> dict[str, Any]:
+    """What the benchmark runs under, for ``print_conditions``."""
+    return {
+        "model": off.model_path.name,
+        "dtype": args.dtype,
+        "device": off.device,
+        "k": args.k,
+        "proposers": args.proposers,
+        "draft_model": args.draft_model or "-",
+        "ngram": f"{args.ngram_min}..{args.ngram_max}",
+        "draft_confidence": args.draft_confidence,
+        "batch_sizes": [1] if args.contention else args.batch_sizes,
+        "max_tokens": args.max_tokens,
+        "repeats": args.repeats,
+        "timing": "sequential runs"
+        if args.sequential or args.contention
+        else "lockstep by tokens emitted",
+        "dataset": args.dataset,
+        "categories": sorted(by_category),
+        "prompts_per_category": args.prompts_per_category,
+    }
+
+
+def cell_rows(
+    category: str, batch: int, results: dict[str, list[dict[str, Any]]]
+) -> list[dict[str, Any]]:
+    """One row per engine of a cell (its repeats' median against off's), each printed."""
+    base = results["off"]
+    rows = []
+    for name, repeats in results.items():
+        ratios = sorted(r["tok_s"] / b["tok_s"] for r, b in zip(repeats, base, strict=True))
+        r = repeats[-1]
+        row = {
+            "category": category,
+            "batch": batch,
+            "proposer": name,
+            "tok_s": statistics.median(x["tok_s"] for x in repeats),
+            "speedup": statistics.median(ratios),
+            "speedup_min": ratios[0],
+            "speedup_max": ratios[-1],
+            "mean_accepted_length": r["mean_accepted_length"],
+            "acceptance_rate": r["acceptance_rate"],
+            "c": r.get("draft_step_s", 0.0) / base[-1]["target_step_s"],
+            "drafting_share": r["drafting_share"],
+            "drafts_per_step": r["drafts_per_step"],
+            "row_cost": r["row_cost"],
+            "tokens": r["tokens"],
+            "identical_output": all(x["outputs"] == base[0]["outputs"] for x in repeats),
+            "acceptance_by_depth": r["acceptance_by_depth"],
+        }
+        rows.append(row)
+        print(
+            f"{category:>18} b={batch:<3} {name:>22}: {row['tok_s']:7.1f} tok/s "
+            f"x{row['speedup']:.2f} ({ratios[0]:.2f}..{ratios[-1]:.2f}) "
+            f"len {row['mean_accepted_length']:.2f} c {row['c']:.3f} "
+            f"drafting {row['drafting_share']:.0%} {row['drafts_per_step']:.1f}/step "
+            f"row {row['row_cost']:.3f} by depth "
+            + "/".join(f"{a:.2f}" for a in row["acceptance_by_depth"][:6])
+            + ("" if row["identical_output"] else " OUTPUT DIFFERS"),
+            flush=True,
+        )
+    return rows
+
+
+def print_summary(
+    rows: list[dict[str, Any]], names: list[str], batch_sizes: list[int], categories: list[str]
+) -> None:
+    """The table, the cells below x0.97, the default against the best fixed choice, and
+    geometric means per batch size."""
     print()
     print(
         f"{'category':>18} {'batch':>5} {'proposer':>22} {'tok/s':>8} {'speedup':>8} "
@@ -456,18 +413,16 @@ def main() -> None:
             f"{100 * r['acceptance_rate']:>7.1f}% {r['c']:>6.3f} {r['drafting_share']:>8.0%}"
         )
     print()
-    for name in engines:
-        if name == "off":
-            continue
+    for name in names[1:]:
         low = [r for r in rows if r["proposer"] == name and r["speedup"] < 0.97]
         print(
             f"{name}: {len(low)} of {sum(r['proposer'] == name for r in rows)} cells below "
             "x0.97" + "".join(f"; {r['category']} b={r['batch']} x{r['speedup']:.2f}" for r in low)
         )
-    fixed = [name for name in engines if name not in ("off", "default")]
-    if "default" in engines and fixed:  # the default against the best fixed choice in hindsight
-        for batch in args.batch_sizes:
-            for category in sorted(by_category):
+    fixed = [name for name in names if name != "off" and not name.startswith("default")]
+    if "default" in names and fixed:  # the default against the best fixed choice in hindsight
+        for batch in batch_sizes:
+            for category in categories:
                 cell = {
                     r["proposer"]: r["speedup"]
                     for r in rows
@@ -479,8 +434,8 @@ def main() -> None:
                     f"{best} x{cell[best]:.2f}: {cell['default'] / cell[best]:.2f} of it"
                 )
     print()
-    for batch in args.batch_sizes:
-        for name in engines:
+    for batch in batch_sizes:
+        for name in names:
             speedups = [r["speedup"] for r in rows if r["batch"] == batch and r["proposer"] == name]
             low, high = min(speedups), max(speedups)
             geomean = math.exp(sum(math.log(x) for x in speedups) / len(speedups))
@@ -488,9 +443,6 @@ def main() -> None:
                 f"b={batch:<3} {name:>22}: geometric mean x{geomean:.2f} over "
                 f"{len(speedups)} categories (x{low:.2f} .. x{high:.2f})"
             )
-    write_json(args.json, {"conditions": vars(args), "rows": rows})
-    if args.plot:
-        plot(rows, args)
 
 
 def plot(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
