@@ -191,6 +191,7 @@ def write_tiny_model(
 
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+OFF = {"method": "off"}  # speculation off, named: the default speculates
 
 
 def engine_kwargs(**overrides: Any) -> dict[str, Any]:

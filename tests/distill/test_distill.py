@@ -54,7 +54,8 @@ def test_pipeline_writes_a_loadable_draft(distilled: DistillConfig, tiny_model_d
     prompts = [[5, 6, 7, 8], [20, 21, 22]]
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     kwargs = {"num_kv_blocks": 64, "max_model_len": 128, "block_size": 8}
-    plain = LLM(str(tiny_model_dir), **kwargs).generate(prompts, params, use_tqdm=False)
+    off = LLM(str(tiny_model_dir), speculative_config={"method": "off"}, **kwargs)
+    plain = off.generate(prompts, params, use_tqdm=False)
     spec = LLM(
         str(tiny_model_dir),
         speculative_config={

@@ -12,6 +12,7 @@ from specbatch import LLM, SamplingParams
 from specbatch.errors import ConfigError, ModelLoadError
 from specbatch.models import load_model
 from specbatch.spec_decode.proposers import shipped as default_draft
+from tests.helpers import OFF
 from tests.prompts import CHAT, PLAIN
 
 pytestmark = pytest.mark.slow
@@ -95,7 +96,7 @@ def test_shipped_draft_is_lossless_and_keeps_its_acceptance(default_gguf: Path) 
     stats = llm.llm_engine.stats
     acceptance = stats.num_accepted_tokens / stats.num_draft_tokens
     del llm
-    plain = LLM(**ENGINE)
+    plain = LLM(**ENGINE, speculative_config=OFF)
     reference = [o.outputs[0].token_ids for o in plain.generate(prompts, PARAMS, use_tqdm=False)]
     assert speculative == reference
     assert acceptance >= MIN_ACCEPTANCE, f"greedy acceptance {acceptance:.3f}"

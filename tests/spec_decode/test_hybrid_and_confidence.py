@@ -26,7 +26,14 @@ from specbatch.spec_decode.proposers.draft_model import DraftModelNetwork
 from specbatch.spec_decode.proposers.drafting import NetworkProposer
 from specbatch.spec_decode.proposers.hybrid import HybridProposer
 from specbatch.spec_decode.proposers.ngram import NgramProposer, ngram_propose
-from tests.helpers import GREEDY, PagedHarness, engine_kwargs, greedy_tokens, prompts_with_repeats
+from tests.helpers import (
+    GREEDY,
+    OFF,
+    PagedHarness,
+    engine_kwargs,
+    greedy_tokens,
+    prompts_with_repeats,
+)
 
 BLOCK = 4
 K = 5
@@ -108,7 +115,8 @@ def test_confidence_stop_keeps_greedy_output_and_drafts_less(
     tiny_model_dir: Path, tiny_draft_dir: Path
 ) -> None:
     prompts = prompts_with_repeats(12, seed=4)
-    reference = greedy_tokens(LLM(str(tiny_model_dir), **engine_kwargs()), prompts)
+    plain = LLM(str(tiny_model_dir), speculative_config=OFF, **engine_kwargs())
+    reference = greedy_tokens(plain, prompts)
     per_draft = {}
     for threshold in (0.0, 0.02):
         config = {
@@ -240,7 +248,7 @@ def test_greedy_and_sampled_requests_share_a_step(
     if method == "hybrid":
         config["prompt_lookup_min"] = 2
     llm = LLM(str(tiny_model_dir), speculative_config=config, **engine_kwargs())
-    plain = LLM(str(tiny_model_dir), **engine_kwargs())
+    plain = LLM(str(tiny_model_dir), speculative_config=OFF, **engine_kwargs())
     expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert got == expected

@@ -17,7 +17,7 @@ from specbatch.config import EngineConfig
 from specbatch.models import load_model
 from specbatch.spec_decode.proposers.base import Proposal
 from specbatch.spec_decode.verification.chain import VerifyResult
-from tests.helpers import OracleProposer, PagedHarness
+from tests.helpers import OFF, OracleProposer, PagedHarness
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
@@ -25,7 +25,13 @@ PARAMS = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 @pytest.fixture(scope="module")
 def setup(tiny_model_dir: Path) -> dict[str, Any]:
     prompts = [list(range(3 + i, 13 + 2 * i)) for i in range(8)]
-    plain = LLM(str(tiny_model_dir), num_kv_blocks=128, max_model_len=128, block_size=4)
+    plain = LLM(
+        str(tiny_model_dir),
+        speculative_config=OFF,
+        num_kv_blocks=128,
+        max_model_len=128,
+        block_size=4,
+    )
     truth = [o.outputs[0].token_ids for o in plain.generate(prompts, PARAMS, use_tqdm=False)]
     return {"prompts": prompts, "truth": truth, "fresh": load_model(tiny_model_dir)}
 

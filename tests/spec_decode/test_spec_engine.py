@@ -10,12 +10,20 @@ import pytest
 from specbatch import LLM, LLMEngine, SamplingParams
 from specbatch.config import EngineConfig
 from specbatch.errors import ConfigError
-from tests.helpers import GREEDY, OracleProposer, engine_kwargs, greedy_tokens, prompts_with_repeats
+from tests.helpers import (
+    GREEDY,
+    OFF,
+    OracleProposer,
+    engine_kwargs,
+    greedy_tokens,
+    prompts_with_repeats,
+)
 
 
 @pytest.fixture(scope="module")
 def reference(tiny_model_dir: Path) -> list[list[int]]:
-    return greedy_tokens(LLM(str(tiny_model_dir), **engine_kwargs()), prompts_with_repeats(30))
+    plain = LLM(str(tiny_model_dir), speculative_config=OFF, **engine_kwargs())
+    return greedy_tokens(plain, prompts_with_repeats(30))
 
 
 @pytest.mark.parametrize("k", [1, 3, 5])
@@ -109,7 +117,7 @@ def test_k_beyond_remaining_max_tokens(tiny_model_dir: Path, reference: list[lis
 def test_stops_inside_accepted_drafts(tiny_model_dir: Path, reference: list[list[int]]) -> None:
     truth = {f"r{i}": tokens for i, tokens in enumerate(reference)}
     prompts = prompts_with_repeats(30)
-    plain = LLM(str(tiny_model_dir), **engine_kwargs())
+    plain = LLM(str(tiny_model_dir), speculative_config=OFF, **engine_kwargs())
     fresh = {
         i: j for i, out in enumerate(reference) for j in range(6, 3, -1) if out[j] not in out[:j]
     }  # a token first produced at position j (3 < j <= 6)
@@ -141,7 +149,7 @@ def test_stops_inside_accepted_drafts(tiny_model_dir: Path, reference: list[list
 def test_eos_inside_drafts(tiny_model_dir: Path) -> None:
     eos = 2
     params = SamplingParams(temperature=0.0, max_tokens=20, logit_bias={eos: 2.0})
-    plain = LLM(str(tiny_model_dir), **engine_kwargs())
+    plain = LLM(str(tiny_model_dir), speculative_config=OFF, **engine_kwargs())
     prompts = prompts_with_repeats(12, seed=4)
     expected = [o.outputs[0] for o in plain.generate(prompts, params, use_tqdm=False)]
     assert any(o.finish_reason == "stop" and len(o.token_ids) > 2 for o in expected)

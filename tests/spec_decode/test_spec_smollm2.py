@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from specbatch import LLM, SamplingParams
+from tests.helpers import OFF
 from tests.prompts import prompt_set
 
 pytestmark = pytest.mark.slow
@@ -23,7 +24,7 @@ ENGINE = {
 
 @pytest.fixture(scope="module")
 def prompts_and_reference() -> tuple[list[str], list[list[int]]]:
-    llm = LLM(**ENGINE)
+    llm = LLM(**ENGINE, speculative_config=OFF)
     prompts = prompt_set(llm.get_tokenizer())
     outputs = llm.generate(prompts, PARAMS, use_tqdm=False)
     return prompts, [o.outputs[0].token_ids for o in outputs]

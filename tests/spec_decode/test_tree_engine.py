@@ -18,6 +18,7 @@ from specbatch.spec_decode.proposers.base import DraftRequest, Proposal
 from specbatch.spec_decode.proposers.draft_trees import with_siblings
 from tests.helpers import (
     GREEDY,
+    OFF,
     VOCAB,
     SiblingOracle,
     check_blocks,
@@ -140,7 +141,9 @@ def test_the_accepted_paths_kv_is_at_the_sequences_positions(
     for _ in range(6):
         engine.step()
     assert engine.stats.num_tree_moves > 0
-    plain = LLMEngine(EngineConfig(model=str(tiny_model_dir), **engine_kwargs()))
+    plain = LLMEngine(
+        EngineConfig(model=str(tiny_model_dir), speculative_config=OFF, **engine_kwargs())
+    )
     for seq in engine.scheduler.running:
         text = seq.token_ids[: seq.num_computed_tokens]
         plain.add_request(
@@ -398,7 +401,9 @@ def test_the_draft_cache_holds_what_it_claims_after_sibling_steps(
     assert taken() >= 3
     (seq,) = engine.scheduler.running
     held = drafter._computed[seq.seq_id]
-    plain = LLMEngine(EngineConfig(model=str(noisy_draft_dir), **engine_kwargs()))
+    plain = LLMEngine(
+        EngineConfig(model=str(noisy_draft_dir), speculative_config=OFF, **engine_kwargs())
+    )
     plain.add_request(
         "x", prompt_token_ids=seq.token_ids[:held], params=SamplingParams(max_tokens=2)
     )
