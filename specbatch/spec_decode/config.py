@@ -7,7 +7,7 @@ from dataclasses import MISSING, Field, dataclass, field, fields
 from typing import Any
 
 from specbatch.errors import ConfigError
-from specbatch.spec_decode.tuning import SpeculationTuning
+from specbatch.spec_decode.tuning import SpeculationTuning, parse_dataclass
 
 METHODS = ("auto", "off", "draft_model", "eagle", "ngram", "hybrid", "external")
 DRAFT_METHODS = ("draft_model", "eagle", "hybrid")
@@ -242,17 +242,7 @@ class SpeculativeConfig:
     @classmethod
     def parse(cls, value: SpeculativeConfig | Mapping[str, Any] | None) -> SpeculativeConfig:
         """Accept a config, a vLLM-style dict, or None (``"auto"``)."""
-        if value is None:
-            return cls()
-        if isinstance(value, SpeculativeConfig):
-            return value
-        if not isinstance(value, Mapping):
-            raise ConfigError(f"speculative_config must be a dict, got {type(value).__name__}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ConfigError(f"unknown speculative_config keys {unknown}; known: {sorted(known)}")
-        return cls(**value)
+        return parse_dataclass(cls, value, "speculative_config")
 
     @property
     def k(self) -> int:

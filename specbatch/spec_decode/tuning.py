@@ -9,8 +9,9 @@ a knob or a branch; it does not add one.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, TypeVar
 
 from specbatch.errors import ConfigError
 
@@ -87,19 +88,29 @@ class SpeculationTuning:
             _check(name, getattr(self, name), float, low=0.0, high=1.0)
 
     @classmethod
-    def parse(cls, value: SpeculationTuning | dict[str, Any] | None) -> SpeculationTuning:
+    def parse(cls, value: SpeculationTuning | Mapping[str, Any] | None) -> SpeculationTuning:
         """Accept a tuning, a dict of some of its fields, or None (the defaults)."""
-        if value is None:
-            return cls()
-        if isinstance(value, SpeculationTuning):
-            return value
-        if not isinstance(value, dict):
-            raise ConfigError(f"speculative_config tuning must be a dict, got {value!r}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ConfigError(f"unknown tuning keys {unknown}; known: {sorted(known)}")
-        return cls(**value)
+        return parse_dataclass(cls, value, "speculative_config tuning")
+
+
+Config = TypeVar("Config")
+
+
+def parse_dataclass(cls: type[Config], value: object, what: str) -> Config:
+    """``value`` as a ``cls`` (a dataclass): itself, a dict of some of its fields (each
+    checked by its ``__post_init__``), or None for its defaults; a ``ConfigError`` naming
+    ``what`` otherwise, and naming any unknown key."""
+    if value is None:
+        return cls()
+    if isinstance(value, cls):
+        return value
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{what} must be a dict, got {type(value).__name__}")
+    known = {f.name for f in fields(cls)}  # type: ignore[arg-type]
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise ConfigError(f"unknown {what} keys {unknown}; known: {sorted(known)}")
+    return cls(**value)
 
 
 def _check(
