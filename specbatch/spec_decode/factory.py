@@ -15,6 +15,7 @@ from specbatch.models.llama import LlamaForCausalLM
 from specbatch.models.loader import parse_dtype
 from specbatch.spec_decode.config import DRAFT_METHODS, SpeculativeConfig
 from specbatch.spec_decode.control.controller import GoodputController
+from specbatch.spec_decode.plan import ways_of
 from specbatch.spec_decode.proposers.base import Proposer
 from specbatch.spec_decode.proposers.draft_model import DraftModelNetwork
 from specbatch.spec_decode.proposers.drafting import DraftNetwork, NetworkProposer
@@ -171,7 +172,7 @@ def build_speculator(
     proposer = build_proposer(
         spec, draft, num_blocks, block_size, generator, external, draft_graphs, cuda_graphs
     )
-    ways = Speculator.controller_ways(proposer)
+    ways = ways_of(proposer)
     controller = None
     if spec.adaptive_k or len(ways) > 1:  # with a fixed k it only chooses the way
         controller = GoodputController(ways, spec.tuning)

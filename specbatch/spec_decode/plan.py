@@ -1,5 +1,5 @@
-"""A step's draft plan, a value that travels with the step: planned when the step is
-scheduled, drafted from, and learned from once the target has spoken.
+"""A step's draft plan, a value that travels with the step: made when the step is scheduled
+(``Planner``), drafted from, and learned from once the target has spoken.
 
 Glossary (one quantity, one name): a sequence's *slots* are the cache positions reserved past
 its next token (``num_lookahead``: at most ``num_speculative_tokens``, k); its *rows* are the
@@ -11,9 +11,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from specbatch.scheduler import ScheduledSequence, SchedulerOutput
 from specbatch.sequence import Sequence
-from specbatch.spec_decode.control.controller import Choice, PlanReport
-from specbatch.spec_decode.proposers.base import DraftRequest, LookupMatch
+from specbatch.spec_decode.control.controller import (
+    DRAFT,
+    EXTERNAL,
+    LOOKUP_WAYS,
+    Candidate,
+    Choice,
+    GoodputController,
+    PlanReport,
+    Prices,
+    lookup_way,
+)
+from specbatch.spec_decode.proposers.base import DraftRequest, LookupMatch, Proposer
 
 
 @dataclass(frozen=True)
@@ -100,3 +111,181 @@ class SpecCounters:
             self.num_tree_drafts += 1
             self.num_tree_moves += sum(node != d for d, node in enumerate(path))
         self.depths.append((drafts if depth is None else depth, accepted))
+
+
+class Planner:
+    """Makes each step's :class:`DraftPlan` (the scheduler's draft planner): every decode with
+    slots is looked up (prompt lookup: incremental, microseconds) and, under the goodput
+    controller, given a way and a count, priced rows and sibling slots; with a fixed k,
+    every slot, of the one way there is (the controller still picks the way for a proposer
+    of several)."""
+
+    def __init__(
+        self,
+        proposer: Proposer | None,
+        controller: GoodputController | None,
+        adaptive: bool,
+        tree_depth: int | None,
+        max_model_len: int,
+    ) -> None:
+        self.proposer = proposer
+        self.controller = controller
+        self.adaptive = adaptive
+        self.tree_depth = tree_depth
+        self.max_model_len = max_model_len
+
+    def plan(self, out: SchedulerOutput, budget: int) -> DraftPlan:
+        """Drafts per scheduled sequence for the step ``out`` (the scheduler's draft planner),
+        at most ``budget`` rows in all under the controller."""
+        decodes = [s for s in out.scheduled if s.num_lookahead and s.completes_sequence]
+        if not self.adaptive:
+            return self._fixed_plan(decodes)
+        controller = self.controller
+        assert controller is not None
+        if any(not s.completes_sequence or s.num_new_tokens > 1 for s in out.scheduled):
+            # a prompt is computed this step: its first token waits for the whole step, so
+            # the step carries no drafts (speculation must not cost time to first token)
+            controller.plain_step()
+            return DraftPlan()
+        matches = self._matches(decodes)
+        candidates = self._candidates(decodes, matches)
+        tokens = sum(s.num_new_tokens for s in out.scheduled)
+        pairs = sum(pairs_of(s.seq.num_computed_tokens, s.num_new_tokens) for s in out.scheduled)
+        planned = controller.plan(candidates, tokens, len(out.scheduled), pairs, budget)
+        seqs: dict[int, SeqPlan] = {}
+        shadows: dict[int, Shadow] = {}
+        for s, candidate, choice in zip(decodes, candidates, planned.choices, strict=True):
+            seq_id, match = s.seq.seq_id, matches.get(s.seq.seq_id)
+            if choice.way is not None:
+                seqs[seq_id] = self._planned(choice, candidate, match, planned.prices)
+            shadow = self._shadow(s.seq, match, choice)
+            if shadow is not None:
+                shadows[seq_id] = shadow
+        return DraftPlan(seqs, shadows, planned.report)
+
+    def _fixed_plan(self, decodes: list[ScheduledSequence]) -> DraftPlan:
+        """A fixed k: every slot of every decode, of the one way there is, or of the way the
+        controller chooses for a proposer of several."""
+        if self.proposer is None or not decodes:
+            return DraftPlan()
+        matches = self._matches(decodes)
+        if self.controller is not None:  # (a fixed tree's chains are no deeper than it)
+            candidates = self._candidates(decodes, matches, self.tree_depth)
+            choices = self.controller.choose_ways(candidates)
+        else:
+            choices = [Choice(self._only_way(matches.get(s.seq.seq_id)), 0) for s in decodes]
+        seqs: dict[int, SeqPlan] = {}
+        depth = self.tree_depth  # a fixed tree: no path deeper, every node with a chance pays
+        for s, choice in zip(decodes, choices, strict=True):
+            seq_id, slots = s.seq.seq_id, s.num_lookahead
+            if choice.way in LOOKUP_WAYS:
+                seqs[seq_id] = SeqPlan(choice.way, slots, matches[seq_id], depth, choice=choice)
+            elif choice.way is not None:
+                node_price = None if depth is None else 0.0
+                seqs[seq_id] = SeqPlan(
+                    choice.way, slots, chain=depth, node_price=node_price, choice=choice
+                )
+        return DraftPlan(seqs)
+
+    def _only_way(self, match: LookupMatch | None) -> str | None:
+        """A proposer's one way: its lookup's (None without a match), its network's, or an
+        application's."""
+        if match is not None:
+            return lookup_way(match.n) if match.tokens else None
+        return ways_of(self.proposer)[-1]
+
+    def _matches(self, decodes: list[ScheduledSequence]) -> dict[int, LookupMatch]:
+        """What prompt lookup found for each decode, if the proposer looks up."""
+        lookup = self.proposer.lookup if self.proposer is not None else None
+        if lookup is None:
+            return {}
+        return {
+            s.seq.seq_id: lookup.match(s.seq, s.num_lookahead, min_n=lookup.shortest)
+            for s in decodes
+        }
+
+    def _candidates(
+        self,
+        decodes: list[ScheduledSequence],
+        matches: dict[int, LookupMatch],
+        depth: int | None = None,
+    ) -> list[Candidate]:
+        """Each decode as the controller sees it (its slots at most ``depth``)."""
+        network = self.proposer.network if self.proposer is not None else None
+        candidates = []
+        for s in decodes:
+            seq = s.seq
+            match = matches.get(seq.seq_id, LookupMatch([], 0))
+            catch_up = network.catch_up(seq) if network is not None else 1
+            candidates.append(
+                Candidate(
+                    seq.seq_id,
+                    s.num_lookahead if depth is None else min(s.num_lookahead, depth),
+                    seq.num_tokens,
+                    match.tokens,
+                    match.n,
+                    catch_up,
+                    self._remaining(seq),
+                )
+            )
+        return candidates
+
+    def _planned(
+        self, choice: Choice, candidate: Candidate, match: LookupMatch | None, prices: Prices
+    ) -> SeqPlan:
+        """A sequence's plan from the controller's choice: a lookup's match, or a network's
+        priced chain (with slots for siblings where a row costs under a token)."""
+        assert choice.way is not None
+        if choice.way in LOOKUP_WAYS:
+            return SeqPlan(choice.way, choice.drafts, match, choice=choice)
+        network = self.proposer.network if self.proposer is not None else None
+        price = prices.row_tokens(candidate.context) if choice.way == DRAFT else None
+        if price is None or network is None:
+            return SeqPlan(choice.way, choice.drafts, choice=choice)
+        if price < 1.0 and network.siblings:  # a node beside the chain may be worth its row
+            assert self.controller is not None
+            rows = min(candidate.slots, choice.drafts + self.controller.tuning.tree_width)
+            return SeqPlan(
+                DRAFT, rows, chain=choice.drafts, node_price=price, row_price=price, choice=choice
+            )
+        return SeqPlan(DRAFT, choice.drafts, row_price=price, choice=choice)
+
+    def _shadow(self, seq: Sequence, match: LookupMatch | None, choice: Choice) -> Shadow | None:
+        """What the step's lookup is judged by: an unused lookup against what the target
+        emits, or a used one's rest past the plan's drafts (else nothing ever measures the
+        positions past them, and no plan drafts that deep). A probe's step teaches nothing
+        past the plan; a lookup tree's rest is not one continuation."""
+        if match is None or not match.tokens:
+            return None
+        if not (choice.way in LOOKUP_WAYS and choice.learned):
+            return Shadow(lookup_way(match.n), match.tokens, seq.num_tokens)
+        lookup = self.proposer.lookup if self.proposer is not None else None
+        trees = lookup is not None and lookup.trees
+        offset = choice.drafts
+        if choice.planned is None and len(match.tokens) > offset and not trees:
+            assert choice.way is not None
+            return Shadow(choice.way, match.tokens[offset:], seq.num_tokens + offset, offset)
+        return None
+
+    def _remaining(self, seq: Sequence) -> int:
+        """Tokens the sequence may still generate: to ``max_tokens`` or the context's end."""
+        room = self.max_model_len - seq.num_tokens
+        max_tokens = seq.params.max_tokens
+        if max_tokens is not None:
+            room = min(room, max_tokens - seq.num_output_tokens)
+        return max(room, 1)
+
+
+def ways_of(proposer: Proposer | None) -> tuple[str, ...]:
+    """The ways a controller chooses among for ``proposer``."""
+    if proposer is None:
+        return ()
+    if proposer.lookup is None and proposer.network is None:
+        return (EXTERNAL,)
+    lookups = LOOKUP_WAYS if proposer.lookup is not None else ()
+    return lookups + ((DRAFT,) if proposer.network is not None else ())
+
+
+def pairs_of(start: int, count: int) -> int:
+    """(query row, key) pairs of ``count`` rows at positions ``start`` on (causal)."""
+    return count * start + count * (count + 1) // 2

@@ -39,9 +39,10 @@ from specbatch.spec_decode.control.step_times import (
     _weighted_fit,
 )
 from specbatch.spec_decode.plan import DraftPlan
+from specbatch.spec_decode.plan import pairs_of as _pairs
 from specbatch.spec_decode.proposers.base import Proposal
 from specbatch.spec_decode.proposers.ngram import NgramProposer
-from specbatch.spec_decode.speculator import Speculator, _pairs
+from specbatch.spec_decode.speculator import Speculator
 from specbatch.spec_decode.tuning import SpeculationTuning
 from specbatch.spec_decode.verification.chain import VerifyResult
 
