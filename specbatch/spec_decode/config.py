@@ -11,10 +11,11 @@ from specbatch.spec_decode.tuning import SpeculationTuning, parse_dataclass
 
 METHODS = ("auto", "off", "draft_model", "eagle", "ngram", "hybrid", "external")
 DRAFT_METHODS = ("draft_model", "eagle", "hybrid")
-# k when the config does not say: for fixed k, what the benchmarks in docs/architecture.md were
+# k when the config does not say: for fixed k, what the benchmarks in docs/notes.md were
 # measured with (with the confidence stop a draft model's k is only a ceiling); under the
 # goodput controller k is only a ceiling on what it may give, and a long prompt-lookup match
-# pays beyond 4 (code editing at batch 1: 2.56x with 8 vs 2.26x with 4, same run).
+# pays beyond 4 (code editing at batch 1: 2.56x with 8 vs 2.26x with 4, same run; notes of
+# 2026-12-01).
 DEFAULT_NUM_SPECULATIVE_TOKENS = 4
 DEFAULT_ADAPTIVE_NUM_SPECULATIVE_TOKENS = 8
 # Measured on the shipped draft (docs/distillation.md): 0.3-0.7 all beat 0 (always k) clearly.
@@ -49,7 +50,7 @@ class SpeculativeConfig:
     default, 0 always drafts k tokens. Without ``num_speculative_tokens`` k is 8 under the
     controller (``adaptive_k``, a ceiling) and 4 with ``adaptive_k=False``.
     ``adaptive_k`` (on by default) makes k a ceiling for every method: each step the goodput
-    controller (``spec_decode/controller.py``) gives each sequence the number of drafts, and
+    controller (``spec_decode/control/controller.py``) gives each sequence the number of drafts, and
     for ``"hybrid"`` the way (prompt lookup or the draft model), that maximises the expected
     tokens per second of the whole step, from measured step times and each sequence's
     acceptance so far; with many sequences or poor acceptance that is none, the plain step.

@@ -103,7 +103,7 @@ def draft_dtype(
     """A draft model's dtype: ``requested`` unless ``"auto"``, which is bfloat16 for a float32
     target on a CPU with native bfloat16 arithmetic whose weights are packed for oneDNN, else
     the target's. A draft forward multiplies a few rows by every weight, so it costs about the
-    bytes it streams; bfloat16 halves them (measured in ``docs/architecture.md``). Without
+    bytes it streams; bfloat16 halves them (measured: ``docs/notes.md``, session 38). Without
     native bfloat16 instructions oneDNN converts and the saving is not sure, so the target's
     dtype stays."""
     if requested != "auto":

@@ -12,10 +12,9 @@ rate is ever exactly 0 or 1. A bursty way's (a lookup's) per-sequence counts kee
 ``steady_decay``; shared counts (a population's, a position's) ``shared_decay``.
 
 The sequences a plan drafts are the ones whose estimates are highest, so their estimates are
-biased up (the winner's curse: measured at batch 32, 17% more accepted drafts expected than
-came). Per way, a calibration factor corrects it: the decayed sum of drafts accepted over the
-decayed sum the plans expected of them (``calibration``, at most 1: it corrects optimism),
-applied to every gain of that way.
+biased up (the winner's curse). Per way, a calibration factor corrects it: the decayed sum of
+drafts accepted over the decayed sum the plans expected of them (``calibration``, at most 1:
+it corrects optimism), applied to every gain of that way.
 
 A proposer may give fewer drafts than it was allotted (a draft model's confidence stop: it
 stops once its own probability that every draft so far is right falls below a threshold). Per
@@ -27,11 +26,9 @@ There is no separate exploration: every estimate that nothing refreshes drifts b
 prior (``steady_decay`` per step since its last outcome; the calibration sums keep
 ``shared_decay``): a sequence's rate to its population's, a population's to 0.5, a
 per-position rate (follow-on, made) to its prior, a calibration factor to 1. So a way or a
-depth that a few early outcomes ruled out is tried again once its prior pays at the current
-batch size, and its true rate is learned (at batch 4 the draft model's first five verifies,
-the first answer token of four sequences in lockstep, put its population at 0.22 against
-~0.45 in steady state; one early miss at position 1 kept every batch-1 plan at one draft,
-where the follow-on rate given a made draft is ~0.8).
+depth that a few early outcomes ruled out (sequences in lockstep miss together; a follow-on
+rate is learned only from verifies of two or more drafts) is tried again once its prior pays
+at the current batch size, and its true rate is learned.
 """
 
 from __future__ import annotations

@@ -134,9 +134,8 @@ class StepTimes:
         prior = self._ring.weights()  # 0 where no step is stored yet
         design, y = self._design, self._y
         if seqs > 1:
-            # larger steps keep the clamp: there its bias is on the dear side, and with the
-            # fit unbiased the draft model was started at batch 8 and lost (its catch-up on
-            # whole histories)
+            # larger steps keep the clamp: its bias prices rows on the dear side, where an
+            # unbiased fit starts the draft model at a loss (its catch-up on whole histories)
             weights = prior * (self._kernel(sizes, seqs, self.tuning.bandwidth) + FAR)
             return [
                 StepCost(
@@ -348,9 +347,9 @@ def _weighted_fits(
     for k in np.flatnonzero(intercepts < 0) if constrained else ():
         # no forward takes negative time: the optimum with the intercept >= 0 too has it at
         # 0 (the problem is convex and its optimum without that bound is past it), so the
-        # slopes are refitted through the origin. Without it a few far steps (a fresh
-        # engine's prefills and drafted steps, a CPU spell among them) extrapolated a
-        # batch-1 decode step to -1.5 s, and a plan priced rows against a free step
+        # slopes are refitted through the origin. Otherwise a few far steps (a fresh engine's
+        # prefills, a contended spell) can extrapolate a small step below zero, and rows
+        # would be priced against a free step
         raw = design[:, 1:] * weights[k, :, None]
         through = _ridge_solve((raw.T @ design[:, 1:])[None], (raw.T @ y)[None], constrained)
         slopes[k], intercepts[k] = through[0], 0.0
