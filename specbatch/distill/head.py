@@ -1,4 +1,5 @@
-"""``specbatch train-head``: a draft head (``spec_decode/eagle.py``) on the target's features.
+"""``specbatch train-head``: a draft head (``spec_decode/proposers/head.py``) on the target's
+features.
 
 Stages, each resumable (its output in the work directory is reused):
 
