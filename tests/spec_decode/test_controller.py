@@ -28,10 +28,8 @@ from specbatch.spec_decode.control.controller import (
     LOOKUP_WAYS,
     Candidate,
     GoodputController,
-    _best_by_depth,
-    _best_single,
-    _promising_depths,
 )
+from specbatch.spec_decode.control.solver import best_by_depth, best_single, promising_depths
 from specbatch.spec_decode.control.step_times import (
     ForwardTimes,
     StepClock,
@@ -915,8 +913,8 @@ def test_one_candidates_plan_in_one_pass_is_the_solve_per_depth(seed: int) -> No
     depths = slots + 1 if draft is not None else 1
     bases = base + np.concatenate([[0.0], np.cumsum(rng.uniform(0, 0.004, slots))])[:depths]
     floor = (1 / base) * (1 + float(rng.choice([0.0, 0.03, 0.2])))
-    fast = _best_single(cum_gains, cum_costs, valid, draft, bases, 1, floor)
-    slow = _best_by_depth(cum_gains, cum_costs, valid, draft, bases, 1, floor)
+    fast = best_single(cum_gains, cum_costs, valid, draft, bases, 1, floor)
+    slow = best_by_depth(cum_gains, cum_costs, valid, draft, bases, 1, floor)
     assert fast[1] == pytest.approx(slow[1], rel=1e-9)
     if slow[0] != [(0, -1)]:
         assert fast[0] == slow[0]
@@ -940,7 +938,7 @@ def test_depths_skipped_are_those_no_plan_of_that_depth_beats(seed: int) -> None
     depths = positions + 1 if draft is not None else 1
     bases = 0.02 + np.cumsum(np.r_[0.0, rng.uniform(0, 0.003, depths - 1)])
     floor = count / bases[0] * float(rng.uniform(1.0, 1.6))
-    promising = _promising_depths(cum_gains, cum_costs, valid, draft, bases, count, floor)
+    promising = promising_depths(cum_gains, cum_costs, valid, draft, bases, count, floor)
     for depth in range(depths):
         per_candidate = []
         for i in range(count):

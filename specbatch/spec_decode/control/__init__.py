@@ -1,2 +1,3 @@
-"""Control: the goodput controller (``controller``) and the models it learns as the engine runs,
-step times (``step_times``) and acceptance (``acceptance``)."""
+"""Control: the goodput controller (``controller``), the exact optimum it plans by
+(``solver``), and the models it learns as the engine runs: step times (``step_times``) and
+acceptance (``acceptance``)."""
