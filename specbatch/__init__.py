@@ -8,7 +8,7 @@
 from specbatch.config import EngineConfig
 from specbatch.engine import LLM, LLMEngine
 from specbatch.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from specbatch.sampling_params import OutputKind, SamplingParams
+from specbatch.sampling_params import OutputKind, SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
 
@@ -22,4 +22,5 @@ __all__ = [
     "RequestMetrics",
     "RequestOutput",
     "SamplingParams",
+    "StructuredOutputsParams",
 ]

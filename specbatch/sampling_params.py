@@ -4,13 +4,134 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import json
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from specbatch.errors import InvalidRequestError
 
 _GREEDY_EPS = 1e-5
 _INT64_MAX = 2**63 - 1
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """A constraint on what a request may generate (vLLM's ``StructuredOutputsParams``): exactly
+    one of ``json`` (a JSON schema, as a dict or its text), ``regex``, ``choice`` (the output is
+    one of these strings), ``grammar`` (a Lark grammar; llguidance's flavour, which also reads
+    GBNF-like rules) or ``json_object=True`` (any JSON object). Every position the target
+    scores is masked to the tokens the constraint allows, with speculation too (drafts are
+    checked against the same constraint), and once the constraint is complete only the end of
+    the sequence may follow.
+
+    Sizes are bounded (``MAX_SPEC_CHARS`` of schema, regex or grammar text, ``MAX_CHOICES``
+    choices of ``MAX_CHOICE_CHARS``); whether the constraint compiles is checked when the
+    request is made, and an error names the field.
+    """
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    MAX_SPEC_CHARS = 65_536
+    MAX_CHOICES = 1024
+    MAX_CHOICE_CHARS = 4096
+    KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+    def __post_init__(self) -> None:
+        given = [kind for kind in self.KINDS if getattr(self, kind) not in (None, False)]
+        if len(given) != 1:
+            raise InvalidRequestError(
+                f"structured_outputs takes exactly one of {list(self.KINDS)}, got "
+                f"{given or 'none'}",
+                "structured_outputs",
+            )
+        if self.json is not None:
+            self._check_json()
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None:
+                _check_text(f"structured_outputs.{name}", value, self.MAX_SPEC_CHARS)
+        if self.choice is not None:
+            self._check_choice()
+        if self.json_object is not None and self.json_object is not True:
+            raise InvalidRequestError(
+                f"structured_outputs.json_object must be true, got {self.json_object!r}",
+                "structured_outputs.json_object",
+            )
+
+    def _check_json(self) -> None:
+        param = "structured_outputs.json"
+        schema = self.json
+        if isinstance(schema, str):
+            _check_text(param, schema, self.MAX_SPEC_CHARS)
+            try:
+                schema = json.loads(schema)
+            except ValueError as exc:
+                raise InvalidRequestError(f"{param} is not valid JSON: {exc}", param) from None
+        if not isinstance(schema, dict):
+            raise InvalidRequestError(
+                f"{param} must be a JSON schema object, got {type(schema).__name__}", param
+            )
+        try:
+            text = json.dumps(schema, sort_keys=True, allow_nan=False)
+        except (TypeError, ValueError) as exc:
+            raise InvalidRequestError(f"{param} is not a JSON value: {exc}", param) from None
+        _check_text(param, text, self.MAX_SPEC_CHARS)
+
+    def _check_choice(self) -> None:
+        param = "structured_outputs.choice"
+        choice = self.choice
+        if not isinstance(choice, list | tuple) or not choice:
+            raise InvalidRequestError(f"{param} must be a non-empty list of strings", param)
+        if len(choice) > self.MAX_CHOICES:
+            raise InvalidRequestError(
+                f"{param} has {len(choice)} entries, at most {self.MAX_CHOICES}", param
+            )
+        for entry in choice:
+            _check_text(param, entry, self.MAX_CHOICE_CHARS)
+
+    @property
+    def kind(self) -> str:
+        """Which of ``KINDS`` this constraint is."""
+        return next(kind for kind in self.KINDS if getattr(self, kind) not in (None, False))
+
+    @property
+    def spec(self) -> str:
+        """The constraint as canonical text (a schema's JSON with sorted keys, the choices as
+        a JSON list): equal constraints have equal ``(kind, spec)``."""
+        value: Any = getattr(self, self.kind)
+        if self.kind == "json":
+            schema = json.loads(value) if isinstance(value, str) else value
+            return json.dumps(schema, sort_keys=True)
+        if self.kind == "choice":
+            return json.dumps(list(value))
+        return "" if self.kind == "json_object" else str(value)
+
+
+def check_text(text: str, param: str) -> None:
+    """Refuse text that cannot be encoded as UTF-8 (JSON can carry a lone surrogate, which no
+    tokenizer can encode), naming the field ``param``."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidRequestError(
+            f"{param} is not valid Unicode: a lone surrogate (U+{ord(text[exc.start]):04X}) at "
+            f"character {exc.start}",
+            param,
+        ) from None
+
+
+def _check_text(param: str, value: object, most: int) -> None:
+    """A non-empty string of at most ``most`` characters, valid Unicode."""
+    if not isinstance(value, str) or not value:
+        raise InvalidRequestError(f"{param} must be a non-empty string, got {value!r}", param)
+    if len(value) > most:
+        raise InvalidRequestError(f"{param} has {len(value)} characters, at most {most}", param)
+    check_text(value, param)
 
 
 class OutputKind(enum.Enum):
@@ -62,6 +183,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     detokenize: bool = True
     output_kind: OutputKind = OutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None
 
     MAX_LOGPROBS = 20
     MAX_N = 128
@@ -110,6 +232,14 @@ class SamplingParams:
             for token, bias in self.logit_bias.items():
                 _check_int("logit_bias", token, 0, what="keys are token ids")
                 _check_number("logit_bias", bias, -100.0, 100.0, what=f"value of {token}")
+        if self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, StructuredOutputsParams
+        ):
+            raise InvalidRequestError(
+                "structured_outputs must be a StructuredOutputsParams, got "
+                f"{type(self.structured_outputs).__name__}",
+                "structured_outputs",
+            )
         if not isinstance(self.output_kind, OutputKind):
             raise InvalidRequestError(
                 f"output_kind must be one of {[k.value for k in OutputKind]}", "output_kind"

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Sequence as SequenceT
 from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
 
 from specbatch.kernels.sampling import SamplingRow
 from specbatch.sampling_params import SamplingParams
@@ -21,6 +25,26 @@ class FinishReason(enum.Enum):
     LENGTH = "length"  # max_tokens or the context length
     ABORT = "abort"
     ERROR = "error"  # the step it was in failed (the engine logged why and went on)
+
+
+class Constraint(Protocol):
+    """A sequence's constraint (``structured.Constraint``) as the engine drives it."""
+
+    def mask(self, drafts: SequenceT[int] = ()) -> np.ndarray:
+        """``[vocab]`` bool: the tokens allowed after the committed ones and ``drafts``."""
+        ...
+
+    def commit(self, tokens: SequenceT[int]) -> None:
+        """The sequence emitted ``tokens``."""
+        ...
+
+    def valid_prefix(self, drafts: SequenceT[int]) -> int:
+        """How many of ``drafts``, in order, the constraint allows next."""
+        ...
+
+    def forced(self) -> list[int]:
+        """The constraint's only continuation, in tokens (none where it allows a choice)."""
+        ...
 
 
 @dataclass
@@ -80,6 +104,7 @@ class Sequence:
     first_token_time: float | None = None
     finished_time: float | None = None
     spec: SpecStats = field(default_factory=SpecStats)
+    constraint: Constraint | None = None  # structured outputs: masks every sampled position
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -127,6 +152,7 @@ class Sequence:
             history,
             position=self.num_tokens + len(drafts),
             banned_token_ids=self.banned_token_ids(len(drafts)),
+            allowed=None if self.constraint is None else self.constraint.mask(drafts),
         )
 
     def finish(self, reason: FinishReason, stop_reason: int | str | None = None) -> None:

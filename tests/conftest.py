@@ -59,6 +59,26 @@ def tiny_draft_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_model(tmp_path_factory.mktemp("tiny-draft"), seed=1)
 
 
+@pytest.fixture(scope="session")
+def noisy_draft_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The target with a little noise on every weight: its first choice often differs from the
+    target's, its second or third often is the target's (siblings get accepted)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    directory = tmp_path_factory.mktemp("noisy-draft")
+    for item in tiny_model_dir.iterdir():
+        shutil.copy(item, directory / item.name)
+    generator = torch.Generator().manual_seed(5)
+    weights = load_file(str(tiny_model_dir / "model.safetensors"))
+    noisy = {
+        name: w + 0.006 * torch.randn(w.shape, generator=generator) for name, w in weights.items()
+    }
+    save_file(noisy, str(directory / "model.safetensors"))
+    return directory
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tests marked ``cuda`` skip cleanly on machines without a GPU."""
     if torch.cuda.is_available():

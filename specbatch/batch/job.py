@@ -43,6 +43,7 @@ from specbatch.server.protocol import (
     describe_validation_errors,
     in_client_terms,
 )
+from specbatch.server.tools import template_knows_tools
 
 logger = logging.getLogger("specbatch")
 
@@ -98,6 +99,7 @@ class _Pending:
     request_ids: list[str]
     top: int | None  # logprobs per token asked for (chat: None without logprobs)
     n: int
+    reads_calls: bool = False  # chat with tools: tool calls are read out of the text
     finals: dict[str, RequestOutput] = field(default_factory=dict)
 
 
@@ -344,16 +346,19 @@ class BatchJob:
         if request.stream:
             raise _LineError("stream is not supported in a batch", 400, "stream")
         renames: dict[str, str] = {}
+        reads_calls = False
         try:
             if isinstance(request, CompletionRequest):
                 prompts, params = request.engine_inputs()
                 top = request.logprobs
             else:
                 renames = request.field_names()
-                add_generation_prompt, options = request.template_options()
+                reads_calls = request.reads_calls()
+                knows_tools = template_knows_tools(self.engine.tokenizer.chat_template)
+                add_generation_prompt, options = request.template_options(knows_tools)
                 params = request.chat_params()
                 top = request.top_logprobs_per_token()
-                conversation = request.conversation()
+                conversation = request.conversation(knows_tools)
                 self.engine.intake.check_length(
                     sum(len(m["content"]) for m in conversation), "messages"
                 )
@@ -363,7 +368,12 @@ class BatchJob:
                 prompts = [ids]
             base = f"{'cmpl' if url == COMPLETIONS else 'chatcmpl'}-{uuid.uuid4().hex}"
             pending = _Pending(
-                custom_id, url, [f"{base}-{i}" for i in range(len(prompts))], top, params.n
+                custom_id,
+                url,
+                [f"{base}-{i}" for i in range(len(prompts))],
+                top,
+                params.n,
+                reads_calls,
             )
             added: list[str] = []
             try:
@@ -407,7 +417,13 @@ class BatchJob:
             )
         else:
             response = chat_response(
-                rid, created, self.model_name, finals[0], pending.top, tokenizer
+                rid,
+                created,
+                self.model_name,
+                finals[0],
+                pending.top,
+                tokenizer,
+                pending.reads_calls,
             )
         summary.prompt_tokens += response["usage"]["prompt_tokens"]
         summary.completion_tokens += response["usage"]["completion_tokens"]

@@ -30,7 +30,8 @@ from specbatch.config import EngineConfig
 from specbatch.engine.llm_engine import LLMEngine
 from specbatch.errors import InvalidRequestError, SpecbatchError
 from specbatch.outputs import RequestOutput
-from specbatch.sampling_params import OutputKind, SamplingParams
+from specbatch.sampling_params import OutputKind, SamplingParams, StructuredOutputsParams
+from specbatch.structured.grammar import COMPILE_SECONDS
 
 logger = logging.getLogger("specbatch")
 
@@ -199,6 +200,8 @@ class AsyncEngine:
             prompt_token_ids, prompt = prompt, None
         if prompt_token_ids is None and isinstance(prompt, str):
             prompt_token_ids = await asyncio.to_thread(self.engine.intake.tokenize, prompt)
+        if params.structured_outputs is not None:
+            await self._compile(params.structured_outputs)
         stream = _Stream(asyncio.get_running_loop())
         done: Future[None] = Future()
         ids = list(prompt_token_ids) if prompt_token_ids is not None else None
@@ -222,6 +225,18 @@ class AsyncEngine:
                 self._send(_Abort(request_id))  # cancelled while being added
             raise
         return RequestStream(self, request_id, stream)
+
+    async def _compile(self, constraint: StructuredOutputsParams) -> None:
+        """Compile a constraint in a worker thread, within ``COMPILE_SECONDS``: the engine's
+        thread then finds it cached, so neither it nor the event loop waits on a compile."""
+        compiling = asyncio.to_thread(self.engine.intake.constraints.compile, constraint)
+        try:
+            await asyncio.wait_for(compiling, COMPILE_SECONDS)
+        except TimeoutError:
+            raise InvalidRequestError(
+                f"structured_outputs did not compile within {COMPILE_SECONDS:g} s",
+                f"structured_outputs.{constraint.kind}",
+            ) from None
 
     async def encode_chat(
         self,

@@ -13,6 +13,8 @@ from collections.abc import Sequence
 
 from specbatch.errors import InvalidRequestError
 from specbatch.sampling_params import SamplingParams
+from specbatch.structured.grammar import CompiledGrammar
+from specbatch.structured.manager import Constraints
 from specbatch.tokenizer import Tokenizer
 
 # Logprob entries (positions x (top-n + the chosen token) x completions) one request may hold.
@@ -29,6 +31,7 @@ class RequestIntake:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
+        self.constraints = Constraints(tokenizer, vocab_size)
 
     def tokenize(self, text: str, param: str = "prompt") -> list[int]:
         """The token ids of a text prompt, refusing invalid or hopelessly long text before the
@@ -106,6 +109,12 @@ class RequestIntake:
                     f"stop_token_ids names token {token}, outside the vocabulary of {vocab}",
                     "stop_token_ids",
                 )
+        if params.structured_outputs is not None and params.ignore_eos:
+            raise InvalidRequestError(
+                "structured_outputs cannot be combined with ignore_eos: a complete constraint "
+                "allows only the end of the sequence",
+                "ignore_eos",
+            )
         room = self.max_model_len - num_prompt_tokens
         positions = min(params.max_tokens or room, room)
         entries = params.n * positions * (params.logprobs + 1 if params.logprobs is not None else 0)
@@ -115,6 +124,24 @@ class RequestIntake:
                 f"{MAX_LOGPROB_ENTRIES} per request (lower n, max_tokens or logprobs)",
                 "logprobs",
             )
+
+    def grammar(self, params: SamplingParams, num_prompt_tokens: int) -> CompiledGrammar | None:
+        """The request's constraint compiled for this model (None without one);
+        ``InvalidRequestError`` naming the field when it does not compile, and naming
+        ``max_tokens`` when no output it allows fits in ``max_tokens`` (or the context)."""
+        if params.structured_outputs is None:
+            return None
+        compiled = self.constraints.compile(params.structured_outputs)
+        room = self.max_model_len - num_prompt_tokens
+        most = min(params.max_tokens or room, room)
+        if compiled.min_tokens > most:
+            raise InvalidRequestError(
+                f"max_tokens: the constraint needs at least {compiled.min_tokens} tokens, but "
+                f"{'max_tokens' if most == params.max_tokens else 'the context'} leaves room "
+                f"for {most}",
+                "max_tokens",
+            )
+        return compiled
 
 
 def check_priority(priority: object) -> int:

@@ -151,12 +151,16 @@ class LLMEngine:
         params = params or SamplingParams()
         text, token_ids = self.intake.prompt(prompt, prompt_token_ids)
         self.intake.check_params(params, len(token_ids))
+        grammar = self.intake.grammar(params, len(token_ids))
         priority = check_priority(priority)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         seqs = [
             self._new_sequence(request_id, i, token_ids, params, arrival, priority)
             for i in range(params.n)
         ]
+        if grammar is not None:
+            for seq in seqs:
+                seq.constraint = self.intake.constraints.new(grammar)
         state = RequestState(
             request_id, text, token_ids, params, seqs, self.tokenizer, self.max_model_len
         )
@@ -290,9 +294,10 @@ class LLMEngine:
                 rows = logits[emitted[: len(new_tokens)]]
                 entries = ranked_logprobs(rows, new_tokens, seq.params.logprobs)
                 positions = [state.decode_logprobs(e) for e in entries]
-            self.stats.num_generation_tokens += state.append_tokens(
-                seq.index, new_tokens, positions
-            )
+            kept = state.append_tokens(seq.index, new_tokens, positions)
+            if seq.constraint is not None and not seq.is_finished:
+                seq.constraint.commit(new_tokens[:kept])
+            self.stats.num_generation_tokens += kept
             touched[state.request_id] = state
             first_row += len(drafted) + 1
         return touched

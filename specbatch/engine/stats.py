@@ -24,6 +24,10 @@ class EngineStats:
     num_accepted_tokens: int = 0
     num_tree_drafts: int = 0  # sequence-steps whose drafts were a tree (of num_drafts)
     num_tree_moves: int = 0  # accepted tree nodes whose K/V moved to their position
+    # drafts that were a constraint's forced tokens (structured outputs), and those accepted:
+    # the forced share of the output is num_forced_accepted_tokens / num_generation_tokens
+    num_forced_draft_tokens: int = 0
+    num_forced_accepted_tokens: int = 0
     # per draft depth d (0: the first draft): verifies with a draft at that depth, and those
     # that accepted it (acceptance by depth is their ratio; a tree's depth is its levels)
     num_drafts_per_pos: list[int] = field(default_factory=list)
@@ -45,6 +49,8 @@ class EngineStats:
         self.num_accepted_tokens += step.num_accepted_tokens
         self.num_tree_drafts += step.num_tree_drafts
         self.num_tree_moves += step.num_tree_moves
+        self.num_forced_draft_tokens += step.num_forced_draft_tokens
+        self.num_forced_accepted_tokens += step.num_forced_accepted_tokens
         for depth, accepted in step.depths:
             self._count_depth(depth, accepted)
         report = step.report

@@ -35,6 +35,7 @@ class SamplingRow:
     output_ids: Sequence[int]  # tokens generated before this row's token (drafts included)
     position: int  # index in the sequence of the token this row produces
     banned_token_ids: Sequence[int] = ()  # e.g. EOS while min_tokens is not reached
+    allowed: np.ndarray | None = None  # [vocab] bool: a constraint's mask (None: any token)
 
 
 @dataclass
@@ -53,6 +54,7 @@ class SamplingTensors:
     prompt_mask: torch.Tensor | None  # [R, V] token occurs in the prompt
     banned: torch.Tensor | None  # [R, V] tokens that may not be produced
     bias: torch.Tensor | None  # [R, V] logit_bias
+    allowed: torch.Tensor | None  # [R, V] the constraints' masks (True: allowed)
     all_greedy: bool
     any_greedy: bool  # host-side, so no step waits on the device to know it
 
@@ -90,6 +92,7 @@ class SamplingTensors:
             prompt_mask=_prompt_mask(rows, vocab_size, device) if penalised else None,
             banned=_banned(rows, vocab_size, device),
             bias=_logit_bias(rows, vocab_size, device),
+            allowed=_allowed(rows, vocab_size, device),
             all_greedy=all(greedy),
             any_greedy=any(greedy),
         )
@@ -143,6 +146,19 @@ def _banned(
     return _mask(flat, len(rows), vocab_size, device)
 
 
+def _allowed(
+    rows: Sequence[SamplingRow], vocab_size: int, device: torch.device
+) -> torch.Tensor | None:
+    """The rows' constraint masks stacked (an unconstrained row allows every token)."""
+    if all(r.allowed is None for r in rows):
+        return None
+    mask = np.ones((len(rows), vocab_size), dtype=bool)
+    for i, row in enumerate(rows):
+        if row.allowed is not None:
+            mask[i] = row.allowed[:vocab_size]
+    return torch.from_numpy(mask).to(device)
+
+
 def _logit_bias(
     rows: Sequence[SamplingRow], vocab_size: int, device: torch.device
 ) -> torch.Tensor | None:
@@ -162,14 +178,23 @@ def _logit_bias(
 
 
 def apply_penalties(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
-    """Logit bias, banned tokens, then repetition, frequency and presence penalties.
+    """The constraints' masks, logit bias, banned tokens, then repetition, frequency and
+    presence penalties. A row that bans every token its constraint allows (the constraint is
+    complete, only the end of sequence is allowed, and ``min_tokens`` bans it) keeps its
+    constraint's tokens: the constraint wins.
 
     Returns a new tensor; ``logits`` is untouched.
     """
+    banned = t.banned
+    if t.allowed is not None:
+        logits = logits.masked_fill(~t.allowed, float("-inf"))
+        if banned is not None:
+            nothing_left = (t.allowed & ~banned).sum(-1, keepdim=True) == 0
+            banned = banned & ~nothing_left
     if t.bias is not None:
         logits = logits + t.bias
-    if t.banned is not None:
-        logits = logits.masked_fill(t.banned, float("-inf"))
+    if banned is not None:
+        logits = logits.masked_fill(banned, float("-inf"))
     if t.output_counts is None:
         return logits
     assert t.prompt_mask is not None

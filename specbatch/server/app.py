@@ -40,6 +40,7 @@ from specbatch.server.formatting import (
 from specbatch.server.guard import OPEN_PATHS, RequestGuard
 from specbatch.server.metrics import ServerMetrics
 from specbatch.server.protocol import ChatCompletionRequest, CompletionRequest, in_client_terms
+from specbatch.server.tools import CallReader, template_knows_tools
 
 
 @dataclass(frozen=True)
@@ -155,12 +156,17 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> RequestGuard:
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         _check_common(body, settings)
         tokenizer = engine.tokenizer
-        renames = body.field_names()  # as the client spelled them
+        knows_tools = template_knows_tools(tokenizer.chat_template)
         top = body.top_logprobs_per_token()
+        with _request_errors({}):
+            renames = body.field_names()  # as the client spelled them
+            reads_calls = body.reads_calls()
         with _request_errors(renames):
-            add_generation_prompt, options = body.template_options()
+            add_generation_prompt, options = body.template_options(knows_tools)
             params = body.chat_params()
-            ids = await engine.encode_chat(body.conversation(), add_generation_prompt, options)
+            ids = await engine.encode_chat(
+                body.conversation(knows_tools), add_generation_prompt, options
+            )
         streams = await _add_all(
             engine, settings, metrics, "chatcmpl", [ids], params, body.priority, renames
         )
@@ -168,10 +174,12 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> RequestGuard:
         rid = streams[0].request_id.rsplit("-", 1)[0]
         if body.stream:
             started: set[int] = set()
+            readers: dict[int, CallReader] | None = {} if reads_calls else None
             return _sse_response(
                 streams,
                 lambda _, out: [
-                    chat_chunk(rid, created, name, c, started, top, tokenizer) for c in out.outputs
+                    chat_chunk(rid, created, name, c, started, top, tokenizer, readers)
+                    for c in out.outputs
                 ],
                 body.include_usage_in_stream(),
                 rid,
@@ -180,7 +188,9 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> RequestGuard:
                 "chat.completion.chunk",
             )
         finals = await _finals(streams, request, settings)
-        return JSONResponse(chat_response(rid, created, name, finals[0], top, tokenizer))
+        return JSONResponse(
+            chat_response(rid, created, name, finals[0], top, tokenizer, reads_calls)
+        )
 
     open_paths = OPEN_PATHS | ({"/metrics"} if settings.open_metrics else set())
     return RequestGuard(

@@ -6,6 +6,7 @@ import json
 from typing import Any
 
 from specbatch.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from specbatch.server.tools import CallReader, read_calls
 from specbatch.tokenizer import Tokenizer
 
 _TYPES = {
@@ -164,6 +165,11 @@ def completion_chunk(
     }
 
 
+def _finish_reason(reason: str | None, called: bool) -> str | None:
+    """A completion that stopped after making calls finished with ``tool_calls``."""
+    return "tool_calls" if called and reason == "stop" else reason
+
+
 def chat_response(
     rid: str,
     created: int,
@@ -171,17 +177,27 @@ def chat_response(
     final: RequestOutput,
     top_n: int | None,
     tokenizer: Tokenizer,
+    reads_calls: bool = False,
 ) -> dict[str, Any]:
-    choices = [
-        {
-            "index": c.index,
-            "message": {"role": "assistant", "content": c.text},
-            "logprobs": chat_logprobs(c, top_n, tokenizer) if top_n is not None else None,
-            "finish_reason": c.finish_reason,
-            "stop_reason": c.stop_reason,
-        }
-        for c in final.outputs
-    ]
+    """A chat completion body; with ``reads_calls`` tool calls are read out of each
+    completion's text into ``message.tool_calls``."""
+    choices = []
+    for c in final.outputs:
+        message: dict[str, Any] = {"role": "assistant", "content": c.text}
+        calls = []
+        if reads_calls:
+            message["content"], calls = read_calls(c.text)
+            if calls:
+                message["tool_calls"] = [call.as_message() for call in calls]
+        choices.append(
+            {
+                "index": c.index,
+                "message": message,
+                "logprobs": chat_logprobs(c, top_n, tokenizer) if top_n is not None else None,
+                "finish_reason": _finish_reason(c.finish_reason, bool(calls)),
+                "stop_reason": c.stop_reason,
+            }
+        )
     return {
         "id": rid,
         "object": "chat.completion",
@@ -200,12 +216,28 @@ def chat_chunk(
     started: set[int],
     top_n: int | None,
     tokenizer: Tokenizer,
+    readers: dict[int, CallReader] | None = None,
 ) -> dict[str, Any]:
+    """One streamed chunk of a completion. With ``readers`` (one per completion, made here)
+    tool calls are read out of the text: content is sent up to a call's opening tag, and each
+    call goes out whole, as a ``tool_calls`` delta, once its block closes."""
     delta: dict[str, Any] = {"content": c.text}
+    finish_reason = c.finish_reason
+    if readers is not None:
+        reader = readers.setdefault(c.index, CallReader())
+        made = len(reader.calls)
+        delta["content"], _ = reader.feed(c.text)
+        if finish_reason is not None:
+            rest, _ = reader.finish()
+            delta["content"] += rest
+            finish_reason = _finish_reason(finish_reason, bool(reader.calls))
+        if len(reader.calls) > made:
+            new = reader.calls[made:]
+            delta["tool_calls"] = [call.as_delta(made + i) for i, call in enumerate(new)]
     if c.index not in started:
         started.add(c.index)
         delta["role"] = "assistant"
-    choice: dict[str, Any] = {"index": c.index, "delta": delta, "finish_reason": c.finish_reason}
+    choice: dict[str, Any] = {"index": c.index, "delta": delta, "finish_reason": finish_reason}
     if top_n is not None:
         choice["logprobs"] = chat_logprobs(c, top_n, tokenizer)
     return {

@@ -1,14 +1,18 @@
 """OpenAI request bodies (completions, chat completions) and their mapping to SamplingParams.
 
 Types are checked as OpenAI's API does: a wrong type or an out-of-range value is a 400 naming the
-field. Fields OpenAI has but specbatch does not implement are refused, not silently ignored;
-vLLM's extensions (``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``,
-``ignore_eos``, ``stop_token_ids``, ``skip_special_tokens``, ``include_stop_str_in_output``) are
-accepted.
+field, and so is a field the request models do not define (OpenAI's API refuses unknown
+arguments too): a field OpenAI has but specbatch does not implement (``audio``, ``prediction``,
+``functions``...) is refused, never silently dropped. vLLM's extensions (``top_k``, ``min_p``,
+``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
+``skip_special_tokens``, ``include_stop_str_in_output``, ``structured_outputs``) are accepted.
+Messages are lenient: fields a client echoes back from an earlier reply (``refusal``,
+``annotations``) are ignored.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, Literal
 
@@ -23,21 +27,71 @@ from pydantic import (
 )
 
 from specbatch.errors import InvalidRequestError
-from specbatch.sampling_params import OutputKind, SamplingParams
+from specbatch.sampling_params import OutputKind, SamplingParams, StructuredOutputsParams
+from specbatch.server.tools import CLOSE, OPEN, calls_grammar, calls_schema, describe_tools
 
 MAX_N = 16  # choices per request over HTTP (SamplingParams allows more for library use)
 MAX_STOP = 64  # stop strings per request, each at most MAX_STOP_CHARS characters
 MAX_STOP_CHARS = 1024
 MAX_LOGIT_BIAS = 1024  # entries (OpenAI's own limit is 300); each is applied to every row
+MAX_TOOLS = 128  # OpenAI's limit
 
 # A JSON number: no numeric strings, no booleans (SamplingParams checks range and finiteness).
 Number = StrictInt | StrictFloat
 StopString = Annotated[StrictStr, Field(max_length=MAX_STOP_CHARS)]
 
 
-class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+FunctionName = Annotated[StrictStr, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
 
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class JSONSchemaFormat(_Strict):
+    name: FunctionName
+    description: StrictStr | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's ``structured_outputs`` field: exactly one kind, as ``StructuredOutputsParams``."""
+
+    json_: dict[str, Any] | StrictStr | None = Field(None, alias="json")
+    regex: StrictStr | None = None
+    choice: list[StrictStr] | None = None
+    grammar: StrictStr | None = None
+    json_object: StrictBool | None = None
+
+
+class FunctionDefinition(_Strict):
+    name: FunctionName
+    description: StrictStr | None = None
+    parameters: dict[str, Any] | None = None
+    strict: StrictBool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: StrictStr
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class _Request(_Strict):
     model: StrictStr | None = None
     max_tokens: StrictInt | None = None
     temperature: Number | None = None
@@ -61,6 +115,8 @@ class _Request(BaseModel):
     skip_special_tokens: StrictBool = True
     include_stop_str_in_output: StrictBool = False
     priority: StrictInt = 0
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     def include_usage_in_stream(self) -> bool:
         return bool((self.stream_options or {}).get("include_usage"))
@@ -101,7 +157,52 @@ class _Request(BaseModel):
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
             output_kind=OutputKind.DELTA if self.stream else OutputKind.FINAL_ONLY,
+            structured_outputs=self.constraint(),
         )
+
+    def constraint(self) -> StructuredOutputsParams | None:
+        """The request's constraint: ``structured_outputs`` or ``response_format`` (not both)."""
+        asked = self.structured_outputs
+        answer = self.answer_schema()
+        if asked is not None and answer is not None:
+            raise InvalidRequestError(
+                "give structured_outputs or response_format, not both", "response_format"
+            )
+        if asked is not None:
+            fields = asked.model_dump(by_alias=True, exclude_none=True)
+            return StructuredOutputsParams(**fields)
+        if answer is None:
+            return None
+        if answer == {"type": "object"}:
+            return StructuredOutputsParams(json_object=True)
+        return StructuredOutputsParams(json=answer)
+
+    def answer_schema(self) -> dict[str, Any] | None:
+        """The JSON schema ``response_format`` asks for (``{"type": "object"}`` for
+        ``json_object``); None for ``text`` or without one."""
+        form = self.response_format
+        if form is None or form.type == "text":
+            if form is not None and form.json_schema is not None:
+                raise InvalidRequestError(
+                    "response_format.json_schema is only read with type json_schema",
+                    "response_format.json_schema",
+                )
+            return None
+        if form.type == "json_object":
+            return {"type": "object"}
+        if form.json_schema is None:
+            raise InvalidRequestError(
+                "response_format of type json_schema needs json_schema", "response_format"
+            )
+        return form.json_schema.schema_ or {"type": "object"}
+
+    def renamed_fields(self) -> dict[str, str]:
+        """Where the constraint came from, for its errors (the engine names
+        ``structured_outputs``)."""
+        if self.response_format is None or self.response_format.type == "text":
+            return {}
+        schema = "response_format.json_schema.schema"
+        return {"structured_outputs.json": schema, "structured_outputs.json_object": schema}
 
 
 class CompletionRequest(_Request):
@@ -142,17 +243,70 @@ class ContentPart(BaseModel):
     text: StrictStr
 
 
+class CalledFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: StrictStr
+    arguments: StrictStr
+
+
+class MessageToolCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    id: StrictStr
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: StrictStr | list[ContentPart] | None = None
     name: StrictStr | None = None
+    tool_calls: Annotated[list[MessageToolCall], Field(max_length=MAX_TOOLS)] | None = None
+    tool_call_id: StrictStr | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(part.text for part in self.content)
         return self.content or ""
+
+    def for_template(self, template_knows_tools: bool) -> dict[str, Any]:
+        """The message as chat templates read it. A template that knows tools gets an
+        assistant's calls as ``tool_calls`` (arguments as a dict, as Hugging Face templates
+        expect); for one that does not, they are written into the content in the format the
+        model is told to use (``tools.describe_tools``)."""
+        message: dict[str, Any] = {
+            "role": "system" if self.role == "developer" else self.role,
+            "content": self.text(),
+        }
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.name is not None and self.role == "tool":
+            message["name"] = self.name
+        if not self.tool_calls:
+            return message
+        calls = [
+            {"name": c.function.name, "arguments": _arguments(c.function.arguments)}
+            for c in self.tool_calls
+        ]
+        if template_knows_tools:
+            message["tool_calls"] = [
+                {"id": c.id, "type": "function", "function": call}
+                for c, call in zip(self.tool_calls, calls, strict=True)
+            ]
+        else:
+            written = json.dumps(calls, ensure_ascii=False)
+            message["content"] = f"{message['content']}{OPEN}{written}{CLOSE}"
+        return message
+
+
+def _arguments(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
 
 
 class ChatCompletionRequest(_Request):
@@ -162,16 +316,55 @@ class ChatCompletionRequest(_Request):
     top_logprobs: StrictInt | None = Field(None, ge=0, le=SamplingParams.MAX_LOGPROBS)
     add_generation_prompt: StrictBool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: StrictBool = True
 
-    def conversation(self) -> list[dict[str, str]]:
-        return [
-            {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-            for m in self.messages
-        ]
+    def tool_mode(self) -> str:
+        """``"none"``, ``"auto"``, ``"required"`` or ``"named"``; checks that ``tool_choice``
+        has tools to choose from and names one of them."""
+        if self.tool_choice is not None and not self.tools:
+            raise InvalidRequestError("tool_choice is only allowed with tools", "tool_choice")
+        if not self.tools:
+            return "none"
+        names = [tool.function.name for tool in self.tools]
+        if len(set(names)) < len(names):
+            raise InvalidRequestError("tools must have distinct function names", "tools")
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice):
+            if choice.function.name not in names:
+                raise InvalidRequestError(
+                    f"tool_choice names {choice.function.name!r}, which is not in tools",
+                    "tool_choice",
+                )
+            return "named"
+        return choice or "auto"
 
-    def template_options(self) -> tuple[bool, dict[str, Any]]:
+    def reads_calls(self) -> bool:
+        """Whether the reply may hold tool calls (read out of the model's text)."""
+        return self.tool_mode() != "none"
+
+    def conversation(self, template_knows_tools: bool = False) -> list[dict[str, Any]]:
+        """The messages as the chat template reads them; when tools may be called and the
+        template cannot show them, a system message describes them (after the client's own
+        system text, when the conversation starts with one)."""
+        messages = [m.for_template(template_knows_tools) for m in self.messages]
+        if template_knows_tools or not self.reads_calls():
+            return messages
+        description = describe_tools(self._functions())
+        if messages[0]["role"] == "system":
+            messages[0] = {**messages[0], "content": f"{messages[0]['content']}\n\n{description}"}
+        else:
+            messages.insert(0, {"role": "system", "content": description})
+        return messages
+
+    def _functions(self) -> list[dict[str, Any]]:
+        return [tool.function.model_dump(exclude_none=True) for tool in self.tools or []]
+
+    def template_options(self, template_knows_tools: bool = False) -> tuple[bool, dict[str, Any]]:
         """``(add_generation_prompt, other template variables)``: ``chat_template_kwargs`` may
-        set the flag (vLLM's spelling) but not the messages."""
+        set the flag (vLLM's spelling) but not the messages; a template that knows tools gets
+        them (unless ``tool_choice`` is ``none``)."""
         options = dict(self.chat_template_kwargs or {})
         if "messages" in options:
             raise InvalidRequestError(
@@ -183,12 +376,49 @@ class ChatCompletionRequest(_Request):
                 "chat_template_kwargs.add_generation_prompt must be true or false",
                 "chat_template_kwargs",
             )
+        if template_knows_tools and self.reads_calls():
+            options["tools"] = [tool.model_dump(exclude_none=True) for tool in self.tools or []]
         return add_generation_prompt, options
+
+    def constraint(self) -> StructuredOutputsParams | None:
+        """The request's constraint. With ``tool_choice`` ``required`` or named: one block of
+        calls valid for the tools; with ``auto`` and a ``response_format`` schema: either a
+        block of calls or an answer in that schema; otherwise ``structured_outputs`` or
+        ``response_format``."""
+        mode = self.tool_mode()
+        if mode == "none" or (mode == "auto" and self.answer_schema() is None):
+            return super().constraint()
+        if self.structured_outputs is not None:
+            raise InvalidRequestError(
+                "structured_outputs cannot be combined with tools (use tool_choice none)",
+                "structured_outputs",
+            )
+        if mode == "auto":
+            schema = calls_schema(self._functions(), self.parallel_tool_calls)
+            return StructuredOutputsParams(grammar=calls_grammar(schema, self.answer_schema()))
+        if self.answer_schema() is not None:
+            raise InvalidRequestError(
+                f"response_format cannot be combined with tool_choice {mode!r}: the reply is "
+                "a tool call",
+                "response_format",
+            )
+        only = (
+            self.tool_choice.function.name
+            if isinstance(self.tool_choice, NamedToolChoice)
+            else None
+        )
+        schema = calls_schema(self._functions(), self.parallel_tool_calls, only)
+        return StructuredOutputsParams(grammar=calls_grammar(schema))
 
     def field_names(self) -> dict[str, str]:
         """The engine's name of a field -> the name this request used (its prompt is its
-        messages; ``max_completion_tokens`` when it set that)."""
-        renames = {"prompt": "messages"}
+        messages; ``max_completion_tokens`` when it set that; ``tools`` or
+        ``response_format`` for the constraint they make)."""
+        renames = {"prompt": "messages", **self.renamed_fields()}
+        if self.tool_mode() in ("required", "named") or (
+            self.tool_mode() == "auto" and self.answer_schema() is not None
+        ):
+            renames["structured_outputs.grammar"] = "tools"
         if self.max_completion_tokens is not None:
             renames["max_tokens"] = "max_completion_tokens"
         return renames
@@ -231,6 +461,8 @@ def describe_validation_errors(errors: Sequence[Mapping[str, Any]]) -> tuple[str
             break  # pydantic names the union member it tried: not part of the field path
         location.append(str(part))
     param = ".".join(location) or None
+    if first.get("type") == "extra_forbidden" and param:
+        return f"{param} is not supported by this server (refused, not ignored)", param
     message = (
         f"{param}: {first.get('msg', 'invalid value')}"
         if param

@@ -16,6 +16,7 @@ from specbatch.sequence import Sequence
 from specbatch.spec_decode.control.controller import (
     DRAFT,
     EXTERNAL,
+    FORCED,
     LOOKUP_WAYS,
     Candidate,
     Choice,
@@ -98,15 +99,23 @@ class SpecCounters:
     num_accepted_tokens: int = 0
     num_tree_drafts: int = 0
     num_tree_moves: int = 0
+    num_forced_draft_tokens: int = 0  # drafts that were a constraint's forced tokens
+    num_forced_accepted_tokens: int = 0
     depths: list[tuple[int, int]] = field(default_factory=list)  # (depth, accepted)
     report: PlanReport | None = None
 
-    def count(self, drafts: int, accepted: int, depth: int | None, path: list[int]) -> None:
-        """A verify of ``drafts`` drafts (a tree's, ``depth`` levels deep; None: a chain)
-        that accepted ``accepted`` of them along ``path`` (their indices, root-most first)."""
+    def count(
+        self, drafts: int, accepted: int, depth: int | None, path: list[int], forced: bool
+    ) -> None:
+        """A verify of ``drafts`` drafts (a tree's, ``depth`` levels deep; None: a chain;
+        ``forced``: a constraint's forced tokens) that accepted ``accepted`` of them along
+        ``path`` (their indices, root-most first)."""
         self.num_drafts += 1
         self.num_draft_tokens += drafts
         self.num_accepted_tokens += accepted
+        if forced:
+            self.num_forced_draft_tokens += drafts
+            self.num_forced_accepted_tokens += accepted
         if depth is not None:
             self.num_tree_drafts += 1
             self.num_tree_moves += sum(node != d for d, node in enumerate(path))
@@ -168,14 +177,23 @@ class Planner:
         controller chooses for a proposer of several."""
         if self.proposer is None or not decodes:
             return DraftPlan()
+        seqs: dict[int, SeqPlan] = {}
+        depth = self.tree_depth  # a fixed tree: no path deeper, every node with a chance pays
+        free = []
+        for s in decodes:  # a constraint's only continuation first: it is certain
+            forced = s.seq.constraint.forced() if s.seq.constraint is not None else []
+            if forced:
+                match = LookupMatch(forced, 0)
+                seqs[s.seq.seq_id] = SeqPlan(FORCED, s.num_lookahead, match, depth)
+            else:
+                free.append(s)
+        decodes = free
         matches = self._matches(decodes)
         if self.controller is not None:  # (a fixed tree's chains are no deeper than it)
             candidates = self._candidates(decodes, matches, self.tree_depth)
             choices = self.controller.choose_ways(candidates)
         else:
             choices = [Choice(self._only_way(matches.get(s.seq.seq_id)), 0) for s in decodes]
-        seqs: dict[int, SeqPlan] = {}
-        depth = self.tree_depth  # a fixed tree: no path deeper, every node with a chance pays
         for s, choice in zip(decodes, choices, strict=True):
             seq_id, slots = s.seq.seq_id, s.num_lookahead
             if choice.way in LOOKUP_WAYS:
@@ -217,6 +235,7 @@ class Planner:
             seq = s.seq
             match = matches.get(seq.seq_id, LookupMatch([], 0))
             catch_up = network.catch_up(seq) if network is not None else 1
+            forced = seq.constraint.forced() if seq.constraint is not None else []
             candidates.append(
                 Candidate(
                     seq.seq_id,
@@ -226,6 +245,7 @@ class Planner:
                     match.n,
                     catch_up,
                     self._remaining(seq),
+                    forced,
                 )
             )
         return candidates
@@ -238,6 +258,8 @@ class Planner:
         assert choice.way is not None
         if choice.way in LOOKUP_WAYS:
             return SeqPlan(choice.way, choice.drafts, match, choice=choice)
+        if choice.way == FORCED:
+            return SeqPlan(FORCED, choice.drafts, LookupMatch(candidate.forced, 0), choice=choice)
         network = self.proposer.network if self.proposer is not None else None
         price = prices.row_tokens(candidate.context) if choice.way == DRAFT else None
         if price is None or network is None:

@@ -32,11 +32,17 @@ from specbatch.scheduler import ScheduledSequence, SchedulerOutput
 from specbatch.sequence import Sequence
 from specbatch.spec_decode.control.controller import (
     EXTERNAL,
+    FORCED,
     GoodputController,
 )
 from specbatch.spec_decode.control.step_times import StepClock
 from specbatch.spec_decode.plan import DraftPlan, Planner, SpecCounters, pairs_of
-from specbatch.spec_decode.proposers.base import Proposal, Proposer
+from specbatch.spec_decode.proposers.base import (
+    DraftRequest,
+    Proposal,
+    Proposer,
+    with_point_masses,
+)
 from specbatch.spec_decode.verification.chain import VerifyResult, verify
 from specbatch.spec_decode.verification.tree import DraftTree, node_depths, tree_rows, verify_tree
 
@@ -95,15 +101,17 @@ class Speculator:
         """The plan's drafts for each sampling sequence, at most its granted slots."""
         tokens: list[list[int]] = [[] for _ in sampling]
         rows, requests = [], []
+        forced: list[bool] = []
         for i, s in enumerate(sampling):
             planned = None if plan is None else plan.seqs.get(s.seq.seq_id)
             if planned is not None and s.num_lookahead:
                 rows.append(i)
                 requests.append(planned.request(s.seq, s.num_lookahead))
+                forced.append(planned.way == FORCED)
         if self.proposer is None or not requests:
             return Proposal(tokens)
         started = time.perf_counter()
-        proposal = self.proposer.propose(requests)
+        proposal = self._proposed(requests, forced)
         seconds = time.perf_counter() - started
         probs, row = proposal.draft_probs, 0
         q_rows: list[int] = []
@@ -112,16 +120,42 @@ class Speculator:
             tree = proposal.parents_of(k)
             if tree is not None and len(tree) != len(drafted):
                 raise ValueError(f"the proposer gave {len(drafted)} drafts but {len(tree)} parents")
-            # a proposer may not exceed its slots (a tree's first nodes are a tree)
-            slots = r.slots if tree is not None else r.max_drafts
-            tokens[i] = drafted[:slots]
-            parents[i] = None if tree is None else tree[:slots]
-            q_rows += range(row, row + len(tokens[i]))
+            keep = _kept(sampling[i].seq, drafted, tree, r)
+            tokens[i] = [drafted[j] for j in keep]
+            if tree is not None:
+                index = {old: new for new, old in enumerate(keep)}
+                parents[i] = [-1 if tree[j] < 0 else index[tree[j]] for j in keep]
+            q_rows += [row + j for j in keep]
             row += len(drafted)
         if probs is not None and len(q_rows) < row:
             probs = probs[q_rows]
         trees = parents if any(p is not None for p in parents) else None
         return Proposal(tokens, probs, trees, proposal.forward_times, seconds)
+
+    def _proposed(self, requests: list[DraftRequest], forced: list[bool]) -> Proposal:
+        """The proposer's drafts for the requests it drafts, and a constraint's forced tokens
+        (point masses, no proposer needed) for the others, in request order."""
+        assert self.proposer is not None
+        if not any(forced):
+            return self.proposer.propose(requests)
+        asked = [i for i, f in enumerate(forced) if not f]
+        drafted = self.proposer.propose([requests[i] for i in asked]) if asked else Proposal([])
+        tokens: list[list[int]] = []
+        parents: list[list[int] | None] = []
+        for i, r in enumerate(requests):
+            if forced[i]:
+                assert r.lookup is not None
+                tokens.append(r.lookup.tokens[: r.max_drafts])
+                parents.append(None)
+            else:
+                k = asked.index(i)
+                tokens.append(drafted.tokens[k])
+                parents.append(drafted.parents_of(k))
+        probs = drafted.draft_probs
+        if probs is not None:
+            probs = with_point_masses(tokens, asked, probs)
+        trees = parents if any(p is not None for p in parents) else None
+        return Proposal(tokens, probs, trees, drafted.forward_times)
 
     # ------------------------------------------------------------------ verifying
 
@@ -231,7 +265,9 @@ class Speculator:
             tree = proposal.parents_of(i)
             depth = None if tree is None else max(node_depths(tree), default=0)
             if drafted:
-                counters.count(len(drafted), accepted, depth, result.path(i))
+                planned = None if plan is None else plan.seqs.get(s.seq.seq_id)
+                forced = planned is not None and planned.way == FORCED
+                counters.count(len(drafted), accepted, depth, result.path(i), forced)
             self._verified(s, plan, len(drafted), accepted, depth)
         for seq in finished:
             self.forget(seq)
@@ -305,6 +341,43 @@ class Speculator:
             self.proposer.forget(seq)
         if self.controller is not None:
             self.controller.forget(seq.seq_id)
+
+
+def _kept(
+    seq: Sequence, drafted: list[int], tree: list[int] | None, request: DraftRequest
+) -> list[int]:
+    """The drafts of ``drafted`` a step verifies: at most the request's slots (a proposer may
+    not exceed them; a tree's first nodes are a tree) and, under a constraint, none past a
+    draft the constraint refuses (that one stays: the target's masked distribution rejects it
+    with certainty, and the rejection's residual keeps a sampled draft's row exact)."""
+    slots = request.slots if tree is not None else request.max_drafts
+    count = min(len(drafted), slots)
+    constraint = seq.constraint
+    if constraint is None:
+        return list(range(count))
+    if tree is None:
+        return list(range(min(count, constraint.valid_prefix(drafted[:count]) + 1)))
+    keep: list[int] = []
+    valid: list[bool] = []  # per node: its path is allowed
+    for j in range(count):
+        parent = tree[j]
+        if parent >= 0 and not valid[parent]:
+            valid.append(False)
+            continue  # (and it is not kept: its parent is never accepted)
+        path = [drafted[n] for n in _path(tree, j)]
+        valid.append(constraint.valid_prefix(path) == len(path))
+        if parent < 0 or parent in keep:
+            keep.append(j)
+    return keep
+
+
+def _path(parents: list[int], node: int) -> list[int]:
+    """The nodes from the root's child down to ``node``."""
+    path = []
+    while node >= 0:
+        path.append(node)
+        node = parents[node]
+    return path[::-1]
 
 
 def _features(

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from specbatch.errors import InvalidRequestError, ModelLoadError
+from specbatch.sampling_params import check_text
 from specbatch.tokenizer.chat_template import ChatTemplate
-from specbatch.tokenizer.text import check_text
 
 
 @dataclass(frozen=True)

@@ -71,6 +71,11 @@ class HFTokenizer(Tokenizer):
     def token_to_id(self, token: str) -> int | None:
         return self._backend.token_to_id(token)
 
+    def backend_json(self) -> str:
+        """The ``tokenizers`` library's serialisation of this tokenizer (what grammar engines
+        such as llguidance read)."""
+        return str(self._backend.to_str())
+
     @property
     def vocab_size(self) -> int:
         return self._size

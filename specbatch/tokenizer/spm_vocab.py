@@ -67,6 +67,10 @@ class SPMVocab:
     def __len__(self) -> int:
         return len(self.pieces)
 
+    def surface(self, token_id: int) -> bytes:
+        """The bytes ``token_id`` stands for (``▁`` as a space, a byte piece as its byte)."""
+        return self._surface[token_id]
+
     def id_of(self, piece: str) -> int | None:
         """The id of ``piece`` (the first, if the vocabulary repeats it)."""
         return self._ids.get(piece)
@@ -112,6 +116,20 @@ class SPMVocabTokenizer(Tokenizer):
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return self._vocab.decode(ids, skip_special_tokens)
+
+    def token_surfaces(self) -> list[bytes]:
+        """Every token's bytes, in id order (what grammar engines match text against)."""
+        return [self._vocab.surface(i) for i in range(len(self._vocab))]
+
+    def encode_continuation(self, text: str) -> list[int]:
+        """The ids of ``text`` as it continues a sequence: no dummy-prefix space, control
+        tokens' text left as text (what grammar engines tokenize forced text with)."""
+        anchor = self._vocab.pieces[0]  # <unk>-like: encodes apart from what follows
+        first = self._encode_text(anchor)
+        ids = self._encode_text(anchor + text)
+        if ids[: len(first)] == first:
+            return ids[len(first) :]
+        return self._encode_text(text)  # (the anchor merged into the text: a close second)
 
     def token_to_id(self, token: str) -> int | None:
         return self._vocab.id_of(token)

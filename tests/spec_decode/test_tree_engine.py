@@ -4,7 +4,6 @@ path's K/V end up at the sequence's positions, logprobs, blocks under abort and 
 from __future__ import annotations
 
 import random
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -259,24 +258,6 @@ def test_a_cached_prefix_after_tree_steps_gives_the_same_text(
             outputs += [o for o in engine.step() if o.finished]
         assert outputs[0].outputs[0].token_ids == expected
     assert engine.stats.num_tree_moves > 0
-
-
-@pytest.fixture(scope="module")
-def noisy_draft_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The target with a little noise on every weight: its first choice often differs from the
-    target's, its second or third often is the target's (siblings get accepted)."""
-    from safetensors.torch import load_file, save_file
-
-    directory = tmp_path_factory.mktemp("noisy-draft")
-    for item in tiny_model_dir.iterdir():
-        shutil.copy(item, directory / item.name)
-    generator = torch.Generator().manual_seed(5)
-    weights = load_file(str(tiny_model_dir / "model.safetensors"))
-    noisy = {
-        name: w + 0.006 * torch.randn(w.shape, generator=generator) for name, w in weights.items()
-    }
-    save_file(noisy, str(directory / "model.safetensors"))
-    return directory
 
 
 def sibling_engine(

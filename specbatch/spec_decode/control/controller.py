@@ -53,6 +53,9 @@ from specbatch.spec_decode.tuning import SpeculationTuning
 LOOKUP_WAYS = ("lookup1", "lookup2", "lookup3")  # by match length: 1, 2, 3 or more tokens
 DRAFT = "draft"
 EXTERNAL = "external"
+# a constraint's only continuation (its forced tokens): free to propose, and the masked target
+# gives it probability 1, so every controller plans it beside its proposer's ways
+FORCED = "forced"
 
 
 def lookup_way(match_length: int) -> str:
@@ -73,6 +76,7 @@ class Candidate:
     lookup_n: int = 0
     catch_up: int = 1  # rows the draft model computes for it before its first draft
     remaining: int = 1  # tokens it may still generate
+    forced: list[int] = field(default_factory=list)  # its constraint's only continuation
 
 
 @dataclass(frozen=True)
@@ -142,12 +146,12 @@ class GoodputController:
     """Chooses each step's drafts; learns step times and acceptance from the engine."""
 
     def __init__(self, ways: tuple[str, ...], tuning: SpeculationTuning | None = None) -> None:
-        self.ways = ways
+        self.ways = ways  # the proposer's (a constraint's forced tokens join per plan)
         self.tuning = tuning = tuning or SpeculationTuning()
         self.times = StepTimes(tuning)
         self.draft_times = ForwardTimes(tuning)  # a draft model's forwards, by rows
         self._external = (0.0, 0.0)  # an application's proposer: decayed seconds and drafts
-        self.acceptance = AcceptanceModel(tuning, steady=(DRAFT, EXTERNAL))
+        self.acceptance = AcceptanceModel(tuning, steady=(DRAFT, EXTERNAL, FORCED))
         self.plans_since_probe = 0  # see ``SpeculationTuning.probe_every``
 
     def plan(
@@ -180,7 +184,7 @@ class GoodputController:
         expected = np.cumsum(options.uncalibrated, axis=2)
         choices = [
             Choice(
-                self.ways[w],
+                options.ways[w],
                 d + 1,
                 tuple(expected[i, w, : d + 1].tolist()),
                 None if was == (w, d) else was[1] + 1,
@@ -233,37 +237,43 @@ class GoodputController:
         adds (the draft model's per-forward cost aside), whether it may be drafted; each
         weighted by the chance that the proposer makes it when allotted."""
         count = len(candidates)
+        ways = self.ways
+        if any(c.forced for c in candidates):
+            ways = (*ways, FORCED)
         table = np.array(
             [(c.slots, c.context, c.catch_up, c.remaining) for c in candidates], dtype=np.float64
         ).reshape(count, 4)
         slots, context = table[:, 0].astype(np.int64), table[:, 1]
         most = int(slots.max())
         row, base_cost, prices = self._row_prices(base_tokens, base_seqs, base_pairs, context, most)
-        draft_fit = self.draft_times.fit(count) if DRAFT in self.ways else (0.0, 0.0)
+        draft_fit = self.draft_times.fit(count) if DRAFT in ways else (0.0, 0.0)
         acceptance = self.acceptance
-        usable = np.zeros((count, len(self.ways)), dtype=np.int64)
+        usable = np.zeros((count, len(ways)), dtype=np.int64)
         first = np.zeros(usable.shape)
         seq_ids = [c.seq_id for c in candidates]
-        for w, way in enumerate(self.ways):
-            if way not in LOOKUP_WAYS:
+        for w, way in enumerate(ways):
+            if way == FORCED:
+                usable[:, w] = [min(c.slots, len(c.forced)) for c in candidates]
+                first[:, w] = acceptance.firsts(way, seq_ids)
+            elif way not in LOOKUP_WAYS:
                 usable[:, w] = slots
                 first[:, w] = acceptance.firsts(way, seq_ids)
         # each candidate with a match: its lookup's way (by match length) and what it drafts
         lookups: dict[int, list[int]] = {}
-        index_of = {way: w for w, way in enumerate(self.ways)}
+        index_of = {way: w for w, way in enumerate(ways)}
         for i, c in enumerate(candidates):
             match = index_of.get(lookup_way(c.lookup_n)) if c.lookup else None
             if match is not None:
                 lookups.setdefault(match, []).append(i)
                 usable[i, match] = min(c.slots, len(c.lookup))
         for w, index in lookups.items():
-            first[index, w] = acceptance.firsts(self.ways[w], [seq_ids[i] for i in index])
-        follow = np.cumprod(acceptance.follow_rows(self.ways, most), axis=1)
+            first[index, w] = acceptance.firsts(ways[w], [seq_ids[i] for i in index])
+        follow = np.cumprod(acceptance.follow_rows(ways, most), axis=1)
         positions = np.arange(most)
         valid = positions[None, None, :] < usable[:, :, None]
-        calibration = np.array([acceptance.calibration(way) for way in self.ways])
+        calibration = np.array([acceptance.calibration(way) for way in ways])
         uncalibrated = np.where(valid, first[:, :, None] * follow[None], 0.0)
-        made = acceptance.made_rows(self.ways, most)[None]
+        made = acceptance.made_rows(ways, most)[None]
         gains = np.minimum(calibration[None, :, None] * uncalibrated, 1.0) * made
         # the proposer's work for draft j is done when j is made, and for the first whenever
         # one is allotted (a draft model may drop a first draft it computed)
@@ -273,10 +283,10 @@ class GoodputController:
         # the module docstring); an application's proposer its measured time per draft
         seconds, drafts = self._external
         per_draft = {DRAFT: draft_fit[1], EXTERNAL: seconds / drafts if drafts else 0.0}
-        extra = [per_draft.get(way, 0.0) for way in self.ways]
+        extra = [per_draft.get(way, 0.0) for way in ways]
         proposing = np.array(extra)[None, :, None] * ran
         costs = np.where(valid, row[:, None, :] * made + proposing, 0.0)
-        if DRAFT in self.ways:  # the backlog a draft model must catch up on, amortised
+        if DRAFT in ways:  # the backlog a draft model must catch up on, amortised
             catch_up = np.maximum(table[:, 2], 1.0)
             backlog = _amortised_backlog(catch_up, table[:, 3], self.tuning.catch_up_steps)
             # at the per-row cost of a forward of the catch-up's size, not of a one-row-per-
@@ -285,9 +295,9 @@ class GoodputController:
             per_row = draft_fit[1]
             if rows > count:
                 per_row = self.draft_times.fit(rows)[1]
-            costs[:, self.ways.index(DRAFT), 0] += per_row * backlog
+            costs[:, ways.index(DRAFT), 0] += per_row * backlog
         return _Options(
-            gains, costs, valid, uncalibrated, made[0], ran[0], draft_fit, base_cost, prices
+            ways, gains, costs, valid, uncalibrated, made[0], ran[0], draft_fit, base_cost, prices
         )
 
     def _row_prices(
@@ -383,7 +393,8 @@ class GoodputController:
                 choices.append(Choice(None, 0))
                 continue
             drafts = int(usable[i, w])
-            choices.append(Choice(self.ways[w], drafts, tuple(expected[i, w, :drafts].tolist())))
+            way = options.ways[w]
+            choices.append(Choice(way, drafts, tuple(expected[i, w, :drafts].tolist())))
         return choices
 
     def plain_step(self) -> None:
@@ -440,6 +451,7 @@ class GoodputController:
 class _Options:
     """Per candidate, way and draft position (``made``: per way and position)."""
 
+    ways: tuple[str, ...]  # the controller's, and FORCED when a candidate has forced tokens
     gains: np.ndarray  # chance the draft is emitted: made, accepted, calibrated
     costs: np.ndarray  # seconds it adds if allotted (times the chance it is made)
     valid: np.ndarray  # whether it may be drafted
