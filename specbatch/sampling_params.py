@@ -70,7 +70,7 @@ class StructuredOutputsParams:
             _check_text(param, schema, self.MAX_SPEC_CHARS)
             try:
                 schema = json.loads(schema)
-            except ValueError as exc:
+            except (ValueError, RecursionError) as exc:
                 raise InvalidRequestError(f"{param} is not valid JSON: {exc}", param) from None
         if not isinstance(schema, dict):
             raise InvalidRequestError(
@@ -78,7 +78,7 @@ class StructuredOutputsParams:
             )
         try:
             text = json.dumps(schema, sort_keys=True, allow_nan=False)
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, RecursionError) as exc:
             raise InvalidRequestError(f"{param} is not a JSON value: {exc}", param) from None
         _check_text(param, text, self.MAX_SPEC_CHARS)
 

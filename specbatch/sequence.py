@@ -30,6 +30,8 @@ class FinishReason(enum.Enum):
 class Constraint(Protocol):
     """A sequence's constraint (``structured.Constraint``) as the engine drives it."""
 
+    error: str | None  # why it failed: then it allows only the end, and its request fails
+
     def mask(self, drafts: SequenceT[int] = ()) -> np.ndarray:
         """``[vocab]`` bool: the tokens allowed after the committed ones and ``drafts``."""
         ...

@@ -180,9 +180,8 @@ def write_tiny_model(
     ``vocab_size`` below the tokenizer's makes the model emit only the first ids (for tests
     that need exact distributions over a small vocabulary)."""
     vocab = write_tiny_tokenizer(directory)
-    config = tiny_config(
-        vocab_size=vocab_size or max(vocab, 96), max_position_embeddings=512, **overrides
-    )
+    overrides = {"max_position_embeddings": 512, **overrides}
+    config = tiny_config(vocab_size=vocab_size or max(vocab, 96), **overrides)
     write_hf_checkpoint(directory, config, seed=seed)
     return directory
 

@@ -264,13 +264,24 @@ class LLMEngine:
                 0, min(s.num_new_tokens, seq.num_prompt_tokens - seq.num_computed_tokens)
             )
         touched = self._append(sampling, proposal, result, target_logits)
+        broken = {
+            s.seq.request_id: s.seq.constraint.error
+            for s in sampling
+            if s.seq.constraint is not None and s.seq.constraint.error is not None
+        }
+        for request_id in broken:
+            touched.pop(request_id, None)
         accepted = {s.seq.seq_id: n for s, n in zip(sampling, result.num_accepted, strict=True)}
         finished = self.scheduler.update_from_output(out, accepted)
         counters = self.speculator.learn(plan, sampling, proposal, result, finished, runs, clock)
         self.stats.add_speculation(counters)
         self.stats.num_steps += 1
         self._update_gauges()
-        return self._outputs(touched)
+        outputs = self._outputs(touched)
+        for request_id, error in broken.items():
+            logger.warning("request %s ends: its constraint failed: %s", request_id, error)
+            outputs += self._end_with_error({request_id}, f"the constraint failed: {error}")
+        return outputs
 
     def _append(
         self,
@@ -348,7 +359,12 @@ class LLMEngine:
             exc_info=exc,
         )
         self.stats.num_failed_steps += 1
-        message = f"the engine step failed: {type(exc).__name__}: {exc}"
+        return self._end_with_error(
+            request_ids, f"the engine step failed: {type(exc).__name__}: {exc}"
+        )
+
+    def _end_with_error(self, request_ids: set[str], message: str) -> list[RequestOutput]:
+        """End these requests with ``message``, free what they held, report them."""
         outputs = []
         for request_id in sorted(request_ids):
             state = self.requests.pop(request_id, None)

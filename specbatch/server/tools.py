@@ -52,12 +52,10 @@ def describe_tools(functions: Sequence[Mapping[str, Any]]) -> str:
     and how (``functions``: each tool's ``function`` object)."""
     listed = "\n".join(json.dumps(f, ensure_ascii=False) for f in functions)
     return (
-        "You are an expert in composing functions. You have access to the following tools:\n"
-        f"<tools>\n{listed}\n</tools>\n\n"
-        "To call one or more of them, reply with a JSON list of calls between tool_call tags, "
-        "each call's arguments matching the function's parameters:\n"
-        f'{OPEN}[{{"name": "function_name", "arguments": {{"argument": "value"}}}}]{CLOSE}\n'
-        "If no tool fits, answer in plain text instead."
+        f"You may call these tools:\n<tools>\n{listed}\n</tools>\n"
+        f'To call tools, reply with {OPEN}[{{"name": "tool_name", "arguments": {{...}}}}]{CLOSE}'
+        " (a JSON list of calls whose arguments match the tool's parameters); otherwise "
+        "answer in plain text."
     )
 
 

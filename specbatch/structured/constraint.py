@@ -1,13 +1,21 @@
 """One sequence's constraint: an llguidance matcher advanced only by the tokens the sequence
 commits, and the masks of the positions a step scores (the next token, and each draft's
-position given the drafts before it) computed on copies, never on the matcher itself.
+position given the drafts before it), the drafts consumed and rolled back around each.
 
-Masks are bit arrays over the model's vocabulary (``True``: allowed). Once the constraint is
-complete only the end of the sequence is allowed.
+Masks are bool arrays over the model's vocabulary (``True``: allowed). Once the constraint is
+complete only the end of the sequence is allowed. Each of a request's ``n`` sequences has its
+own matcher; a preempted sequence keeps its tokens (its cache is recomputed, not its output),
+so its matcher stands as it was.
+
+A matcher that fails (llguidance hits a limit, or one mask takes longer than
+``MASK_SECONDS``: an ambiguous grammar slowing down as its input grows) does not fail the
+step: the constraint records ``error`` and allows only the end of the sequence from then on,
+and the engine ends that request alone with the error.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -16,9 +24,10 @@ import numpy as np
 
 from specbatch.structured.grammar import CompiledGrammar, parser_limits
 
-
-class ConstraintError(RuntimeError):
-    """The matcher refused a committed token or hit a limit (the step fails its request)."""
+# One mask past this fails its request: llguidance's masks take ~50 us (p50) and a few ms at
+# worst on ordinary grammars, and every sequence of the batch waits on each one (a bound, not
+# a tuning: a grammar 100x slower than the worst ordinary mask is the request's fault)
+MASK_SECONDS = 0.1
 
 
 class Constraint:
@@ -27,50 +36,40 @@ class Constraint:
     def __init__(self, tokenizer: Any, grammar: CompiledGrammar, vocab_size: int) -> None:
         self.grammar = grammar
         self.vocab_size = vocab_size
-        self._tokenizer = tokenizer
+        self.error: str | None = None  # why the matcher failed (the request ends with it)
         self._matcher = llguidance.LLMatcher(
             tokenizer, grammar.text, log_level=0, limits=parser_limits()
         )
-        self._check(self._matcher)
+        self._end = np.zeros(vocab_size, dtype=bool)
+        self._end[[t for t in tokenizer.eos_tokens if t < vocab_size]] = True
         self._masks: dict[tuple[int, ...], np.ndarray] = {}
-
-    def fork(self) -> Constraint:
-        """A copy with the same committed tokens (another of the request's completions)."""
-        twin = object.__new__(Constraint)
-        twin.grammar, twin.vocab_size = self.grammar, self.vocab_size
-        twin._tokenizer = self._tokenizer
-        twin._matcher = self._matcher.deep_copy()
-        twin._masks = {}
-        return twin
-
-    def restart(self, tokens: Sequence[int]) -> None:
-        """Back to the constraint's start, then ``tokens`` (a preempted sequence's output,
-        recomputed)."""
-        self._matcher.reset()
-        self._masks.clear()
-        self.commit(tokens)
+        self._check()
 
     def commit(self, tokens: Sequence[int]) -> None:
-        """The sequence emitted ``tokens``: every one was allowed by the mask it was drawn
-        under, so a refusal is a bug or a limit, raised."""
-        if not tokens:
+        """The sequence emitted ``tokens``, each allowed by the mask it was drawn under (so
+        a refusal is a failure of the matcher)."""
+        if not tokens or self.error is not None:
             return
         self._masks.clear()
         if not self._matcher.consume_tokens(list(tokens)):
-            raise ConstraintError(f"the constraint refused a committed token: {self._error()}")
+            self._fail(f"the constraint refused the token it allowed: {self._reason()}")
 
     @property
     def done(self) -> bool:
         """Whether the constraint is complete: only the end of the sequence may follow."""
-        return bool(self._matcher.is_stopped())
+        return self.error is not None or bool(self._matcher.is_stopped())
 
     def valid_prefix(self, drafts: Sequence[int]) -> int:
         """How many of ``drafts``, in order, the constraint allows after the committed tokens."""
-        return int(self._matcher.validate_tokens(list(drafts))) if drafts else 0
+        if not drafts or self.error is not None:
+            return 0
+        return int(self._matcher.validate_tokens(list(drafts)))
 
     def forced(self) -> list[int]:
         """The tokens the constraint allows as its only continuation, in order (none when it
         allows a choice)."""
+        if self.error is not None:
+            return []
         return list(self._matcher.compute_ff_tokens())
 
     def mask(self, drafts: Sequence[int] = ()) -> np.ndarray:
@@ -79,27 +78,47 @@ class Constraint:
         Past a draft the constraint refuses, every token: such a row is never emitted (the
         refused draft is rejected, the target giving it probability 0), and the verify only
         needs it to exist."""
+        if self.error is not None:
+            return self._end
         key = tuple(drafts)
         cached = self._masks.get(key)
         if cached is not None:
             return cached
         matcher = self._matcher
+        if key and matcher.validate_tokens(list(key)) < len(key):
+            mask = self._masks[key] = np.ones(self.vocab_size, dtype=bool)
+            return mask
+        started = time.perf_counter()
         if key:
-            matcher = matcher.deep_copy()
-            if not matcher.consume_tokens(list(key)):
-                mask = self._masks[key] = np.ones(self.vocab_size, dtype=bool)
-                return mask
-        bits = np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8)
-        self._check(matcher)
+            matcher.consume_tokens(list(key))
+        try:
+            bits = np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8)
+            self._check()
+        finally:
+            if key:
+                matcher.rollback(len(key))
+        seconds = time.perf_counter() - started
+        if seconds > MASK_SECONDS:
+            self._fail(
+                f"the constraint took {seconds * 1e3:.0f} ms for one token's mask (at most "
+                f"{MASK_SECONDS * 1e3:.0f} ms: is the grammar ambiguous?)"
+            )
+        if self.error is not None:
+            return self._end
         mask = np.unpackbits(bits, bitorder="little")[: self.vocab_size].astype(bool)
         if len(mask) < self.vocab_size:  # logits past the tokenizer's ids: never allowed
             mask = np.pad(mask, (0, self.vocab_size - len(mask)))
         self._masks[key] = mask
         return mask
 
-    def _check(self, matcher: Any) -> None:
-        if matcher.is_error():
-            raise ConstraintError(self._error(matcher))
+    def _check(self) -> None:
+        if self._matcher.is_error():
+            self._fail(self._reason())
 
-    def _error(self, matcher: Any = None) -> str:
-        return str((matcher or self._matcher).get_error())
+    def _fail(self, reason: str) -> None:
+        if self.error is None:
+            self.error = reason
+        self._masks.clear()
+
+    def _reason(self) -> str:
+        return str(self._matcher.get_error())

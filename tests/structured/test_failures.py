@@ -1,0 +1,91 @@
+"""A constraint that fails mid-generation (a limit, or masks too slow) ends its own request
+with the error; the rest of the batch, the cache and the engine carry on."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from specbatch import LLMEngine, SamplingParams, StructuredOutputsParams
+from specbatch.config import EngineConfig
+from specbatch.structured import constraint
+from tests.helpers import engine_kwargs
+
+AMBIGUOUS = 'start: x\nx: x x | "a" | "b"'  # every split of the input is a parse
+# (it never ends by itself: EOS only after "ab" somewhere, so the first mask is not its last)
+
+
+@pytest.mark.parametrize(
+    "speculative",
+    [{"method": "off"}, {"method": "ngram", "num_speculative_tokens": 4, "adaptive_k": False}],
+)
+def test_a_failing_constraint_ends_only_its_request(
+    tiny_model_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    speculative: dict[str, object],
+) -> None:
+    engine = LLMEngine(
+        EngineConfig(model=str(tiny_model_dir), speculative_config=speculative, **engine_kwargs())
+    )
+    plain = SamplingParams(temperature=0.0, max_tokens=12)
+    slow = SamplingParams(
+        temperature=0.0,
+        max_tokens=40,
+        structured_outputs=StructuredOutputsParams(grammar=AMBIGUOUS),
+    )
+    json = SamplingParams(
+        temperature=0.0,
+        max_tokens=60,
+        structured_outputs=StructuredOutputsParams(
+            json={
+                "type": "array",
+                "items": {"type": "integer", "maximum": 9, "minimum": 0},
+                "maxItems": 3,
+            }
+        ),
+    )
+    prompt = [5, 6, 7, 8, 9]
+    real = constraint.Constraint.mask
+    calls = {"slow": 0}
+
+    def mask(self: constraint.Constraint, drafts: Sequence[int] = ()) -> np.ndarray:
+        """The ambiguous grammar's masks become "too slow" after its first one."""
+        if "x x" not in self.grammar.text:
+            return real(self, drafts)
+        calls["slow"] += 1
+        monkeypatch.setattr(constraint, "MASK_SECONDS", 0.0 if calls["slow"] > 1 else 0.1)
+        try:
+            return real(self, drafts)
+        finally:
+            monkeypatch.setattr(constraint, "MASK_SECONDS", 0.1)
+
+    monkeypatch.setattr(constraint.Constraint, "mask", mask)
+    engine.add_request("plain", prompt, plain)
+    engine.add_request("json", prompt, json)
+    engine.add_request("slow", prompt, slow)
+    finals = {}
+    with caplog.at_level(logging.WARNING, logger="specbatch"):
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    finals[out.request_id] = out
+    assert finals["slow"].error is not None
+    assert "the constraint failed" in finals["slow"].error
+    assert "ms for one token's mask" in finals["slow"].error
+    assert finals["plain"].error is None
+    assert finals["json"].error is None
+    assert finals["json"].outputs[0].finish_reason == "stop"
+    assert any("its constraint failed" in r.message for r in caplog.records)
+    assert engine.cache.num_free_blocks == engine.num_kv_blocks
+    assert engine.stats.num_failed_steps == 0
+    assert engine.stats.num_requests_failed == 1
+    # and the engine serves on, constraints included
+    engine.add_request("after", prompt, json)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            assert out.error is None
