@@ -71,10 +71,17 @@ class Job:
     lockstep (``run_lockstep``)."""
 
     def __init__(
-        self, engine: LLMEngine, prompts: list[list[int]], max_tokens: int, concurrency: int
+        self,
+        engine: LLMEngine,
+        prompts: list[list[int]],
+        max_tokens: int,
+        concurrency: int,
+        params: list[SamplingParams] | None = None,
     ) -> None:
+        """``params``: each prompt's (greedy, ``max_tokens`` by default)."""
         self.engine, self.concurrency = engine, concurrency
-        self.params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+        greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+        self.params = params or [greedy] * len(prompts)
         stats = engine.stats
         self.before = (
             stats.num_drafts,
@@ -109,7 +116,7 @@ class Job:
             i, prompt = self.pending.pop(0)
             request_id = f"spec-{time.monotonic_ns()}-{i}"
             self.index[request_id] = i
-            engine.add_request(request_id, prompt, self.params)
+            engine.add_request(request_id, prompt, self.params[i])
         outputs = engine.step()
         seconds = time.perf_counter() - start
         self.elapsed += seconds
@@ -166,17 +173,25 @@ def _record(
 
 
 def run(
-    engine: LLMEngine, prompts: list[list[int]], max_tokens: int, concurrency: int
+    engine: LLMEngine,
+    prompts: list[list[int]],
+    max_tokens: int,
+    concurrency: int,
+    params: list[SamplingParams] | None = None,
 ) -> dict[str, Any]:
     """Generate for every prompt with at most ``concurrency`` requests in flight."""
-    job = Job(engine, prompts, max_tokens, concurrency)
+    job = Job(engine, prompts, max_tokens, concurrency, params)
     while not job.done:
         job.step()
     return job.result()
 
 
 def run_lockstep(
-    engines: dict[str, LLMEngine], prompts: list[list[int]], max_tokens: int, concurrency: int
+    engines: dict[str, LLMEngine],
+    prompts: list[list[int]],
+    max_tokens: int,
+    concurrency: int,
+    params: dict[str, list[SamplingParams]] | None = None,
 ) -> dict[str, dict[str, Any]]:
     """``run`` for every engine at once, in lockstep by progress: the next step is always
     the one of the engine that has emitted the fewest tokens so far, each engine's time the
@@ -184,8 +199,11 @@ def run_lockstep(
     steps less often and all of them cover the same tokens over the same stretch of wall
     time, ending together: a drift in the machine's speed (10-15% between runs minutes apart
     on this shared host) lands on every engine alike, where whole runs one after another
-    each met their own stretch of it."""
-    jobs = {name: Job(engine, prompts, max_tokens, concurrency) for name, engine in engines.items()}
+    each met their own stretch of it. ``params``: an engine's per-prompt parameters."""
+    jobs = {
+        name: Job(engine, prompts, max_tokens, concurrency, (params or {}).get(name))
+        for name, engine in engines.items()
+    }
     turn = 0
     while waiting := [job for job in jobs.values() if not job.done]:
         least = min(job.progress for job in waiting)

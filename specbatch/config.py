@@ -7,12 +7,14 @@ import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from importlib.util import find_spec
 from typing import Any
 
 import torch
 
 from specbatch.errors import ConfigError
 from specbatch.spec_decode.config import SpeculativeConfig
+from specbatch.structured.manager import BACKENDS
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,9 @@ class EngineConfig:
     ``tensor_parallel_size`` N > 1 splits the target over N processes (Megatron-style, see
     :mod:`specbatch.parallel`): this one and N - 1 workers it starts, over ``torch.distributed``
     (gloo on the CPU, NCCL on CUDA, one GPU each).
+    ``structured_outputs_backend`` compiles and matches requests' ``structured_outputs``:
+    ``"llguidance"`` (installed with the package) or ``"xgrammar"`` (when installed:
+    ``pip install 'specbatch[xgrammar]'``).
     """
 
     model: str | None = None
@@ -61,6 +66,7 @@ class EngineConfig:
     enforce_eager: bool = False
     speculative_config: SpeculativeConfig | Mapping[str, Any] | None = None
     tensor_parallel_size: int = 1
+    structured_outputs_backend: str = "llguidance"
 
     def __post_init__(self) -> None:
         for name in ("model", "tokenizer", "attention_backend", "quantization"):
@@ -72,6 +78,16 @@ class EngineConfig:
                     raise ConfigError(f"{name} must be a string, got {value!r}")
                 object.__setattr__(self, name, os.fspath(value))
         _positive("block_size", self.block_size, 1024)
+        if self.structured_outputs_backend not in BACKENDS:
+            raise ConfigError(
+                f"structured_outputs_backend must be one of {list(BACKENDS)}, got "
+                f"{self.structured_outputs_backend!r}"
+            )
+        if self.structured_outputs_backend == "xgrammar" and find_spec("xgrammar") is None:
+            raise ConfigError(
+                "structured_outputs_backend='xgrammar' needs xgrammar: pip install "
+                "'specbatch[xgrammar]' (or use the default, llguidance)"
+            )
         _positive("max_num_seqs", self.max_num_seqs)
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
         _positive("tensor_parallel_size", self.tensor_parallel_size, 64)

@@ -148,7 +148,7 @@ LAYERS: dict[str, list[set[str]]] = {
         {"kernels"},
         {"sequence", "models", "outputs"},
         {"tokenizer", "cache"},
-        {"runner", "scheduler"},
+        {"runner", "scheduler", "structured"},
         {"spec_decode"},
         {"config"},
         {"parallel"},

@@ -99,7 +99,7 @@ class _Pending:
     request_ids: list[str]
     top: int | None  # logprobs per token asked for (chat: None without logprobs)
     n: int
-    reads_calls: bool = False  # chat with tools: tool calls are read out of the text
+    call_format: str | None = None  # chat with tools: how tool calls are read (tools.TAGS...)
     finals: dict[str, RequestOutput] = field(default_factory=dict)
 
 
@@ -346,14 +346,14 @@ class BatchJob:
         if request.stream:
             raise _LineError("stream is not supported in a batch", 400, "stream")
         renames: dict[str, str] = {}
-        reads_calls = False
+        call_format = None
         try:
             if isinstance(request, CompletionRequest):
                 prompts, params = request.engine_inputs()
                 top = request.logprobs
             else:
                 renames = request.field_names()
-                reads_calls = request.reads_calls()
+                call_format = request.call_format()
                 knows_tools = template_knows_tools(self.engine.tokenizer.chat_template)
                 add_generation_prompt, options = request.template_options(knows_tools)
                 params = request.chat_params()
@@ -373,7 +373,7 @@ class BatchJob:
                 [f"{base}-{i}" for i in range(len(prompts))],
                 top,
                 params.n,
-                reads_calls,
+                call_format,
             )
             added: list[str] = []
             try:
@@ -423,7 +423,7 @@ class BatchJob:
                 finals[0],
                 pending.top,
                 tokenizer,
-                pending.reads_calls,
+                pending.call_format,
             )
         summary.prompt_tokens += response["usage"]["prompt_tokens"]
         summary.completion_tokens += response["usage"]["completion_tokens"]

@@ -27,11 +27,17 @@ _NORMALISATION_SLACK = 4
 class RequestIntake:
     """Prompt and parameter checks for one model (its tokenizer, vocabulary and context)."""
 
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int, max_model_len: int) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        vocab_size: int,
+        max_model_len: int,
+        structured_outputs_backend: str = "llguidance",
+    ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
-        self.constraints = Constraints(tokenizer, vocab_size)
+        self.constraints = Constraints(tokenizer, vocab_size, structured_outputs_backend)
 
     def tokenize(self, text: str, param: str = "prompt") -> list[int]:
         """The token ids of a text prompt, refusing invalid or hopelessly long text before the

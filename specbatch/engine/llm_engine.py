@@ -118,7 +118,10 @@ class LLMEngine:
             draft_planner=self.speculator.plan if self.speculator.proposer else None,
         )
         self.intake = RequestIntake(
-            self.tokenizer, self.model.config.vocab_size, self.max_model_len
+            self.tokenizer,
+            self.model.config.vocab_size,
+            self.max_model_len,
+            config.structured_outputs_backend,
         )
         self.requests: dict[str, RequestState] = {}
         self._seq_ids = itertools.count()

@@ -160,7 +160,7 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> RequestGuard:
         top = body.top_logprobs_per_token()
         with _request_errors({}):
             renames = body.field_names()  # as the client spelled them
-            reads_calls = body.reads_calls()
+            call_format = body.call_format()
         with _request_errors(renames):
             add_generation_prompt, options = body.template_options(knows_tools)
             params = body.chat_params()
@@ -174,11 +174,11 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> RequestGuard:
         rid = streams[0].request_id.rsplit("-", 1)[0]
         if body.stream:
             started: set[int] = set()
-            readers: dict[int, CallReader] | None = {} if reads_calls else None
+            readers: dict[int, CallReader] | None = {} if call_format else None
             return _sse_response(
                 streams,
                 lambda _, out: [
-                    chat_chunk(rid, created, name, c, started, top, tokenizer, readers)
+                    chat_chunk(rid, created, name, c, started, top, tokenizer, readers, call_format)
                     for c in out.outputs
                 ],
                 body.include_usage_in_stream(),
@@ -189,7 +189,7 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> RequestGuard:
             )
         finals = await _finals(streams, request, settings)
         return JSONResponse(
-            chat_response(rid, created, name, finals[0], top, tokenizer, reads_calls)
+            chat_response(rid, created, name, finals[0], top, tokenizer, call_format)
         )
 
     open_paths = OPEN_PATHS | ({"/metrics"} if settings.open_metrics else set())

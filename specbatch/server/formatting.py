@@ -6,7 +6,7 @@ import json
 from typing import Any
 
 from specbatch.outputs import CompletionOutput, PositionLogprobs, RequestOutput
-from specbatch.server.tools import CallReader, read_calls
+from specbatch.server.tools import TAGS, CallReader, read_calls
 from specbatch.tokenizer import Tokenizer
 
 _TYPES = {
@@ -177,16 +177,16 @@ def chat_response(
     final: RequestOutput,
     top_n: int | None,
     tokenizer: Tokenizer,
-    reads_calls: bool = False,
+    call_format: str | None = None,
 ) -> dict[str, Any]:
-    """A chat completion body; with ``reads_calls`` tool calls are read out of each
-    completion's text into ``message.tool_calls``."""
+    """A chat completion body; with a ``call_format`` (``tools.TAGS`` or ``tools.WHOLE``)
+    tool calls are read out of each completion's text into ``message.tool_calls``."""
     choices = []
     for c in final.outputs:
         message: dict[str, Any] = {"role": "assistant", "content": c.text}
         calls = []
-        if reads_calls:
-            message["content"], calls = read_calls(c.text)
+        if call_format is not None:
+            message["content"], calls = read_calls(c.text, call_format)
             if calls:
                 message["tool_calls"] = [call.as_message() for call in calls]
         choices.append(
@@ -217,14 +217,16 @@ def chat_chunk(
     top_n: int | None,
     tokenizer: Tokenizer,
     readers: dict[int, CallReader] | None = None,
+    call_format: str | None = None,
 ) -> dict[str, Any]:
-    """One streamed chunk of a completion. With ``readers`` (one per completion, made here)
-    tool calls are read out of the text: content is sent up to a call's opening tag, and each
-    call goes out whole, as a ``tool_calls`` delta, once its block closes."""
+    """One streamed chunk of a completion. With ``readers`` (one per completion, made here,
+    reading ``call_format``) tool calls are read out of the text: content is sent up to a
+    call's opening tag, and each call goes out whole, as a ``tool_calls`` delta, once its block
+    closes (a reply that is all calls: at its end)."""
     delta: dict[str, Any] = {"content": c.text}
     finish_reason = c.finish_reason
     if readers is not None:
-        reader = readers.setdefault(c.index, CallReader())
+        reader = readers.setdefault(c.index, CallReader(call_format or TAGS))
         made = len(reader.calls)
         delta["content"], _ = reader.feed(c.text)
         if finish_reason is not None:

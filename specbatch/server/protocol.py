@@ -28,7 +28,7 @@ from pydantic import (
 
 from specbatch.errors import InvalidRequestError
 from specbatch.sampling_params import OutputKind, SamplingParams, StructuredOutputsParams
-from specbatch.server.tools import CLOSE, OPEN, calls_grammar, calls_schema, describe_tools
+from specbatch.server.tools import CLOSE, OPEN, TAGS, WHOLE, calls_schema, describe_tools
 
 MAX_N = 16  # choices per request over HTTP (SamplingParams allows more for library use)
 MAX_STOP = 64  # stop strings per request, each at most MAX_STOP_CHARS characters
@@ -340,16 +340,20 @@ class ChatCompletionRequest(_Request):
             return "named"
         return choice or "auto"
 
-    def reads_calls(self) -> bool:
-        """Whether the reply may hold tool calls (read out of the model's text)."""
-        return self.tool_mode() != "none"
+    def call_format(self) -> str | None:
+        """How the reply's tool calls are read (``tools.TAGS`` or ``tools.WHOLE``; None: the
+        reply holds no calls)."""
+        mode = self.tool_mode()
+        if mode == "none":
+            return None
+        return TAGS if mode == "auto" and self.answer_schema() is None else WHOLE
 
     def conversation(self, template_knows_tools: bool = False) -> list[dict[str, Any]]:
         """The messages as the chat template reads them; when tools may be called and the
         template cannot show them, a system message describes them (after the client's own
         system text, when the conversation starts with one)."""
         messages = [m.for_template(template_knows_tools) for m in self.messages]
-        if template_knows_tools or not self.reads_calls():
+        if template_knows_tools or self.call_format() is None:
             return messages
         description = describe_tools(self._functions())
         if messages[0]["role"] == "system":
@@ -376,49 +380,46 @@ class ChatCompletionRequest(_Request):
                 "chat_template_kwargs.add_generation_prompt must be true or false",
                 "chat_template_kwargs",
             )
-        if template_knows_tools and self.reads_calls():
+        if template_knows_tools and self.call_format() is not None:
             options["tools"] = [tool.model_dump(exclude_none=True) for tool in self.tools or []]
         return add_generation_prompt, options
 
     def constraint(self) -> StructuredOutputsParams | None:
-        """The request's constraint. With ``tool_choice`` ``required`` or named: one block of
-        calls valid for the tools; with ``auto`` and a ``response_format`` schema: either a
-        block of calls or an answer in that schema; otherwise ``structured_outputs`` or
+        """The request's constraint. With ``tool_choice`` ``required`` or named: the JSON list
+        of calls valid for the tools; with ``auto`` and a ``response_format`` schema: either
+        that list or an answer in the schema; otherwise ``structured_outputs`` or
         ``response_format``."""
-        mode = self.tool_mode()
-        if mode == "none" or (mode == "auto" and self.answer_schema() is None):
+        if self.call_format() != WHOLE:
             return super().constraint()
         if self.structured_outputs is not None:
             raise InvalidRequestError(
-                "structured_outputs cannot be combined with tools (use tool_choice none)",
+                "structured_outputs cannot be combined with tool_choice required or named "
+                "(nor with a response_format under tools)",
                 "structured_outputs",
             )
+        mode, answer = self.tool_mode(), self.answer_schema()
         if mode == "auto":
-            schema = calls_schema(self._functions(), self.parallel_tool_calls)
-            return StructuredOutputsParams(grammar=calls_grammar(schema, self.answer_schema()))
-        if self.answer_schema() is not None:
+            calls = calls_schema(self._functions(), self.parallel_tool_calls)
+            return StructuredOutputsParams(json={"anyOf": [calls, answer]})
+        if answer is not None:
             raise InvalidRequestError(
                 f"response_format cannot be combined with tool_choice {mode!r}: the reply is "
                 "a tool call",
                 "response_format",
             )
-        only = (
-            self.tool_choice.function.name
-            if isinstance(self.tool_choice, NamedToolChoice)
-            else None
+        choice = self.tool_choice
+        only = choice.function.name if isinstance(choice, NamedToolChoice) else None
+        return StructuredOutputsParams(
+            json=calls_schema(self._functions(), self.parallel_tool_calls, only)
         )
-        schema = calls_schema(self._functions(), self.parallel_tool_calls, only)
-        return StructuredOutputsParams(grammar=calls_grammar(schema))
 
     def field_names(self) -> dict[str, str]:
         """The engine's name of a field -> the name this request used (its prompt is its
         messages; ``max_completion_tokens`` when it set that; ``tools`` or
         ``response_format`` for the constraint they make)."""
         renames = {"prompt": "messages", **self.renamed_fields()}
-        if self.tool_mode() in ("required", "named") or (
-            self.tool_mode() == "auto" and self.answer_schema() is not None
-        ):
-            renames["structured_outputs.grammar"] = "tools"
+        if self.call_format() == WHOLE:
+            renames["structured_outputs.json"] = "tools"
         if self.max_completion_tokens is not None:
             renames["max_tokens"] = "max_completion_tokens"
         return renames

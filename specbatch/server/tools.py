@@ -1,16 +1,18 @@
-"""Tool calls on chat completions: the tools described to the model, the grammar that makes a
-``required`` or named call valid, and the calls read back out of the model's text.
+"""Tool calls on chat completions: the tools described to the model, the JSON schema that
+makes a ``required`` or named call valid, and the calls read back out of the model's text.
 
-Calls are written in the Hermes / SmolLM2 function-calling format, one block holding a JSON list
-of calls (a single object is read as a list of one)::
+The model is told to write calls in the Hermes / SmolLM2 function-calling format, one block
+holding a JSON list of calls (a single object is read as a list of one)::
 
     <tool_call>[{"name": "get_weather", "arguments": {"city": "Paris"}}]</tool_call>
 
 A chat template that renders ``tools`` itself gets them as a template variable; for one that
 does not (SmolLM2's), the tools and the format are described in the system message. With
-``tool_choice`` ``required`` or a named function the reply is constrained to one such block
-whose calls match the tools' parameter schemas, so the arguments always parse and validate;
-with ``auto`` the model chooses, and blocks that do not parse stay in the reply's content.
+``tool_choice`` ``auto`` the model chooses, and the blocks it writes are read as calls (one
+that does not parse stays in the reply's content: ``TAGS``). With ``required`` or a named
+function the whole reply is constrained to the JSON list of calls, each matching its tool's
+parameter schema (a plain JSON-schema constraint, so every backend takes it), and is read
+whole (``WHOLE``): the arguments always parse and validate.
 """
 
 from __future__ import annotations
@@ -21,9 +23,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from specbatch.structured.grammar import JSON_STYLE
-
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
+TAGS, WHOLE = "tags", "whole"  # how a reply's calls are read: blocks in text, or all of it
 
 
 @dataclass(frozen=True)
@@ -81,16 +82,7 @@ def calls_schema(
     schema: dict[str, Any] = {"type": "array", "items": items, "minItems": 1}
     if not parallel or only is not None:
         schema["maxItems"] = 1
-    return {**schema, "x-guidance": JSON_STYLE}
-
-
-def calls_grammar(schema: Mapping[str, Any], answer: Mapping[str, Any] | None = None) -> str:
-    """A Lark grammar (llguidance's dialect) for one block of calls matching ``schema`` or,
-    when ``answer`` (a JSON schema) is given, either that block or a JSON answer."""
-    block = f"{json.dumps(OPEN)} %json {json.dumps(schema)} {json.dumps(CLOSE)}"
-    if answer is None:
-        return f"start: {block}\n"
-    return f"start: {block} | %json {json.dumps({**answer, 'x-guidance': JSON_STYLE})}\n"
+    return schema
 
 
 def template_knows_tools(template: str | None) -> bool:
@@ -127,16 +119,21 @@ def parse_block(body: str) -> list[ToolCall] | None:
 
 
 class CallReader:
-    """Reads one completion's text as it streams: the text to show as content, and each
-    block of calls once it is closed. A block that does not parse is shown as content."""
+    """Reads one completion's text as it streams: the text to show as content, and the calls.
+    ``TAGS``: each block of calls once it is closed (a block that does not parse is shown as
+    content). ``WHOLE``: the completion is a list of calls (or, failing that, content),
+    known at its end."""
 
-    def __init__(self) -> None:
-        self._pending = ""  # text not yet shown: a possible tag start, or an open block
+    def __init__(self, kind: str = TAGS) -> None:
+        self.kind = kind
+        self._pending = ""  # text not yet shown: a possible tag start, an open block, or all
         self.calls: list[ToolCall] = []
 
     def feed(self, text: str) -> tuple[str, list[ToolCall]]:
         """``(content to show, calls completed)`` after ``text`` more of the completion."""
         self._pending += text
+        if self.kind == WHOLE:
+            return "", []
         shown, calls = [], []
         while True:
             start = self._pending.find(OPEN)
@@ -164,8 +161,8 @@ class CallReader:
         """What is left when the completion ends: an unclosed block whose JSON is complete
         (the stop string ate its tag) is read as calls, anything else is content."""
         rest, self._pending = self._pending, ""
-        if rest.startswith(OPEN):
-            block = parse_block(rest[len(OPEN) :])
+        if self.kind == WHOLE or rest.startswith(OPEN):
+            block = parse_block(rest if self.kind == WHOLE else rest[len(OPEN) :])
             if block is not None:
                 self.calls += block
                 return "", block
@@ -180,9 +177,9 @@ def _partial_tag(text: str) -> int:
     return 0
 
 
-def read_calls(text: str) -> tuple[str | None, list[ToolCall]]:
+def read_calls(text: str, kind: str = TAGS) -> tuple[str | None, list[ToolCall]]:
     """A whole completion's ``(content, calls)``: content is None when only calls remain."""
-    reader = CallReader()
+    reader = CallReader(kind)
     shown, _ = reader.feed(text)
     rest, _ = reader.finish()
     content = (shown + rest).strip()

@@ -1,4 +1,4 @@
-"""One sequence's constraint: an llguidance matcher advanced only by the tokens the sequence
+"""One sequence's constraint: a backend's matcher advanced only by the tokens the sequence
 commits, and the masks of the positions a step scores (the next token, and each draft's
 position given the drafts before it), the drafts consumed and rolled back around each.
 
@@ -7,7 +7,7 @@ complete only the end of the sequence is allowed. Each of a request's ``n`` sequ
 own matcher; a preempted sequence keeps its tokens (its cache is recomputed, not its output),
 so its matcher stands as it was.
 
-A matcher that fails (llguidance hits a limit, or one mask takes longer than
+A matcher that fails (the backend hits a limit, or one mask takes longer than
 ``MASK_SECONDS``: an ambiguous grammar slowing down as its input grows) does not fail the
 step: the constraint records ``error`` and allows only the end of the sequence from then on,
 and the engine ends that request alone with the error.
@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import Any
 
-import llguidance
 import numpy as np
 
-from specbatch.structured.grammar import CompiledGrammar, parser_limits
+from specbatch.structured.backend import Matcher
+from specbatch.structured.grammar import CompiledGrammar
 
 # One mask past this fails its request: llguidance's masks take ~50 us (p50) and a few ms at
 # worst on ordinary grammars, and every sequence of the batch waits on each one (a bound, not
@@ -33,15 +32,15 @@ MASK_SECONDS = 0.1
 class Constraint:
     """A sequence's matcher and, until its next committed token, the masks asked of it."""
 
-    def __init__(self, tokenizer: Any, grammar: CompiledGrammar, vocab_size: int) -> None:
+    def __init__(
+        self, matcher: Matcher, grammar: CompiledGrammar, vocab_size: int, end: Sequence[int]
+    ) -> None:
         self.grammar = grammar
         self.vocab_size = vocab_size
         self.error: str | None = None  # why the matcher failed (the request ends with it)
-        self._matcher = llguidance.LLMatcher(
-            tokenizer, grammar.text, log_level=0, limits=parser_limits()
-        )
+        self._matcher = matcher
         self._end = np.zeros(vocab_size, dtype=bool)
-        self._end[[t for t in tokenizer.eos_tokens if t < vocab_size]] = True
+        self._end[[t for t in end if t < vocab_size]] = True
         self._masks: dict[tuple[int, ...], np.ndarray] = {}
         self._check()
 
@@ -51,26 +50,26 @@ class Constraint:
         if not tokens or self.error is not None:
             return
         self._masks.clear()
-        if not self._matcher.consume_tokens(list(tokens)):
+        if not self._matcher.consume(tokens):
             self._fail(f"the constraint refused the token it allowed: {self._reason()}")
 
     @property
     def done(self) -> bool:
         """Whether the constraint is complete: only the end of the sequence may follow."""
-        return self.error is not None or bool(self._matcher.is_stopped())
+        return self.error is not None or self._matcher.stopped()
 
     def valid_prefix(self, drafts: Sequence[int]) -> int:
         """How many of ``drafts``, in order, the constraint allows after the committed tokens."""
         if not drafts or self.error is not None:
             return 0
-        return int(self._matcher.validate_tokens(list(drafts)))
+        return self._matcher.validate(drafts)
 
     def forced(self) -> list[int]:
         """The tokens the constraint allows as its only continuation, in order (none when it
         allows a choice)."""
         if self.error is not None:
             return []
-        return list(self._matcher.compute_ff_tokens())
+        return self._matcher.forced()
 
     def mask(self, drafts: Sequence[int] = ()) -> np.ndarray:
         """``[vocab]`` bool: the tokens allowed after the committed tokens and ``drafts``.
@@ -85,15 +84,18 @@ class Constraint:
         if cached is not None:
             return cached
         matcher = self._matcher
-        if key and matcher.validate_tokens(list(key)) < len(key):
+        if key and matcher.validate(key) < len(key):
             mask = self._masks[key] = np.ones(self.vocab_size, dtype=bool)
             return mask
         started = time.perf_counter()
-        if key:
-            matcher.consume_tokens(list(key))
+        bits = None
         try:
-            bits = np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8)
+            if key:
+                matcher.consume(key)
+            bits = matcher.bitmask()
             self._check()
+        except Exception as exc:  # the backend's own failure: this request's, not the step's
+            self._fail(f"{type(exc).__name__}: {exc}")
         finally:
             if key:
                 matcher.rollback(len(key))
@@ -103,7 +105,7 @@ class Constraint:
                 f"the constraint took {seconds * 1e3:.0f} ms for one token's mask (at most "
                 f"{MASK_SECONDS * 1e3:.0f} ms: is the grammar ambiguous?)"
             )
-        if self.error is not None:
+        if self.error is not None or bits is None:
             return self._end
         mask = np.unpackbits(bits, bitorder="little")[: self.vocab_size].astype(bool)
         if len(mask) < self.vocab_size:  # logits past the tokenizer's ids: never allowed
@@ -112,8 +114,9 @@ class Constraint:
         return mask
 
     def _check(self) -> None:
-        if self._matcher.is_error():
-            self._fail(self._reason())
+        reason = self._matcher.error()
+        if reason is not None:
+            self._fail(reason)
 
     def _fail(self, reason: str) -> None:
         if self.error is None:
@@ -121,4 +124,4 @@ class Constraint:
         self._masks.clear()
 
     def _reason(self) -> str:
-        return str(self._matcher.get_error())
+        return self._matcher.error() or "no reason given"

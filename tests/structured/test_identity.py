@@ -7,6 +7,7 @@ every step, the matcher a fresh start fed its committed tokens would be, whateve
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import random
 import re
@@ -72,11 +73,16 @@ def prompts(tokenizer: Any) -> list[list[int]]:
 
 
 def run(
-    model: Path, speculative: dict[str, Any], proposer: Proposer | None = None
+    model: Path, speculative: dict[str, Any], backend: str = "llguidance"
 ) -> tuple[list[list[int]], LLMEngine]:
     engine = LLMEngine(
-        EngineConfig(model=str(model), speculative_config=speculative, seed=5, **TIGHT),
-        proposer=proposer,
+        EngineConfig(
+            model=str(model),
+            speculative_config=speculative,
+            seed=5,
+            structured_outputs_backend=backend,
+            **TIGHT,
+        )
     )
     ids = prompts(engine.tokenizer)
     done: dict[str, list[int]] = {}
@@ -159,7 +165,25 @@ def test_speculation_gives_the_constrained_output_of_speculation_off(
     assert stats.num_forced_accepted_tokens > 0, stats  # the grammar's forced tokens drafted
 
 
+@pytest.mark.skipif(
+    importlib.util.find_spec("xgrammar") is None, reason="xgrammar is not installed"
+)
+def test_the_xgrammar_backend_is_exact_under_speculation_too(
+    tiny_model_dir: Path, noisy_draft_dir: Path
+) -> None:
+    reference, _ = run(tiny_model_dir, OFF, "xgrammar")
+    for spec in (
+        {"method": "ngram", "num_speculative_tokens": 4, "adaptive_k": False},
+        {"method": "hybrid", "model": str(noisy_draft_dir)},
+    ):
+        outputs, engine = run(tiny_model_dir, spec, "xgrammar")
+        assert outputs == reference, spec
+        assert engine.stats.num_forced_draft_tokens > 0
+
+
 # ------------------------------------------------------------------ the matcher invariant
+
+BACKENDS = ["llguidance"] + (["xgrammar"] if importlib.util.find_spec("xgrammar") else [])
 
 
 class Scripted(Proposer):
@@ -207,7 +231,7 @@ class Scripted(Proposer):
 
 
 @settings(
-    max_examples=12,
+    max_examples=16,
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
@@ -217,15 +241,23 @@ class Scripted(Proposer):
     eos=st.sampled_from([0.0, 0.2]),
     trees=st.booleans(),
     sampled=st.booleans(),
+    backend=st.sampled_from(BACKENDS),
 )
 def test_each_matcher_equals_a_fresh_one_fed_the_committed_tokens(
-    tiny_model_dir: Path, seed: int, refuse: float, eos: float, trees: bool, sampled: bool
+    tiny_model_dir: Path,
+    seed: int,
+    refuse: float,
+    eos: float,
+    trees: bool,
+    sampled: bool,
+    backend: str,
 ) -> None:
     engine = LLMEngine(
         EngineConfig(
             model=str(tiny_model_dir),
             speculative_config={"method": "external", "num_speculative_tokens": 6},
             seed=seed,
+            structured_outputs_backend=backend,
             **TIGHT,
         ),
         proposer=Scripted(seed, refuse, eos, trees, eos_id=2),
