@@ -125,6 +125,7 @@ def engine_config(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
         quantization=args.quantization,
         speculative_config=speculative_config(args),
         tensor_parallel_size=args.tensor_parallel_size,
+        structured_outputs_backend=args.structured_outputs_backend,
         **overrides,
     )
 
@@ -150,6 +151,12 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=1,
         help="split the model over this many processes (gloo on the CPU, one GPU each on CUDA)",
+    )
+    parser.add_argument(
+        "--structured-outputs-backend",
+        choices=["llguidance", "xgrammar"],
+        default="llguidance",
+        help="what compiles and matches structured outputs (xgrammar when installed)",
     )
     cache = parser.add_mutually_exclusive_group()
     cache.add_argument(

@@ -6,7 +6,7 @@ import json
 from typing import Any
 
 from specbatch.outputs import CompletionOutput, PositionLogprobs, RequestOutput
-from specbatch.server.tools import TAGS, CallReader, read_calls
+from specbatch.server.tools import TAGS, CallReader, ToolCall, read_calls
 from specbatch.tokenizer import Tokenizer
 
 _TYPES = {
@@ -184,7 +184,7 @@ def chat_response(
     choices = []
     for c in final.outputs:
         message: dict[str, Any] = {"role": "assistant", "content": c.text}
-        calls = []
+        calls: list[ToolCall] = []
         if call_format is not None:
             message["content"], calls = read_calls(c.text, call_format)
             if calls:

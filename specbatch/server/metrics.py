@@ -44,6 +44,16 @@ class _EngineCollector(Collector):
                 stats.num_accepted_tokens,
             ),
             (
+                "specbatch_spec_decode_num_forced_draft_tokens",
+                "Draft tokens that were a constraint's forced tokens (structured outputs).",
+                stats.num_forced_draft_tokens,
+            ),
+            (
+                "specbatch_spec_decode_num_forced_accepted_tokens",
+                "Forced draft tokens accepted.",
+                stats.num_forced_accepted_tokens,
+            ),
+            (
                 "specbatch_spec_decode_num_tree_drafts",
                 "Verify steps of a sequence whose drafts were a tree.",
                 stats.num_tree_drafts,

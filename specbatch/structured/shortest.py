@@ -29,8 +29,8 @@ def shortest_output(params: StructuredOutputsParams) -> int:
     if kind == "json_object":
         return 2
     if kind == "json":
-        schema = params.json
-        schema = json.loads(schema) if isinstance(schema, str) else schema
+        value = params.json
+        schema: dict[str, Any] = json.loads(value) if isinstance(value, str) else value or {}
         return _json_chars(schema, schema, _DEPTH)
     if kind == "regex":
         return _regex_chars(str(params.regex))
@@ -83,7 +83,8 @@ def _typed_chars(schema: dict[str, Any], kind: str, root: dict[str, Any], depth:
         return 2 + items * item + 2 * (items - 1)
     if kind == "object":
         required = schema.get("required")
-        properties = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+        listed = schema.get("properties")
+        properties: dict[str, Any] = listed if isinstance(listed, dict) else {}
         names = [n for n in required if isinstance(n, str)] if isinstance(required, list) else []
         fields = [
             len(json.dumps(name)) + 2 + _json_chars(properties.get(name, {}), root, depth - 1)
