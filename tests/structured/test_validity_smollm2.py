@@ -161,8 +161,9 @@ def test_every_output_is_valid(name: str) -> None:
         max_num_seqs=64,
     )
     batch = requests()
-    conversations = [[{"role": "user", "content": prompt}] for prompt, _ in batch]
-    outputs = llm.chat(conversations, [params for _, params in batch], use_tqdm=False)
+    # plain prompts (a chat template's system turn would triple the prefill of 200 requests)
+    prompts = [f"Question: {prompt}\nAnswer:" for prompt, _ in batch]
+    outputs = llm.generate(prompts, [params for _, params in batch], use_tqdm=False)
     for (_, params), output in zip(batch, outputs, strict=True):
         completion = output.outputs[0]
         assert completion.finish_reason == "stop", (params.structured_outputs, completion.text)
