@@ -7,7 +7,8 @@ the same tokens where they share a constraint):
 1. mask time per token, p50 and p99 (each computed mask of a constrained run, speculation
    ``{"method": "off"}``), beside llguidance's own maskbench figure (~50 us p50);
 2. constrained vs unconstrained tok/s, speculation ``{"method": "off"}``, at each
-   ``--rate-batches`` (target >= 0.95x);
+   ``--rate-batches`` (target >= 0.95x), the unconstrained run writing as many tokens per
+   prompt as the constrained one (EOS ignored), so that the batch shrinks alike in both;
 3. on a schema-extraction workload (prompts whose answers fill a JSON schema), the default
    speculation with a constraint's forced tokens drafted vs not drafted (the engine patched so
    that no constraint reports forced tokens): tokens per target forward at batch 1, tok/s at
@@ -83,7 +84,7 @@ def engine(model: str | None, speculative: dict[str, Any] | None, batch: int) ->
     config: dict[str, Any] = {
         "speculative_config": speculative,
         "dtype": "float32",
-        "max_model_len": 1024,
+        "max_model_len": 512,  # chat prompts of ~100 tokens and answers of at most 96
         "num_kv_blocks": max(64, batch * 20),
         "max_num_seqs": batch,
     }
@@ -136,6 +137,16 @@ def constrained(max_tokens: int) -> SamplingParams:
         max_tokens=max_tokens,
         structured_outputs=StructuredOutputsParams(json=SCHEMA),
     )
+
+
+def constrained_lengths(
+    target: LLMEngine, prompts: list[list[int]], max_tokens: int, batch: int
+) -> list[int]:
+    """Each prompt's constrained output length (greedy: every run writes the same)."""
+    run = run_lockstep(
+        {"c": target}, prompts, max_tokens, batch, {"c": [constrained(max_tokens)] * len(prompts)}
+    )
+    return [len(ids) for ids in run["c"]["outputs"]]
 
 
 def ratios(
@@ -202,9 +213,13 @@ def main() -> None:
             "constrained": engine(args.model, OFF, batch),
         }
         prompts = extraction_prompts(engines["constrained"], args.prompts)
-        free = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+        # the unconstrained engine writes exactly as many tokens per prompt as the constrained
+        # one (EOS ignored), so both batches shrink alike and only the masks' cost differs
+        lengths = constrained_lengths(engines["constrained"], prompts, args.max_tokens, batch)
         params = {
-            "unconstrained": [free] * len(prompts),
+            "unconstrained": [
+                SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths
+            ],
             "constrained": [constrained(args.max_tokens)] * len(prompts),
         }
         result = ratios(engines, prompts, args.max_tokens, batch, params, args.repeats)
