@@ -29,6 +29,7 @@ import traceback
 import weakref
 from collections.abc import Sequence
 from datetime import timedelta
+from multiprocessing import connection
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -48,6 +49,7 @@ logger = logging.getLogger("specbatch")
 
 START_TIMEOUT_S = 600.0  # loading a shard
 COLLECTIVE_TIMEOUT = timedelta(minutes=10)  # a step; a dead peer is reported at once anyway
+REAP_SECONDS = 1.0  # after a failed collective: the longest wait to see a killed worker exit
 # the tensor-parallel group of this process (one at a time: torch.distributed's default group)
 _active: weakref.ref[TensorParallelGroup] | None = None
 
@@ -168,6 +170,13 @@ class TensorParallelGroup:
                     "engine cannot go on without its slice of the model"
                 )
 
+    def check_after_failure(self) -> None:
+        """``check`` after a collective failed: a killed worker's sockets close before its exit
+        can be seen, so wait up to ``REAP_SECONDS`` for one to exit, to name it."""
+        if not self.closed:
+            connection.wait([p.sentinel for p in self._processes], timeout=REAP_SECONDS)
+        self.check()
+
     def _send(self, command: tuple[Any, ...]) -> None:
         self.check()
         dist.broadcast_object_list([command], src=0)
@@ -237,7 +246,7 @@ class TensorParallelRunner:
         except TensorParallelError:
             raise
         except (RuntimeError, OSError) as exc:  # a collective that lost a peer
-            self.group.check()  # names the dead worker when it is one
+            self.group.check_after_failure()  # names the dead worker when it is one
             raise TensorParallelError(f"a tensor-parallel collective failed: {exc}") from exc
 
     def move_slots(self, sources: Sequence[int], targets: Sequence[int]) -> None:
@@ -247,7 +256,7 @@ class TensorParallelRunner:
         except TensorParallelError:
             raise
         except (RuntimeError, OSError) as exc:
-            self.group.check()
+            self.group.check_after_failure()
             raise TensorParallelError(f"a tensor-parallel collective failed: {exc}") from exc
 
 

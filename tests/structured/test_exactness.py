@@ -213,7 +213,7 @@ def test_engine_outputs_follow_the_masked_target(
     if speculative["method"] == "draft_model":
         speculative = {**speculative, "model": str(draft)}
     exact = exact_outputs(target)
-    samples = 10_000
+    samples = 4_000  # the verify alone is tested on 20,000 above; this is the whole path
     seen = sample_outputs(target, speculative, samples)
     assert set(seen) <= set(exact), "an output the constraint does not allow"
     keys = sorted(exact)
