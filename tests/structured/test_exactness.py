@@ -25,7 +25,7 @@ from specbatch.spec_decode.verification.chain import verify
 from specbatch.structured.manager import Constraints
 from specbatch.tokenizer import load_tokenizer
 from tests.helpers import PagedHarness, write_tiny_model
-from tests.spec_decode.test_distribution import _assert_chisquare
+from tests.spec_decode.distribution import assert_chisquare
 
 V = 12
 N = 20_000
@@ -96,13 +96,13 @@ def test_verify_under_masks_emits_the_masked_target(drafter: str) -> None:
     )
     first = np.array([tokens[0] for tokens in result.tokens])
     p1 = _masked(logits_first.softmax(-1), _toy_mask(()))
-    _assert_chisquare(np.bincount(first, minlength=V).astype(float), p1.numpy() * N)
+    assert_chisquare(np.bincount(first, minlength=V).astype(float), p1.numpy() * N)
     # the second token, where the sequence emitted two: P(t2 | t1) summed over t1 given 2 emitted
     # is not the marginal, so condition on t1 instead: the most frequent first token's rows
     top = int(np.bincount(first).argmax())
     seconds = np.array([t[1] for t in result.tokens if len(t) > 1 and t[0] == top])
     p2 = _masked(logits_next[top].softmax(-1), _toy_mask((top,)))
-    _assert_chisquare(np.bincount(seconds, minlength=V).astype(float), p2.numpy() * len(seconds))
+    assert_chisquare(np.bincount(seconds, minlength=V).astype(float), p2.numpy() * len(seconds))
 
 
 # ------------------------------------------------------------------ the engine, end to end
@@ -219,4 +219,4 @@ def test_engine_outputs_follow_the_masked_target(
     keys = sorted(exact)
     observed = np.array([sum(1 for s in seen if s == k) for k in keys], dtype=float)
     expected = np.array([exact[k] for k in keys]) * samples
-    _assert_chisquare(observed, expected)
+    assert_chisquare(observed, expected)
