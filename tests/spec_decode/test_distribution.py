@@ -1,6 +1,6 @@
 """The contract: speculative sampling is distributed exactly as the target sampling alone.
 
-Tiny random target and draft (vocabulary 32); 20,000 requests of 3 tokens each through the
+Tiny random target and draft (vocabulary 32); 12,000 requests of 3 tokens each through the
 engine, compared by chi-square with the exact distribution of the first three tokens computed
 from the target model with the same sampling processing.
 """
