@@ -103,7 +103,6 @@ class LLMEngine:
             external=proposer,
             draft_graphs=lambda: capture_draft_graphs(config, models),
             cuda_graphs=self.runner.graphs is not None,
-            max_model_len=self.max_model_len,
         )
         self.runner.keep_hidden = self.speculator.wants_features
         self.scheduler = Scheduler(

@@ -158,7 +158,6 @@ def build_speculator(
     external: Proposer | None = None,
     draft_graphs: Callable[[], CudaGraphRunner | None] | None = None,
     cuda_graphs: bool = False,
-    max_model_len: int = 2**31,
 ) -> Speculator:
     """The engine's speculator: the proposer of ``spec`` (none when it is None: the plain
     sampler) and, with ``adaptive_k``, the goodput controller. Under CUDA graphs every decode
@@ -176,9 +175,7 @@ def build_speculator(
     controller = None
     if spec.adaptive_k or len(ways) > 1:  # with a fixed k it only chooses the way
         controller = GoodputController(ways, spec.tuning)
-    return Speculator(
-        proposer, controller, generator, spec.adaptive_k, spec.draft_tree_depth, max_model_len
-    )
+    return Speculator(proposer, controller, generator, spec.adaptive_k, spec.draft_tree_depth)
 
 
 def build_proposer(

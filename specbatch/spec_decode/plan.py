@@ -135,13 +135,11 @@ class Planner:
         controller: GoodputController | None,
         adaptive: bool,
         tree_depth: int | None,
-        max_model_len: int,
     ) -> None:
         self.proposer = proposer
         self.controller = controller
         self.adaptive = adaptive
         self.tree_depth = tree_depth
-        self.max_model_len = max_model_len
 
     def plan(self, out: SchedulerOutput, budget: int) -> DraftPlan:
         """Drafts per scheduled sequence for the step ``out`` (the scheduler's draft planner),
@@ -244,8 +242,7 @@ class Planner:
                     match.tokens,
                     match.n,
                     catch_up,
-                    self._remaining(seq),
-                    forced,
+                    forced=forced,
                 )
             )
         return candidates
@@ -288,14 +285,6 @@ class Planner:
             assert choice.way is not None
             return Shadow(choice.way, match.tokens[offset:], seq.num_tokens + offset, offset)
         return None
-
-    def _remaining(self, seq: Sequence) -> int:
-        """Tokens the sequence may still generate: to ``max_tokens`` or the context's end."""
-        room = self.max_model_len - seq.num_tokens
-        max_tokens = seq.params.max_tokens
-        if max_tokens is not None:
-            room = min(room, max_tokens - seq.num_output_tokens)
-        return max(room, 1)
 
 
 def ways_of(proposer: Proposer | None) -> tuple[str, ...]:

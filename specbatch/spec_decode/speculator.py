@@ -71,16 +71,15 @@ class Speculator:
         generator: torch.Generator,
         adaptive: bool = True,
         tree_depth: int | None = None,
-        max_model_len: int = 2**31,
     ) -> None:
         """``adaptive``: the controller chooses each sequence's drafts (else every slot, and
         a controller only chooses the way); ``tree_depth``: a fixed tree, every slot a node,
-        this deep at most; ``max_model_len``: where every sequence ends at the latest."""
+        this deep at most."""
         self.proposer = proposer
         self.controller = controller
         self.adaptive = adaptive and controller is not None
         self.generator = generator
-        self.planner = Planner(proposer, controller, self.adaptive, tree_depth, max_model_len)
+        self.planner = Planner(proposer, controller, self.adaptive, tree_depth)
 
     @property
     def wants_features(self) -> bool:

@@ -21,61 +21,76 @@ class SpeculationTuning:
     """The goodput controller's, its step-time and acceptance models' and the proposers'
     constants (see the module docstring)."""
 
+    # The numbers: the default's and each field's "without" (mechanism off, or folded into its
+    # neighbour) over {"method": "off"}, batch 1, a 2-core AVX2 host, in docs/notes.md
+    # (2026-12-05: "every tuning field with and without", "... across the categories").
+
     # -- the controller
     # A plan with drafts must beat the plain step by this share of its own estimate: the
-    # estimates err, and the sequences drafted are those whose estimates run high.
+    # estimates err, and the sequences drafted are those whose estimates run high (0: 1.44x
+    # against 1.48x over four categories, three below the default and one level).
     hurdle: float = 0.03
     # Every this many plans, one draft more than the plan chose (0: never), so that a drafted
-    # step shape measured slow (another process had the cores) is measured again.
+    # step shape measured slow (another process had the cores) is measured again (0: 1.29x /
+    # 1.00x against 1.49x / 1.11x on qa / writing).
     probe_every: int = 16
-    # A draft model's catch-up backlog is charged spread over at most this many steps of the
-    # sequence (a first draft bets that drafting goes on, not that it lasts the sequence).
-    catch_up_steps: int = 16
 
     # -- the step-time model (``control/step_times.py``)
-    # Steps remembered, and the weight a step keeps per step since it ran: newer steps
-    # outweigh older ones of the same shape, so a shape measured slow is soon remeasured.
+    # Steps remembered (a bound on memory and on a fit's work; 64 measured level), and the
+    # weight a step keeps per step since it ran: newer steps outweigh older ones of the same
+    # shape, so a shape measured slow is soon remeasured (1, no ageing: 1.75x against 1.93x
+    # after a CPU spell).
     step_window: int = 512
     step_age_decay: float = 0.995
     # A fit is reused for this many new samples (a batch-1 plan fits every draft position's
-    # step each step: fitting them fresh cost 1.7 ms a plan against 0.7).
+    # step each step: fitting them fresh cost 1.7 ms a plan against 0.7; 1: 1.44x / 1.10x
+    # against 1.49x / 1.11x).
     refit_every: int = 4
-    # Width of the nearness kernel in log tokens and log sequences: how local a fit is.
+    # Width of the nearness kernel in log tokens and log sequences: how local a fit is
+    # (0.35: 1.45x / 1.10x against 1.48x / 1.11x).
     bandwidth: float = 0.7
     # A single sequence's steps (where padded products make a CPU step flat to 4 rows) are
     # fitted with a kernel this wide in log tokens, so that a step of 2 tokens is judged by
-    # steps of 1-3.
+    # steps of 1-3 (the kink on the AVX-512 host; on this AVX2 host 0.7, one bandwidth, ran
+    # 1.58x against 1.48x over four categories, and the kinked clocks of three controller
+    # tests plan 3-5% below their optimum with it: to be decided where the kink is measured).
     small_bandwidth: float = 0.15
     # A step timed with a share of the cores below ``contended_share`` of the usual (the
     # window's ``contention_quantile``: most steps', so a loaded machine's usual is its own)
-    # informs a fit only where nothing else is known (another process had the cores).
+    # informs a fit only where nothing else is known (another process had the cores; after a
+    # CPU spell 0: 1.66x, the median step's share: 1.63x, against 1.93x).
     contended_share: float = 0.85
     contention_quantile: float = 0.9
 
     # -- the acceptance model (``control/acceptance.py``)
     # A sequence keeps this much of a bursty way's history per outcome (a lookup is right
-    # through a copied span, then not) ...
+    # through a copied span, then not; 0.97: 1.42x against 1.48x on qa) ...
     sequence_decay: float = 0.9
     # ... and of a steady way's (a draft model's rate is the text's), per outcome; every
-    # estimate keeps this much per step without an outcome, drifting back to its prior.
+    # estimate keeps this much per step without an outcome, drifting back to its prior (0.9:
+    # 1.47x / 1.10x against 1.48x / 1.11x, level: the one decay of idle drift).
     steady_decay: float = 0.97
     # The rates shared by all sequences (a way's population, per position) keep this much
-    # per outcome, the calibration sums per verify and per step.
+    # per outcome, the calibration sums per verify and per step (0.97: 1.44x against 1.48x
+    # over four categories, each below the default).
     shared_decay: float = 0.99
     # Pseudo-outcomes behind every estimate, at its prior (a sequence's: its population's
-    # rate; a population's and a position's: 0.5; calibration: a factor of 1).
+    # rate; a population's and a position's: 0.5; calibration: a factor of 1; 1: 1.42x
+    # against 1.48x on qa).
     prior_weight: float = 4.0
 
     # -- the proposers
     # Branching of draft trees: children per node looked at (a dynamic tree's; a chain's
-    # siblings and sibling slots), occurrences a lookup tree follows.
+    # siblings and sibling slots), occurrences a lookup tree follows (1, chains only: 1.56x /
+    # 1.19x against 1.49x / 1.11x at batch 1, 1.10x / 0.99x against 1.13x / 0.98x at batch 8;
+    # set on an AVX-512 BF16 host, where trees paid).
     tree_width: int = 4
 
     def __post_init__(self) -> None:
         for name in ("hurdle", "bandwidth", "small_bandwidth", "prior_weight"):
             _check(name, getattr(self, name), float, low=0.0, open_low=name != "hurdle")
         _check("probe_every", self.probe_every, int, low=0)
-        for name in ("catch_up_steps", "step_window", "refit_every", "tree_width"):
+        for name in ("step_window", "refit_every", "tree_width"):
             _check(name, getattr(self, name), int, low=1)
         for name in (
             "contended_share",

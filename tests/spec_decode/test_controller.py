@@ -713,19 +713,20 @@ def test_drafts_return_within_a_few_steps_once_the_text_is_copied() -> None:
     assert min(drafting[70:80]) == 16  # copying: every sequence drafts again within 10 steps
 
 
-def test_a_draft_models_backlog_is_charged_over_the_steps_left() -> None:
-    """A sequence the draft model has not seen must be caught up first: worth it for a long
-    generation, not for one about to end."""
+def test_a_draft_models_backlog_is_charged_to_the_step_that_drafts_first() -> None:
+    """A sequence the draft model has not seen must be caught up first, at the step that
+    drafts it: 499 rows (0.05 s) outweigh what four drafts at 0.6 gain on a 0.02 s step, one
+    row does not."""
     controller = GoodputController((DRAFT,))
     for tokens in (1, 2, 4, 8, 16, 64, 256):
         controller.observe_step(tokens, 1, 0.0, 0.02 + 0.0002 * tokens)
     for rows in (1, 2, 8, 64, 512):
         controller.observe_draft_forward(rows, 0.001 + 0.0001 * rows)
     with_rates(controller, {0: 0.6}, follow=0.6)
-    long_run = Candidate(0, 4, 500, [], catch_up=500, remaining=2000)
-    ending = Candidate(0, 4, 500, [], catch_up=500, remaining=4)
-    assert controller.plan([long_run], 1, 1, 500.0, 100).choices[0].drafts > 0
-    assert controller.plan([ending], 1, 1, 500.0, 100).choices[0].drafts == 0
+    unseen = Candidate(0, 4, 500, [], catch_up=500)
+    caught_up = Candidate(0, 4, 500, [], catch_up=2)
+    assert controller.plan([unseen], 1, 1, 500.0, 100).choices[0].drafts == 0
+    assert controller.plan([caught_up], 1, 1, 500.0, 100).choices[0].drafts > 0
 
 
 def test_a_backlog_costs_what_rows_cost_in_a_forward_of_its_size() -> None:
@@ -739,13 +740,13 @@ def test_a_backlog_costs_what_rows_cost_in_a_forward_of_its_size() -> None:
     for rows in (30, 40, 50) * 4:
         controller.observe_draft_forward(rows, 0.002 + 0.0001 * rows)
     with_rates(controller, {0: 0.5})
-    behind = Candidate(0, 4, 100, [], catch_up=41, remaining=20)  # 40 rows over 10 steps
+    behind = Candidate(0, 4, 100, [], catch_up=41)  # 40 rows beyond the step's own
     options = controller._options([behind], 1, 1)
     local = options.draft_fit[1]
     assert local < 0.00002
     first_row = options.prices.row_seconds(100) + local
     costs = options.costs
-    assert costs[0, 0, 0] - first_row == pytest.approx(0.0001 * 40 / 10, rel=0.1)
+    assert costs[0, 0, 0] - first_row == pytest.approx(0.0001 * 40, rel=0.1)
 
 
 def test_calibration_scales_a_ways_gains_and_recovers_when_unused() -> None:

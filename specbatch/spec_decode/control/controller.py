@@ -4,10 +4,9 @@ A draft is worth the chance that it is emitted (it and every draft before it acc
 costs the time it adds to the step: a row in the target's forward (nearly free at batch 1 on a
 CPU, as dear as a decode row at batch 64, dearer with a long context) and its proposer's time (a
 prompt lookup is free; a draft model pays a forward per draft position and a row per draft,
-the first being the catch-up on the tokens it has not seen. Skipping a sequence defers that
-work, it does not save it: the backlog beyond one row (a new sequence's whole prompt, the
-tokens of the steps it was skipped) is an investment that drafting the rest of the sequence
-repays, so it is charged spread over the steps the sequence has left). The controller
+the first being the catch-up on the tokens it has not seen: the backlog beyond one row, a new
+sequence's whole prompt or the tokens of the steps it was skipped, is charged in full to the
+step that drafts first). The controller
 chooses, per sequence, a way (a prompt-lookup match, graded by its length; the draft model; an
 application's proposer) and a count 0..slots to maximise the whole step's expected tokens per
 second::
@@ -75,7 +74,6 @@ class Candidate:
     lookup: list[int]
     lookup_n: int = 0
     catch_up: int = 1  # rows the draft model computes for it before its first draft
-    remaining: int = 1  # tokens it may still generate
     forced: list[int] = field(default_factory=list)  # its constraint's only continuation
 
 
@@ -241,8 +239,8 @@ class GoodputController:
         if any(c.forced for c in candidates):
             ways = (*ways, FORCED)
         table = np.array(
-            [(c.slots, c.context, c.catch_up, c.remaining) for c in candidates], dtype=np.float64
-        ).reshape(count, 4)
+            [(c.slots, c.context, c.catch_up) for c in candidates], dtype=np.float64
+        ).reshape(count, 3)
         slots, context = table[:, 0].astype(np.int64), table[:, 1]
         most = int(slots.max())
         row, base_cost, prices = self._row_prices(base_tokens, base_seqs, base_pairs, context, most)
@@ -286,9 +284,9 @@ class GoodputController:
         extra = [per_draft.get(way, 0.0) for way in ways]
         proposing = np.array(extra)[None, :, None] * ran
         costs = np.where(valid, row[:, None, :] * made + proposing, 0.0)
-        if DRAFT in ways:  # the backlog a draft model must catch up on, amortised
+        if DRAFT in ways:  # the backlog a draft model must catch up on
             catch_up = np.maximum(table[:, 2], 1.0)
-            backlog = _amortised_backlog(catch_up, table[:, 3], self.tuning.catch_up_steps)
+            backlog = catch_up - 1.0  # beyond the row a step costs anyway
             # at the per-row cost of a forward of the catch-up's size, not of a one-row-per-
             # sequence forward (whose slope, near one row, says little about 40 rows)
             rows = float(catch_up.sum())
@@ -461,15 +459,6 @@ class _Options:
     draft_fit: tuple[float, float]  # a draft forward's (fixed, per row) seconds near this step
     base_cost: StepCost  # the fit of the plain step
     prices: Prices  # of one more verify row
-
-
-def _amortised_backlog(catch_up: np.ndarray, remaining: np.ndarray, most: int) -> np.ndarray:
-    """Per candidate, catch-up rows beyond the one a step costs anyway (``catch_up``: at
-    least 1), spread over the steps left to the sequence (about two tokens a step while it
-    drafts), at most ``most``: a first draft is a bet that drafting goes on, not that it
-    lasts the whole sequence."""
-    steps = np.minimum(remaining / 2, most)
-    return (catch_up - 1) / np.maximum(steps, 1.0)
 
 
 def _report(
