@@ -301,6 +301,14 @@ def main() -> None:
         default=[1, 16],
         help="batch sizes of specbatch's quantization='gguf' mode (it is for small batches)",
     )
+    parser.add_argument(
+        "--bf16-batch-sizes",
+        type=int,
+        nargs="+",
+        default=None,
+        help="batch sizes of specbatch's bfloat16 mode (default: --batch-sizes; a host without "
+        "native bfloat16 emulates it, and its large batches then take most of the run)",
+    )
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--long-prompts", type=int, default=6)
     parser.add_argument("--hf", action="store_true", help="HF transformers (float32)")
@@ -335,7 +343,7 @@ def main() -> None:
     systems: dict[str, dict[str, float]] = {}
     for name, dtype, quantization, sizes in (
         ("specbatch fp32", "float32", None, None),
-        ("specbatch bf16", "bfloat16", None, None),
+        ("specbatch bf16", "bfloat16", None, args.bf16_batch_sizes),
         ("specbatch gguf (Q4_1)", "float32", "gguf", args.gguf_batch_sizes),
     ):
         off, auto = run_specbatch(sets, args, dtype, quantization, sizes)
