@@ -120,18 +120,25 @@ def test_the_thread_count_changes_no_bit(kind: str) -> None:
 
 
 @pytest.mark.parametrize("kind", QTYPES)
-def test_the_plain_c_build_gives_the_same_bits(kind: str) -> None:
-    """Without AVX-512 the kernel takes its plain C path; it must agree bit for bit."""
-    flags = (*gguf_linear.FLAGS, "-mno-avx512f")
-    plain = load_c_library(gguf_linear.SOURCE, flags, "the plain C build", "test fails")
-    assert plain is not None
-    gguf_linear.declare(plain)
+@pytest.mark.parametrize(
+    "disabled",
+    [("-mno-avx512f",), ("-mno-avx512f", "-mno-avx2", "-mno-fma")],
+    ids=["avx2", "plain"],
+)
+def test_each_instruction_set_gives_the_same_bits(kind: str, disabled: tuple[str, ...]) -> None:
+    """Built without AVX-512 the kernel takes its AVX2 path, without AVX2 its plain C path;
+    each must agree bit for bit with this machine's build (on an AVX2 machine the first is
+    this machine's build itself), at every row count its paths split on."""
+    flags = (*gguf_linear.FLAGS, *disabled)
+    other = load_c_library(gguf_linear.SOURCE, flags, "a reduced build", "test fails")
+    assert other is not None
+    gguf_linear.declare(other)
     weight, _ = make_weight(kind, 160, 33)
     x = torch.randn(30, 160, generator=torch.Generator().manual_seed(3))
-    for m in (1, 5, 30):
+    for m in (1, 2, 3, 4, 5, 6, 7, 30):
         assert torch.equal(
-            gguf_linear.run_kernel(plain, x[:m], weight), quantized_linear(x[:m], weight)
-        )
+            gguf_linear.run_kernel(other, x[:m], weight), quantized_linear(x[:m], weight)
+        ), m
 
 
 @pytest.mark.parametrize("kind", QTYPES)
