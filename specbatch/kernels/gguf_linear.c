@@ -34,6 +34,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#define VECTOR_PATH /* AVX-512, or AVX2 with FMA: else the plain C path */
 #include <immintrin.h>
 #endif
 
@@ -77,6 +78,22 @@ static inline const uint8_t *record_of(const Weights *w, int64_t n, int64_t g) {
     return w->data + ((n / PANEL * w->groups + g) * PANEL + n % PANEL) * w->record;
 }
 
+#ifdef VECTOR_PATH
+
+/* Asks for bytes [start, start + size) ahead of use (past the end of the weights: harmless). */
+static inline void prefetch(const uint8_t *start, int64_t size) {
+    for (int64_t line = 0; line < size; line += 64)
+        _mm_prefetch((const char *)start + line, _MM_HINT_T0);
+}
+
+#define KIND_DISPATCH(call, ...)                                                                 \
+    do {                                                                                        \
+        if (w->kind == Q4_1) call(w, Q4_1, __VA_ARGS__);                                        \
+        else call(w, Q8_0, __VA_ARGS__);                                                        \
+    } while (0)
+
+#endif
+
 #ifdef __AVX512F__
 
 /*
@@ -100,12 +117,6 @@ static inline void reduce4_store(const __m512 *acc, float *out, int count) {
     _mm512_mask_storeu_ps(out, (__mmask16)((1u << count) - 1), _mm512_permutexvar_ps(pick, s1));
 }
 
-/* Asks for bytes [start, start + size) ahead of use (past the end of the weights: harmless). */
-static inline void prefetch(const uint8_t *start, int64_t size) {
-    for (int64_t line = 0; line < size; line += 64)
-        _mm_prefetch((const char *)start + line, _MM_HINT_T0);
-}
-
 /* Block s of a record: its low (k = 32 b + j) and high (k = 32 b + 16 + j) dequantised weights. */
 static inline __attribute__((always_inline)) void block_planes(int kind, const uint8_t *record,
                                                                int s, __m512 *lo, __m512 *hi) {
@@ -127,6 +138,121 @@ static inline __attribute__((always_inline)) void block_planes(int kind, const u
         *hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q_hi)), d);
     }
 }
+
+/* A block's two planes stored as its 32 floats. */
+static inline void store_planes(float *out, __m512 lo, __m512 hi) {
+    _mm512_storeu_ps(out, lo);
+    _mm512_storeu_ps(out + LANES, hi);
+}
+
+typedef __m512 Plane;
+
+#elif defined(__AVX2__) && defined(__FMA__)
+
+/*
+ * AVX2 + FMA: the sixteen lanes as two 8-lane registers (lanes 0-7 and 8-15), the same fmas in
+ * the same order and the same reduction tree, so the same bits. Sixteen registers (not 32) set
+ * the block shapes: a register block holds at most eight accumulator registers.
+ */
+typedef struct {
+    __m256 a, b; /* lanes 0-7, lanes 8-15 */
+} Lanes16;
+
+/* The fixed reduction of one output's 16 lanes: + 8, + 4, + 2, + 1, as reduce_lanes does. */
+static inline float reduce16(Lanes16 acc) {
+    const __m256 s8 = _mm256_add_ps(acc.a, acc.b);
+    const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+    const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+}
+
+/* Entries idx & 15 of the 16-float table (t0: entries 0-7, t1: 8-15): bits 0-2 pick within a
+ * half, bit 3 (moved to the sign bit) picks the half. */
+static inline __m256 lookup16(__m256 t0, __m256 t1, __m256i idx) {
+    const __m256 low = _mm256_permutevar8x32_ps(t0, idx);
+    const __m256 high = _mm256_permutevar8x32_ps(t1, idx);
+    return _mm256_blendv_ps(low, high, _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28)));
+}
+
+/* Eight int8 codes times d. */
+static inline __m256 scaled8(const uint8_t *codes, __m256 d) {
+    const __m128i q = _mm_loadl_epi64((const __m128i *)codes);
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), d);
+}
+
+/* Block s of a record: its low (k = 32 b + j) and high (k = 32 b + 16 + j) dequantised weights. */
+static inline __attribute__((always_inline)) void block_planes(int kind, const uint8_t *record,
+                                                               int s, Lanes16 *lo, Lanes16 *hi) {
+    if (kind == Q4_1) {
+        const float *scales = (const float *)(record + GROUP * BLOCK / 2);
+        const __m256 d = _mm256_set1_ps(scales[2 * s]), m = _mm256_set1_ps(scales[2 * s + 1]);
+        const __m256 t0 = _mm256_fmadd_ps(_mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), d, m);
+        const __m256 t1 = _mm256_fmadd_ps(_mm256_setr_ps(8, 9, 10, 11, 12, 13, 14, 15), d, m);
+        const __m128i shift = _mm_cvtsi32_si128(8 * s);
+        const __m256i b0 = _mm256_srl_epi32(_mm256_loadu_si256((const __m256i *)record), shift);
+        const __m256i b1 =
+            _mm256_srl_epi32(_mm256_loadu_si256((const __m256i *)(record + 32)), shift);
+        lo->a = lookup16(t0, t1, b0);
+        lo->b = lookup16(t0, t1, b1);
+        hi->a = lookup16(t0, t1, _mm256_srli_epi32(b0, 4));
+        hi->b = lookup16(t0, t1, _mm256_srli_epi32(b1, 4));
+    } else {
+        const float *scales = (const float *)(record + GROUP * BLOCK);
+        const __m256 d = _mm256_set1_ps(scales[s]);
+        const uint8_t *codes = record + s * BLOCK;
+        lo->a = scaled8(codes, d);
+        lo->b = scaled8(codes + 8, d);
+        hi->a = scaled8(codes + 16, d);
+        hi->b = scaled8(codes + 24, d);
+    }
+}
+
+/* acc += x[0 .. 31] times a block's planes, lane by lane in increasing k. */
+static inline __attribute__((always_inline)) Lanes16 fma_block(const float *x, Lanes16 lo,
+                                                               Lanes16 hi, Lanes16 acc) {
+    acc.a = _mm256_fmadd_ps(_mm256_loadu_ps(x), lo.a, acc.a);
+    acc.b = _mm256_fmadd_ps(_mm256_loadu_ps(x + 8), lo.b, acc.b);
+    acc.a = _mm256_fmadd_ps(_mm256_loadu_ps(x + 16), hi.a, acc.a);
+    acc.b = _mm256_fmadd_ps(_mm256_loadu_ps(x + 24), hi.b, acc.b);
+    return acc;
+}
+
+/* A block's two planes stored as its 32 floats. */
+static inline void store_planes(float *out, Lanes16 lo, Lanes16 hi) {
+    _mm256_storeu_ps(out, lo.a);
+    _mm256_storeu_ps(out + 8, lo.b);
+    _mm256_storeu_ps(out + 16, hi.a);
+    _mm256_storeu_ps(out + 24, hi.b);
+}
+
+typedef Lanes16 Plane;
+
+#endif
+
+#ifdef VECTOR_PATH
+
+/* Outputs n0 .. n1 - 1 (whole panels, or up to N) dequantised into tile ([n1 - n0][K]),
+ * reading the panels in order. */
+static void dequantize_tile(const Weights *w, int64_t n0, int64_t n1, float *tile) {
+    for (int64_t g = 0; g < w->groups; g++) {
+        const int blocks = w->blocks - g * GROUP < GROUP ? (int)(w->blocks - g * GROUP) : GROUP;
+        for (int64_t n = n0; n < n1; n++) {
+            const uint8_t *record = record_of(w, n, g);
+            prefetch(record + PREFETCH_GROUPS * PANEL * w->record, w->record);
+            float *out = tile + (n - n0) * w->k + g * GROUP * BLOCK;
+            for (int s = 0; s < blocks; s++) {
+                Plane lo, hi;
+                if (w->kind == Q4_1) block_planes(Q4_1, record, s, &lo, &hi);
+                else block_planes(Q8_0, record, s, &lo, &hi);
+                store_planes(out + s * BLOCK, lo, hi);
+            }
+        }
+    }
+}
+
+#endif
+
+#ifdef __AVX512F__
 
 /*
  * The MR rows of x times outputs n0 .. n0 + NR - 1 (NR 4 or 8, inside one panel), the weights
@@ -167,12 +293,6 @@ static inline __attribute__((always_inline)) void direct_micro(const Weights *w,
     }
 }
 
-#define KIND_DISPATCH(call, ...)                                                                 \
-    do {                                                                                        \
-        if (w->kind == Q4_1) call(w, Q4_1, __VA_ARGS__);                                        \
-        else call(w, Q8_0, __VA_ARGS__);                                                        \
-    } while (0)
-
 /* All the rows (at most DIRECT_ROWS) times outputs [n0, n1) (whole panels, or up to N). */
 static void direct_tile(const Weights *w, const float *x, int64_t rows, int64_t n0, int64_t n1,
                         float *out) {
@@ -188,26 +308,6 @@ static void direct_tile(const Weights *w, const float *x, int64_t rows, int64_t 
             case 4: KIND_DISPATCH(direct_micro, x, 4, 4, half, out); break;
             case 5: KIND_DISPATCH(direct_micro, x, 5, 4, half, out); break;
             case 6: KIND_DISPATCH(direct_micro, x, 6, 4, half, out); break;
-            }
-        }
-    }
-}
-
-/* Outputs n0 .. n1 - 1 (whole panels, or up to N) dequantised into tile ([n1 - n0][K]),
- * reading the panels in order. */
-static void dequantize_tile(const Weights *w, int64_t n0, int64_t n1, float *tile) {
-    for (int64_t g = 0; g < w->groups; g++) {
-        const int blocks = w->blocks - g * GROUP < GROUP ? (int)(w->blocks - g * GROUP) : GROUP;
-        for (int64_t n = n0; n < n1; n++) {
-            const uint8_t *record = record_of(w, n, g);
-            prefetch(record + PREFETCH_GROUPS * PANEL * w->record, w->record);
-            float *out = tile + (n - n0) * w->k + g * GROUP * BLOCK;
-            for (int s = 0; s < blocks; s++) {
-                __m512 lo, hi;
-                if (w->kind == Q4_1) block_planes(Q4_1, record, s, &lo, &hi);
-                else block_planes(Q8_0, record, s, &lo, &hi);
-                _mm512_storeu_ps(out + s * BLOCK, lo);
-                _mm512_storeu_ps(out + s * BLOCK + LANES, hi);
             }
         }
     }
@@ -288,80 +388,6 @@ static void scratch_tile(const Weights *w, const float *x, int64_t rows, int64_t
 #elif defined(__AVX2__) && defined(__FMA__)
 
 /*
- * AVX2 + FMA: the sixteen lanes as two 8-lane registers (lanes 0-7 and 8-15), the same fmas in
- * the same order and the same reduction tree, so the same bits. Sixteen registers (not 32) set
- * the block shapes: a register block holds at most eight accumulator registers.
- */
-typedef struct {
-    __m256 a, b; /* lanes 0-7, lanes 8-15 */
-} Lanes16;
-
-/* The fixed reduction of one output's 16 lanes: + 8, + 4, + 2, + 1, as reduce_lanes does. */
-static inline float reduce16(Lanes16 acc) {
-    const __m256 s8 = _mm256_add_ps(acc.a, acc.b);
-    const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
-    const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-    return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
-}
-
-/* Asks for bytes [start, start + size) ahead of use (past the end of the weights: harmless). */
-static inline void prefetch(const uint8_t *start, int64_t size) {
-    for (int64_t line = 0; line < size; line += 64)
-        _mm_prefetch((const char *)start + line, _MM_HINT_T0);
-}
-
-/* Entries idx & 15 of the 16-float table (t0: entries 0-7, t1: 8-15): bits 0-2 pick within a
- * half, bit 3 (moved to the sign bit) picks the half. */
-static inline __m256 lookup16(__m256 t0, __m256 t1, __m256i idx) {
-    const __m256 low = _mm256_permutevar8x32_ps(t0, idx);
-    const __m256 high = _mm256_permutevar8x32_ps(t1, idx);
-    return _mm256_blendv_ps(low, high, _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28)));
-}
-
-/* Eight int8 codes times d. */
-static inline __m256 scaled8(const uint8_t *codes, __m256 d) {
-    const __m128i q = _mm_loadl_epi64((const __m128i *)codes);
-    return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), d);
-}
-
-/* Block s of a record: its low (k = 32 b + j) and high (k = 32 b + 16 + j) dequantised weights. */
-static inline __attribute__((always_inline)) void block_planes(int kind, const uint8_t *record,
-                                                               int s, Lanes16 *lo, Lanes16 *hi) {
-    if (kind == Q4_1) {
-        const float *scales = (const float *)(record + GROUP * BLOCK / 2);
-        const __m256 d = _mm256_set1_ps(scales[2 * s]), m = _mm256_set1_ps(scales[2 * s + 1]);
-        const __m256 t0 = _mm256_fmadd_ps(_mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), d, m);
-        const __m256 t1 = _mm256_fmadd_ps(_mm256_setr_ps(8, 9, 10, 11, 12, 13, 14, 15), d, m);
-        const __m128i shift = _mm_cvtsi32_si128(8 * s);
-        const __m256i b0 = _mm256_srl_epi32(_mm256_loadu_si256((const __m256i *)record), shift);
-        const __m256i b1 =
-            _mm256_srl_epi32(_mm256_loadu_si256((const __m256i *)(record + 32)), shift);
-        lo->a = lookup16(t0, t1, b0);
-        lo->b = lookup16(t0, t1, b1);
-        hi->a = lookup16(t0, t1, _mm256_srli_epi32(b0, 4));
-        hi->b = lookup16(t0, t1, _mm256_srli_epi32(b1, 4));
-    } else {
-        const float *scales = (const float *)(record + GROUP * BLOCK);
-        const __m256 d = _mm256_set1_ps(scales[s]);
-        const uint8_t *codes = record + s * BLOCK;
-        lo->a = scaled8(codes, d);
-        lo->b = scaled8(codes + 8, d);
-        hi->a = scaled8(codes + 16, d);
-        hi->b = scaled8(codes + 24, d);
-    }
-}
-
-/* acc += x[0 .. 31] times a block's planes, lane by lane in increasing k. */
-static inline __attribute__((always_inline)) Lanes16 fma_block(const float *x, Lanes16 lo,
-                                                               Lanes16 hi, Lanes16 acc) {
-    acc.a = _mm256_fmadd_ps(_mm256_loadu_ps(x), lo.a, acc.a);
-    acc.b = _mm256_fmadd_ps(_mm256_loadu_ps(x + 8), lo.b, acc.b);
-    acc.a = _mm256_fmadd_ps(_mm256_loadu_ps(x + 16), hi.a, acc.a);
-    acc.b = _mm256_fmadd_ps(_mm256_loadu_ps(x + 24), hi.b, acc.b);
-    return acc;
-}
-
-/*
  * The MR rows of x times outputs n0 .. n0 + NR - 1 (inside one panel; MR * NR <= 4, eight
  * accumulator registers), the weights dequantised in registers block by block and used for all
  * MR rows. Padding outputs (n >= N) are computed and not stored.
@@ -388,12 +414,6 @@ static inline __attribute__((always_inline)) void direct_micro(const Weights *w,
         for (int r = 0; r < MR; r++) out[r * w->n + n0 + i] = reduce16(acc[r][i]);
 }
 
-#define KIND_DISPATCH(call, ...)                                                                 \
-    do {                                                                                        \
-        if (w->kind == Q4_1) call(w, Q4_1, __VA_ARGS__);                                        \
-        else call(w, Q8_0, __VA_ARGS__);                                                        \
-    } while (0)
-
 /* All the rows (at most DIRECT_ROWS_AVX2) times outputs [n0, n1) (whole panels, or up to N). */
 static void direct_tile(const Weights *w, const float *x, int64_t rows, int64_t n0, int64_t n1,
                         float *out) {
@@ -404,28 +424,6 @@ static void direct_tile(const Weights *w, const float *x, int64_t rows, int64_t 
         case 2: KIND_DISPATCH(direct_micro, x, 2, 2, n, out); break;
         case 3: KIND_DISPATCH(direct_micro, x, 3, 1, n, out); break;
         case 4: KIND_DISPATCH(direct_micro, x, 4, 1, n, out); break;
-        }
-    }
-}
-
-/* Outputs n0 .. n1 - 1 (whole panels, or up to N) dequantised into tile ([n1 - n0][K]),
- * reading the panels in order. */
-static void dequantize_tile(const Weights *w, int64_t n0, int64_t n1, float *tile) {
-    for (int64_t g = 0; g < w->groups; g++) {
-        const int blocks = w->blocks - g * GROUP < GROUP ? (int)(w->blocks - g * GROUP) : GROUP;
-        for (int64_t n = n0; n < n1; n++) {
-            const uint8_t *record = record_of(w, n, g);
-            prefetch(record + PREFETCH_GROUPS * PANEL * w->record, w->record);
-            float *out = tile + (n - n0) * w->k + g * GROUP * BLOCK;
-            for (int s = 0; s < blocks; s++) {
-                Lanes16 lo, hi;
-                if (w->kind == Q4_1) block_planes(Q4_1, record, s, &lo, &hi);
-                else block_planes(Q8_0, record, s, &lo, &hi);
-                _mm256_storeu_ps(out + s * BLOCK, lo.a);
-                _mm256_storeu_ps(out + s * BLOCK + 8, lo.b);
-                _mm256_storeu_ps(out + s * BLOCK + 16, hi.a);
-                _mm256_storeu_ps(out + s * BLOCK + 24, hi.b);
-            }
         }
     }
 }
@@ -571,7 +569,7 @@ int gguf_linear(int kind, const float *x, int64_t rows, int64_t k, const void *d
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < tiles; t++) {
             const int64_t n0 = t * TILE_N, n1 = n0 + TILE_N < n ? n0 + TILE_N : n;
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#ifdef VECTOR_PATH
             if (direct) {
                 direct_tile(&w, x, rows, n0, n1, out);
                 continue;
