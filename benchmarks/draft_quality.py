@@ -130,6 +130,8 @@ def main() -> None:
     engine = LLMEngine(
         EngineConfig(
             model=args.target,
+            dtype="float32",  # the target dequantised, as when the drafts were measured
+            quantization=None,
             max_model_len=2048,
             max_num_seqs=1,
             enable_prefix_caching=False,

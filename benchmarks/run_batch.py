@@ -38,7 +38,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "dtype": args.dtype,
         "max_num_seqs": args.max_num_seqs,
         "max_model_len": 2048,
-        "speculative_config": None if args.speculative == "auto" else {"method": "off"},
+        "speculative_config": {"method": args.speculative},
     }
 
 

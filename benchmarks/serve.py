@@ -63,6 +63,8 @@ def start_server(args: argparse.Namespace, speculative: str) -> tuple[subprocess
         "2048",
         "--log-level",
         "warning",
+        "--quantization",
+        args.quantization,
     ]
     if args.model:
         command += ["--model", args.model]
@@ -162,6 +164,12 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--max-num-seqs", type=int, default=32)
     parser.add_argument("--speculative", nargs="+", default=["off", "auto"])
+    parser.add_argument(
+        "--quantization",
+        choices=["auto", "gguf", "none"],
+        default="none",
+        help="the server's weights: none (float32), gguf (multiplied as stored) or auto",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--repeats", type=int, default=1, help="runs of every (setting, rate), interleaved"
@@ -178,6 +186,7 @@ def main() -> None:
         max_tokens=args.max_tokens,
         max_num_seqs=args.max_num_seqs,
         speculative=args.speculative,
+        quantization=args.quantization,
         repeats=args.repeats,
         dataset=args.dataset,
     )

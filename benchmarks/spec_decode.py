@@ -233,6 +233,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--contention-runs", type=int, default=4, help="runs after the spell")
     parser.add_argument("--clean-first", type=int, default=0, help="runs before the spell")
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument(
+        "--quantization",
+        choices=["none", "gguf"],
+        default="none",
+        help="gguf: the target's GGUF weights multiplied as stored; none: dequantised to --dtype",
+    )
     parser.add_argument("--json", default=None)
     parser.add_argument("--plot", default=None)
     return parser.parse_args()
@@ -321,6 +327,7 @@ def new_engine(args: argparse.Namespace, name: str) -> LLMEngine:
     config = EngineConfig(
         model=args.model,
         dtype=args.dtype,
+        quantization=None if args.quantization == "none" else args.quantization,
         max_model_len=2048,
         max_num_seqs=max(args.batch_sizes),
         enable_prefix_caching=False,
@@ -336,6 +343,7 @@ def conditions(
     return {
         "model": off.model_path.name,
         "dtype": args.dtype,
+        "quantization": args.quantization,
         "device": off.device,
         "k": args.k,
         "proposers": args.proposers,

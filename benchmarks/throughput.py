@@ -136,7 +136,12 @@ def main() -> None:
     parser.add_argument("--max-prompt-len", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--quantization", default=None, help="gguf: the GGUF weights as stored")
+    parser.add_argument(
+        "--quantization",
+        choices=["none", "gguf"],
+        default="none",
+        help="gguf: the GGUF weights multiplied as stored; none: dequantised to --dtype",
+    )
     parser.add_argument("--speculative", choices=["off", "auto"], default="off")
     parser.add_argument("--compare-hf", action="store_true")
     parser.add_argument("--profile", type=int, default=0, metavar="N", help="cProfile's top N")
@@ -147,13 +152,12 @@ def main() -> None:
     config: dict[str, Any] = {
         "model": args.model,
         "dtype": args.dtype,
-        "quantization": args.quantization,
+        "quantization": None if args.quantization == "none" else args.quantization,
         "max_model_len": 1024,
         "max_num_seqs": max(args.batch_sizes),
         "max_num_batched_tokens": 2048,
+        "speculative_config": {"method": args.speculative},  # auto: the default speculation
     }
-    if args.speculative == "off":  # auto: omitted, the default speculation
-        config["speculative_config"] = {"method": "off"}
     engine = LLMEngine(EngineConfig(**config))
     weights = engine.model.weight_bytes()
     kv_reserved = engine.num_kv_blocks * kv_bytes_per_block(

@@ -122,7 +122,7 @@ def engine_config(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
         num_threads=args.num_threads,
         kv_cache_gib=args.kv_cache_gib,
         num_kv_blocks=args.num_kv_blocks,
-        quantization=args.quantization,
+        quantization=None if args.quantization == "none" else args.quantization,
         speculative_config=speculative_config(args),
         tensor_parallel_size=args.tensor_parallel_size,
         structured_outputs_backend=args.structured_outputs_backend,
@@ -138,10 +138,11 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto", help="cpu, cuda or auto")
     parser.add_argument(
         "--quantization",
-        choices=["gguf"],
-        default=None,
-        help="gguf: multiply with a GGUF model's Q4_1/Q8_0 blocks as stored (CPU, float32; "
-        "fastest at batch 1)",
+        choices=["auto", "gguf", "none"],
+        default="auto",
+        help="gguf: multiply with a GGUF model's Q4_1/Q8_0 blocks as stored (CPU, float32 "
+        "activations); none: dequantise the weights to --dtype; auto: gguf where it is the "
+        "fastest exact mode (the CPU, --dtype auto, a file the kernel reads), else none",
     )
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
@@ -230,7 +231,8 @@ def _generate(args: argparse.Namespace) -> int:
             )
         print(
             f"[{generated} tokens in {elapsed:.2f} s, {generated / max(elapsed, 1e-9):.1f} tok/s"
-            f"{spec}; finish: {reason}; model loaded in {loaded - started:.1f} s]",
+            f"{spec}; finish: {reason}; weights: {engine.weight_mode}; model loaded in "
+            f"{loaded - started:.1f} s]",
             file=sys.stderr,
         )
     return 0

@@ -8,13 +8,17 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from importlib.util import find_spec
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from specbatch.errors import ConfigError
 from specbatch.spec_decode.config import SpeculativeConfig
 from specbatch.structured.manager import BACKENDS
+
+if TYPE_CHECKING:
+    from specbatch.models.weight_mode import WeightMode
 
 
 @dataclass(frozen=True)
@@ -31,8 +35,12 @@ class EngineConfig:
     ``max_num_batched_tokens`` is the per-step token budget (prefill chunks are cut to fit it).
     ``cpu_weight_packing`` re-lays float32 weights out for oneDNN on the CPU (much faster small
     matmuls; see ``specbatch.kernels.linear``).
-    ``quantization="gguf"`` keeps a GGUF model's Q4_1/Q8_0 matrices quantized and multiplies with
-    them as stored (CPU, float32: the file's exact values at a fraction of the bytes per token).
+    ``quantization`` says how a GGUF model's weights are held: ``"gguf"`` keeps its Q4_1/Q8_0
+    matrices quantized and multiplies with them as stored (CPU, float32 activations: the file's
+    exact values at a fraction of the bytes per token); None dequantises them to ``dtype``;
+    ``"auto"`` (the default) is ``"gguf"`` where that is the fastest exact mode (the CPU, a file
+    whose layer matrices the kernel reads, ``dtype="auto"``, one process, a vector path: see
+    :mod:`specbatch.models.weight_mode`) and None elsewhere.
     ``enforce_eager`` disables CUDA graphs (captured on CUDA for decode and verify steps).
     ``speculative_config`` chooses how speculative decoding drafts (see
     :class:`~specbatch.spec_decode.config.SpeculativeConfig`): None is ``"auto"`` (on, the
@@ -62,7 +70,7 @@ class EngineConfig:
     attention_backend: str | None = None
     num_threads: int | None = None
     cpu_weight_packing: bool = True
-    quantization: str | None = None
+    quantization: str | None = "auto"
     enforce_eager: bool = False
     speculative_config: SpeculativeConfig | Mapping[str, Any] | None = None
     tensor_parallel_size: int = 1
@@ -91,7 +99,7 @@ class EngineConfig:
         _positive("max_num_seqs", self.max_num_seqs)
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
         _positive("tensor_parallel_size", self.tensor_parallel_size, 64)
-        if self.tensor_parallel_size > 1 and self.quantization is not None:
+        if self.tensor_parallel_size > 1 and self.quantization == "gguf":
             raise ConfigError(
                 "quantization='gguf' runs in one process; use tensor_parallel_size=1 with it"
             )
@@ -125,11 +133,11 @@ class EngineConfig:
                     f"{', '.join(available_backends())}"
                 )
         if self.quantization is not None:
-            from specbatch.models.loader import QUANTIZATIONS
+            from specbatch.models.weight_mode import QUANTIZATION_SETTINGS
 
-            if self.quantization not in QUANTIZATIONS:
+            if self.quantization not in QUANTIZATION_SETTINGS:
                 raise ConfigError(
-                    f"quantization must be one of {', '.join(QUANTIZATIONS)} or None, "
+                    f"quantization must be one of {', '.join(QUANTIZATION_SETTINGS)} or None, "
                     f"got {self.quantization!r}"
                 )
         # A vLLM-style dict becomes a validated SpeculativeConfig (frozen: set it directly).
@@ -157,12 +165,18 @@ class EngineConfig:
         return device
 
     def resolved_dtype(self, device: torch.device) -> torch.dtype:
-        from specbatch.models.loader import parse_dtype
+        from specbatch.models.weight_mode import dtype_for
 
-        if self.dtype == "auto":
-            # bfloat16 matmuls are slower than float32 on CPUs without AMX; GPUs want bf16.
-            return torch.bfloat16 if device.type == "cuda" else torch.float32
-        return parse_dtype(self.dtype)
+        return dtype_for(self.dtype, device)
+
+    def weight_mode(self, path: Path, device: torch.device) -> WeightMode:
+        """How the target at ``path`` is loaded on ``device`` (``quantization="auto"``
+        resolved: see :mod:`specbatch.models.weight_mode`)."""
+        from specbatch.models.weight_mode import resolve_weight_mode
+
+        return resolve_weight_mode(
+            self.dtype, self.quantization, path, device, self.tensor_parallel_size
+        )
 
 
 def _fraction(name: str, value: object) -> None:

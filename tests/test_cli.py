@@ -138,3 +138,29 @@ def test_auto_recognises_the_default_model_by_its_content(
     assert models.speculation is not None
     assert models.speculation.method == "ngram"
     assert models.draft is None
+
+
+def test_the_quantization_flag_gives_the_engine_setting() -> None:
+    from specbatch.cli import engine_config
+
+    parser = build_parser()
+
+    def setting(*flags: str) -> str | None:
+        return engine_config(parser.parse_args(["generate", "x", *flags])).quantization
+
+    assert setting() == "auto"
+    assert setting("--quantization", "none") is None
+    assert setting("--quantization", "gguf") == "gguf"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["generate", "x", "--quantization", "int4"])
+
+
+def test_generate_names_the_weights_it_multiplied(capsys: pytest.CaptureFixture[str]) -> None:
+    from specbatch.kernels.gguf_linear import vector_isa
+
+    common = ["generate", "Hi", "--max-tokens", "2", "--speculative", "off", "--max-model-len"]
+    assert main([*common, "256"]) == 0
+    default = "gguf (float32 activations)" if vector_isa() in ("avx2", "avx512") else "float32"
+    assert f"weights: {default};" in capsys.readouterr().err
+    assert main([*common, "256", "--quantization", "none"]) == 0
+    assert "weights: float32;" in capsys.readouterr().err

@@ -74,6 +74,7 @@ class LLMEngine:
         if self._tp is not None:
             self._tp.wait_loaded()
         self.device, self.dtype = models.device, models.dtype
+        self.weight_mode = models.weight_mode  # quantization="auto" resolved
         self.model_path, self.model, self.tokenizer = (
             models.model_path,
             models.model,

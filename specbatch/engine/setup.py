@@ -19,6 +19,7 @@ from specbatch.engine.kv_sizing import (
 )
 from specbatch.models import load_model, resolve_model_path
 from specbatch.models.llama import LlamaForCausalLM
+from specbatch.models.weight_mode import WeightMode
 from specbatch.spec_decode.config import SpeculativeConfig
 from specbatch.spec_decode.factory import load_draft_model
 from specbatch.spec_decode.proposers.head import EagleHead, feature_bytes_per_block
@@ -37,7 +38,7 @@ class Models:
     """The loaded target (and draft), on their device, with the step limits they imply."""
 
     device: torch.device
-    dtype: torch.dtype
+    weight_mode: WeightMode
     model_path: Path
     model: LlamaForCausalLM
     tokenizer: Tokenizer
@@ -45,6 +46,10 @@ class Models:
     max_model_len: int
     num_speculative_tokens: int
     speculation: SpeculativeConfig | None  # "auto" resolved
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.weight_mode.dtype
 
 
 def load_models(config: EngineConfig) -> Models:
@@ -55,14 +60,15 @@ def load_models(config: EngineConfig) -> Models:
     elif world > 1:  # the ranks share the machine's cores
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     device = config.resolved_device()
-    dtype = config.resolved_dtype(device)
     path = resolve_model_path(config.model)
+    mode = config.weight_mode(path, device)
+    dtype = mode.dtype
     model = load_model(
         path,
         dtype,
         device,
         config.attention_backend,
-        config.quantization,
+        mode.quantization,
         shard=(0, world) if world > 1 else None,
     )
     if config.cpu_weight_packing and model.pack_for_cpu():
@@ -88,7 +94,7 @@ def load_models(config: EngineConfig) -> Models:
             draft.pack_for_cpu()
     return Models(
         device,
-        dtype,
+        mode,
         path,
         model,
         tokenizer,

@@ -539,6 +539,17 @@ static void scratch_tile(const Weights *w, const float *x, int64_t rows, int64_t
 
 #endif
 
+/* Which vector path this build took: 2 AVX-512, 1 AVX2 with FMA, 0 the plain C one. */
+int gguf_linear_isa(void) {
+#ifdef __AVX512F__
+    return 2;
+#elif defined(VECTOR_PATH)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 /*
  * out[M][N] = x[M][K] W^T for W of the given kind (0: Q4_1, 1: Q8_0) in the layout above, K a
  * multiple of 32, x and out contiguous float32. Work units are tiles of TILE_N outputs spread

@@ -137,6 +137,8 @@ def declare(library: ctypes.CDLL) -> None:
     """The C functions' signatures."""
     pointer, i64 = ctypes.c_void_p, ctypes.c_int64
     library.gguf_linear.restype = ctypes.c_int
+    library.gguf_linear_isa.restype = ctypes.c_int
+    library.gguf_linear_isa.argtypes = []
     library.gguf_linear.argtypes = [
         ctypes.c_int, pointer, i64, i64,  # kind, x, rows, K
         pointer, i64,  # weights, N
@@ -161,6 +163,16 @@ def load_library() -> ctypes.CDLL | None:
 def kernel_available() -> bool:
     """True when the C kernel is built (building it now if needed): no fallback."""
     return load_library() is not None
+
+
+VECTOR_ISAS = ("plain", "avx2", "avx512")  # by gguf_linear_isa()'s code
+
+
+def vector_isa() -> str | None:
+    """The instruction set the built kernel multiplies with: "avx512", "avx2" (with FMA) or
+    "plain" (C without vectors: slower than float32 oneDNN), or None where it cannot be built."""
+    library = load_library()
+    return None if library is None else VECTOR_ISAS[library.gguf_linear_isa()]
 
 
 def quantized_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:

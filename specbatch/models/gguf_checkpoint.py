@@ -213,6 +213,37 @@ def iter_gguf_tensors(
 QUANTIZED_KINDS = {"Q4_1": "q4_1", "Q8_0": "q8_0"}  # GGUF types the CPU kernel multiplies
 
 
+# fused products (q, k, v; gate, up): the kernel multiplies each with one type
+_FUSED_WITH = {"attn_k.weight": "attn_q.weight", "attn_v.weight": "attn_q.weight"}
+_FUSED_WITH["ffn_up.weight"] = "ffn_gate.weight"
+_LAYER_MATRICES = {name for name in _LAYER_NAMES if name.endswith("weight") and "norm" not in name}
+
+
+def first_unsupported_matrix(gguf_file: GGUFFile) -> str | None:
+    """Why the file's layer matrices cannot all be multiplied as stored, naming the first
+    tensor at fault (a type the kernel does not read, or one part of a fused product stored in
+    another type than the first part); None when every one can. Reads the tensor directory."""
+    kinds: dict[tuple[str, str], str] = {}
+    for info in gguf_file.tensors:
+        match = _LAYER_RE.fullmatch(info.name)
+        if match is None or match.group(2) not in _LAYER_MATRICES:
+            continue
+        if info.type_name not in QUANTIZED_KINDS:
+            return (
+                f"{info.name} is {info.type_name}, which the kernels do not multiply "
+                f"(they read {', '.join(QUANTIZED_KINDS)})"
+            )
+        kinds[match.group(1), match.group(2)] = info.type_name
+    for (layer, part), kind in kinds.items():
+        first = kinds.get((layer, _FUSED_WITH.get(part, part)), kind)
+        if first != kind:
+            return (
+                f"blk.{layer}.{part} is {kind} but blk.{layer}.{_FUSED_WITH[part]} is {first}, "
+                "and the kernels multiply a fused product in one type"
+            )
+    return None
+
+
 def iter_gguf_quantized(
     gguf_file: GGUFFile, config: ModelConfig
 ) -> Iterator[tuple[str, str, np.ndarray]]:

@@ -133,6 +133,9 @@ def test_each_instruction_set_gives_the_same_bits(kind: str, disabled: tuple[str
     other = load_c_library(gguf_linear.SOURCE, flags, "a reduced build", "test fails")
     assert other is not None
     gguf_linear.declare(other)
+    native = gguf_linear.vector_isa()
+    expected = "plain" if "-mno-avx2" in disabled or native == "plain" else "avx2"
+    assert gguf_linear.VECTOR_ISAS[other.gguf_linear_isa()] == expected  # the path it says
     weight, _ = make_weight(kind, 160, 33)
     x = torch.randn(30, 160, generator=torch.Generator().manual_seed(3))
     for m in (1, 2, 3, 4, 5, 6, 7, 30):
