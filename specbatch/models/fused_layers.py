@@ -59,11 +59,7 @@ class FusedLayers:
             and model.dtype == torch.float32
             and isinstance(model.backend, CpuPagedBackend)
             and model.config.head_dim <= cpu_ops.MAX_ROTARY_DIM
-            and all(
-                linear.quantized is not None
-                for layer in self._decoder_layers()
-                for linear in _linears(layer)
-            )
+            and model.multiplies_blocks()
         )
 
     @staticmethod

@@ -7,6 +7,7 @@ the HF shards into them.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, cast
 
@@ -301,6 +302,43 @@ class LlamaForCausalLM(nn.Module):
             self._packed_tied_head = pack_weight(self.model.embed_tokens.weight.detach())
         self._measure_row_padding()
         return True
+
+    def quantize_for_cpu(self) -> None:
+        """Hold every linear weight (and a tied embedding, which is also the LM head) as Q8_0
+        blocks multiplied by the GGUF kernel, as a file's Q8_0 matrices are: for a float32
+        model on the CPU (a draft under a target of GGUF blocks, see ``spec_decode.factory``).
+        Quantized with ggml's rounding (``gguf_linear.quantize_q8_0``), so deterministic."""
+        if self.device.type != "cpu" or self.dtype != torch.float32:
+            raise ValueError(
+                f"Q8_0 blocks hold a float32 model on the CPU, not {self.dtype} on {self.device}"
+            )
+        for module in self.modules():
+            if isinstance(module, Linear) and module.weight is not None:
+                module.use_quantized(QuantizedWeight.from_dense(module.weight))
+        if self.lm_head is None and self._quantized_tied_head is None:
+            weight = QuantizedWeight.from_dense(self.model.embed_tokens.weight)
+            self.model.embed_tokens = QuantizedEmbedding(weight)  # type: ignore[assignment]
+            self._quantized_tied_head, self._packed_tied_head = weight, None
+        self.fused.reconsider()
+
+    def quantized_digest(self) -> str:
+        """sha256 over every block-held weight's bytes, in module order (the tied head once)."""
+        digest = hashlib.sha256()
+        seen: set[int] = set()
+        for module in self.modules():
+            weight = getattr(module, "quantized", None)
+            if isinstance(weight, QuantizedWeight) and id(weight) not in seen:
+                seen.add(id(weight))
+                digest.update(weight.data.numpy().tobytes())
+        return digest.hexdigest()
+
+    def multiplies_blocks(self) -> bool:
+        """Whether every linear of every decoder layer multiplies GGUF blocks."""
+        return all(
+            module.quantized is not None
+            for module in self.model.layers.modules()
+            if isinstance(module, Linear)
+        )
 
     def _measure_row_padding(self) -> None:
         """Give every packed product the row padding measured on this model's own layers."""

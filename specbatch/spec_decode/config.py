@@ -21,7 +21,7 @@ DEFAULT_ADAPTIVE_NUM_SPECULATIVE_TOKENS = 8
 # Measured on the shipped draft (docs/distillation.md): 0.3-0.7 all beat 0 (always k) clearly.
 DEFAULT_DRAFT_CONFIDENCE = 0.5
 TREE_KINDS = ("siblings", "dynamic")
-DRAFT_DTYPES = ("auto", "float32", "bfloat16", "float16")
+DRAFT_DTYPES = ("auto", "float32", "bfloat16", "float16", "q8_0")
 
 
 @dataclass(frozen=True)
@@ -65,9 +65,12 @@ class SpeculativeConfig:
     (they cost no draft forward). ``draft_tree_kind``: ``"siblings"`` (those leaves, the
     default for a draft model) or ``"dynamic"`` (EAGLE-2's dynamic tree, grown a draft forward
     per level: the default for a draft head).
-    ``draft_dtype`` (draft models): the draft model's weights and activations. ``"auto"`` (the
-    default) is bfloat16 on a CPU with native bfloat16 arithmetic (AVX512-BF16 or AMX) under a
-    float32 target with packed weights, else the target's dtype: a draft forward streams its
+    ``draft_dtype`` (draft models): the draft model's weights and activations. ``"q8_0"``
+    quantizes its weights to Q8_0 blocks at load (float32 activations, the GGUF kernel; CPU
+    only). ``"auto"`` (the default) is ``"q8_0"`` under a target whose layers multiply GGUF
+    blocks (``quantization="gguf"``), bfloat16 on a CPU with native bfloat16 arithmetic
+    (AVX512-BF16 or AMX) under a float32 target with packed weights, else the target's
+    dtype: a draft forward streams its
     weights for a handful of rows, so half the bytes make it cheaper (and let a 2-layer draft's
     weights stay in a 32 MiB L3 across a chain's forwards); outputs do not depend on the
     draft's precision. A draft head always runs in the target's dtype.

@@ -24,6 +24,7 @@ from specbatch.spec_decode.proposers.hybrid import HybridProposer
 from specbatch.spec_decode.proposers.ngram import NgramProposer
 from specbatch.spec_decode.proposers.shipped import (
     HEAD_PREFERRED_BY_DEFAULT,
+    check_shipped_q8_0,
     default_draft_path,
     default_head_path,
     drafts_for,
@@ -91,10 +92,26 @@ def load_draft_model(
             f"speculative_config method 'eagle' needs a draft head directory ('specbatch "
             f"train-head' makes one); {path} is not one"
         )
-    draft_type = draft_dtype(spec.draft_dtype, dtype, device, packed)
+    quantize = quantized_draft(spec.draft_dtype, target)
+    if quantize and device.type != "cpu":
+        raise ConfigError(f"draft_dtype 'q8_0' runs on the CPU only, not on {device}")
+    draft_type = torch.float32 if quantize else draft_dtype(spec.draft_dtype, dtype, device, packed)
     draft = load_model(path, draft_type, device, attention_backend)
     check_draft_compatible(path, draft, target, target_tokenizer)
+    if quantize:
+        draft.quantize_for_cpu()
+        if spec.model is None:
+            check_shipped_q8_0(draft)
     return draft
+
+
+def quantized_draft(requested: str, target: LlamaForCausalLM) -> bool:
+    """Whether a draft model's weights become Q8_0 blocks: asked for (``"q8_0"``), or
+    ``"auto"`` under a target whose layers multiply GGUF blocks, whose step is a few
+    milliseconds: a float32 draft forward would cost half of one."""
+    if requested == "q8_0":
+        return True
+    return requested == "auto" and target.device.type == "cpu" and target.multiplies_blocks()
 
 
 def draft_dtype(
@@ -106,6 +123,8 @@ def draft_dtype(
     bytes it streams; bfloat16 halves them (measured: ``docs/notes.md``, session 38). Without
     native bfloat16 instructions oneDNN converts and the saving is not sure, so the target's
     dtype stays."""
+    if requested == "q8_0":  # blocks multiplied with float32 activations
+        return torch.float32
     if requested != "auto":
         return parse_dtype(requested)
     if (

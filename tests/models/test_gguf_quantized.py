@@ -114,30 +114,43 @@ def test_bad_quantization_settings_are_refused(tiny_model_dir: Path, default_ggu
 @pytest.mark.parametrize(
     "speculation",
     [
-        {"method": "ngram", "num_speculative_tokens": 4},
+        {"method": "ngram", "num_speculative_tokens": 3},
         {"method": "draft_model", "num_speculative_tokens": 3},
+        {"method": "auto"},
     ],
-    ids=["ngram", "draft"],
+    ids=["ngram", "draft", "default"],
 )
 def test_speculation_on_the_quantized_path_is_lossless(
     default_gguf: Path, speculation: dict[str, Any]
 ) -> None:
     """Verify steps multiply k + 1 rows where decoding multiplies one: the kernel's row bits
-    must not depend on that (batch 1 and a batch of 6)."""
+    must not depend on that (batch 1 and a batch of 6), greedy and seeded. The draft model is
+    the shipped one as Q8_0 blocks (``draft_dtype="auto"`` under this target)."""
     from tests.prompts import CHAT
 
     messages = [[{"role": "user", "content": text}] for text in CHAT[:6]]
-    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    seeded = SamplingParams(temperature=0.8, top_p=0.95, seed=3, max_tokens=24, ignore_eos=True)
     common = {"quantization": "gguf", "max_model_len": 1024, "kv_cache_gib": 0.25}
     plain = LLM(model=str(default_gguf), speculative_config={"method": "off"}, **common)
-    expected = [o.outputs[0].token_ids for o in plain.chat(messages, params, use_tqdm=False)]
+    expected = {
+        name: [o.outputs[0].token_ids for o in plain.chat(messages, params, use_tqdm=False)]
+        for name, params in (("greedy", greedy), ("seeded", seeded))
+    }
     del plain
     spec = LLM(model=str(default_gguf), speculative_config=speculation, **common)
-    outputs = spec.chat(messages, params, use_tqdm=False)
-    alone = [spec.chat([m], params, use_tqdm=False)[0].outputs[0].token_ids for m in messages[:2]]
-    assert [o.outputs[0].token_ids for o in outputs] == expected
-    assert alone == expected[:2]
+    draft = spec.llm_engine.draft_model
+    if speculation["method"] != "ngram":
+        assert isinstance(draft, LlamaForCausalLM)
+        assert draft.multiplies_blocks()
+        assert draft.fused.applies()
+    outputs = spec.chat(messages, greedy, use_tqdm=False)
+    alone = [spec.chat([m], greedy, use_tqdm=False)[0].outputs[0].token_ids for m in messages[:2]]
+    assert [o.outputs[0].token_ids for o in outputs] == expected["greedy"]
+    assert alone == expected["greedy"][:2]
     assert sum(o.metrics.num_accepted_tokens for o in outputs) > 0  # it did speculate
+    sampled = spec.chat(messages, seeded, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in sampled] == expected["seeded"]
 
 
 def test_quantized_rows_do_not_depend_on_the_batch(
@@ -196,15 +209,29 @@ def test_fused_layers_with_biases_match_the_plain_load(tmp_path: Path) -> None:
     assert torch.equal(PagedHarness(quantized).forward([(0, prompt)])[0], fused)
 
 
-def test_quantized_engine_survives_chunking_preemption_and_prefix_hits(default_gguf: Path) -> None:
+@pytest.mark.parametrize(
+    "speculation",
+    [{"method": "ngram", "num_speculative_tokens": 3}, {"method": "auto"}],
+    ids=["ngram", "default"],
+)
+def test_quantized_engine_survives_chunking_preemption_and_prefix_hits(
+    default_gguf: Path, speculation: dict[str, Any]
+) -> None:
     """The fused layers under the engine's hard cases: prompts cut into chunks of at most 48
     tokens, a cache too small for every sequence at once (preemption and recompute), prefix-cache
-    hits on a second pass, speculation on; the text is that of a roomy engine."""
+    hits on a second pass, speculation on (prompt lookup; the default: lookup and the Q8_0
+    draft); the text is that of a roomy engine without speculation."""
     from tests.prompts import CHAT
 
     messages = [[{"role": "user", "content": text * 3}] for text in CHAT[:6]]
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
-    roomy = LLM(model=str(default_gguf), quantization="gguf", max_model_len=256, kv_cache_gib=0.25)
+    roomy = LLM(
+        model=str(default_gguf),
+        quantization="gguf",
+        max_model_len=256,
+        kv_cache_gib=0.25,
+        speculative_config={"method": "off"},
+    )
     expected = [o.outputs[0].token_ids for o in roomy.chat(messages, params, use_tqdm=False)]
     del roomy
     tight = LLM(
@@ -213,7 +240,7 @@ def test_quantized_engine_survives_chunking_preemption_and_prefix_hits(default_g
         max_model_len=256,
         num_kv_blocks=24,
         max_num_batched_tokens=48,
-        speculative_config={"method": "ngram", "num_speculative_tokens": 3},
+        speculative_config=speculation,
     )
     first = tight.chat(messages, params, use_tqdm=False)
     again = tight.chat(messages, params, use_tqdm=False)

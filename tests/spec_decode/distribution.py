@@ -45,10 +45,14 @@ PARAMS = {
 
 
 def exact_distribution(
-    target: Path, params: SamplingParams, prompt: list[int] = PROMPT
+    target: Path,
+    params: SamplingParams,
+    prompt: list[int] = PROMPT,
+    quantization: str | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """P(t1, t2) as [V, V] and P(t3) as [V], from the target with the same processing."""
-    model = load_model(target)
+    """P(t1, t2) as [V, V] and P(t3) as [V], from the target (loaded with ``quantization``)
+    with the same processing."""
+    model = load_model(target, quantization=quantization)
 
     def probs(histories: list[list[int]]) -> torch.Tensor:
         blocks = len(histories) * (len(prompt) // 16 + 2) + 8
@@ -74,9 +78,12 @@ def sample_engine(
     prompt: list[int] = PROMPT,
     proposer: Proposer | None = None,
     hook: Callable[[LLMEngine], None] | None = None,
+    **config: Any,
 ) -> np.ndarray:
+    """Each of N requests' first three tokens; ``config``: more EngineConfig fields."""
     engine = LLMEngine(
         EngineConfig(
+            **config,
             model=str(target),
             num_kv_blocks=1400,
             block_size=16,

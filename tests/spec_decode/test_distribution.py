@@ -66,3 +66,46 @@ def test_plain_sampling_matches_target(models: tuple[Path, Path]) -> None:
     target, _ = models
     joint12, marginal3 = exact_distribution(target, PARAMS["penalties"])
     assert_matches(sample_engine(target, None, PARAMS["penalties"]), joint12, marginal3)
+
+
+def test_a_gguf_target_with_a_q8_0_draft_samples_the_targets_distribution(
+    models: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """The target's Q4_1/Q8_0 blocks multiplied as stored, the draft model's weights made Q8_0
+    blocks (what ``draft_dtype="auto"`` gives under such a target): distributed as that
+    target alone."""
+    import json
+
+    import gguf
+    from safetensors.torch import load_file
+
+    from tests.gguf_writer import write_gguf
+
+    target, draft = models
+    config = json.loads((target / "config.json").read_text())
+    state = load_file(str(target / "model.safetensors"))
+    qtypes = {
+        name: gguf.GGMLQuantizationType.Q8_0
+        if "embed" in name or "lm_head" in name
+        else gguf.GGMLQuantizationType.Q4_1
+        for name, tensor in state.items()
+        if tensor.dim() == 2
+    }
+    write_gguf(tmp_path / "target.gguf", config, state, qtypes=qtypes)
+    spec = {
+        "method": "draft_model",
+        "model": str(draft),
+        "num_speculative_tokens": 2,
+        "draft_dtype": "q8_0",
+    }
+    joint12, marginal3 = exact_distribution(
+        tmp_path / "target.gguf", PARAMS["plain"], quantization="gguf"
+    )
+    sampled = sample_engine(
+        tmp_path / "target.gguf",
+        spec,
+        PARAMS["plain"],
+        tokenizer=str(target),
+        quantization="gguf",
+    )
+    assert_matches(sampled, joint12, marginal3)

@@ -42,14 +42,14 @@ def prompts() -> list[list[int]]:
 
 
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "q8_0"])
 def test_outputs_do_not_depend_on_the_draft_dtype(
     tiny_model_dir: Path, prompts: list[list[int]], dtype: str, sampled: bool
 ) -> None:
-    """A float32 target with a draft model in either dtype (verify rows priced free, so the
+    """A float32 target with a draft model in each form (verify rows priced free, so the
     controller drafts wherever a draft may be accepted) generates what speculation off does,
     with preemption and chunked prefill in the batch. The draft is the target's own weights,
-    so that many drafts are accepted (in bfloat16 not all: its rounding differs)."""
+    so that many drafts are accepted (in bfloat16 or Q8_0 not all: their rounding differs)."""
     off = LLMEngine(
         EngineConfig(model=str(tiny_model_dir), speculative_config={"method": "off"}, **TIGHT)
     )
@@ -62,7 +62,9 @@ def test_outputs_do_not_depend_on_the_draft_dtype(
     engine = LLMEngine(
         EngineConfig(model=str(tiny_model_dir), dtype="float32", speculative_config=spec, **TIGHT)
     )
-    assert network_proposer(engine).net.model.dtype == getattr(torch, dtype)  # type: ignore[attr-defined]
+    draft = network_proposer(engine).net.model  # type: ignore[attr-defined]
+    assert draft.dtype == getattr(torch, dtype, torch.float32)
+    assert draft.multiplies_blocks() == (dtype == "q8_0")
     controller = engine.speculator.controller
     assert controller is not None
     controller.times.fit = lambda tokens, seqs: StepCost(0.01, 0.0, 0.0, 0.0)  # type: ignore[method-assign]

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from specbatch.errors import ConfigError, ModelLoadError
 from specbatch.models.config import ModelConfig
+from specbatch.models.llama import LlamaForCausalLM
 from specbatch.tokenizer import Tokenizer
 
 DRAFT_DIR = Path(__file__).resolve().parents[2] / "assets" / "smollm2-135m-draft"
@@ -20,6 +21,9 @@ DRAFT_DIR = Path(__file__).resolve().parents[2] / "assets" / "smollm2-135m-draft
 # hybrid beats n-gram alone at batch 1 on the CPU; the draft alone is slower on some categories.
 PREFERRED_BY_DEFAULT = True
 DRAFT_SHA256 = "a76042d7f311b87bcd6f0060d624f235183848e7317708e6e24265f4e1632f10"
+# Its Q8_0 copy (made at load under a target of GGUF blocks: LlamaForCausalLM.quantize_for_cpu),
+# by LlamaForCausalLM.quantized_digest: the blocks a quantized draft multiplies are these.
+DRAFT_Q8_0_SHA256 = "ab675216951074c7cab2470a163ca106f89e3d10d59fe6991414a7b507aca5ee"
 # The shipped draft head (``specbatch train-head``, docs/distillation.md): what
 # ``{"method": "eagle"}`` drafts with by default, and whether the hybrid (``auto``) drafts
 # with it instead of the draft model beside prompt lookup.
@@ -82,6 +86,16 @@ def shipped_head_available() -> bool:
 def default_head_path() -> Path:
     """The verified shipped draft head directory."""
     return _verified(HEAD_DIR, HEAD_SHA256, "draft head", "another method")
+
+
+def check_shipped_q8_0(draft: LlamaForCausalLM) -> None:
+    """Refuse a Q8_0 copy of the shipped draft whose blocks are not the known ones."""
+    digest = draft.quantized_digest()
+    if digest != DRAFT_Q8_0_SHA256:
+        raise ModelLoadError(
+            f"the Q8_0 copy of the shipped draft model has sha256 {digest}, not "
+            f"{DRAFT_Q8_0_SHA256}: its quantisation changed; use draft_dtype 'float32'"
+        )
 
 
 def _verified(directory: Path, sha256: str, what: str, instead: str) -> Path:
