@@ -84,7 +84,8 @@ def tuning_value(key: str, text: str) -> Any:
 def proposer_config(spec: str, args: argparse.Namespace) -> dict[str, Any] | None:
     """``name[:key=value,...]`` (name default, ngram, draft, eagle or hybrid; keys k, min, max,
     conf, adaptive, tree: lookup trees, dtree: draft siblings, model: a draft model or head
-    path, ddtype: the draft model's dtype (``float32``, ``bfloat16``; default ``auto``), nodes
+    path, ddtype: the draft model's weights (``float32``, ``bfloat16``, ``q8_0``; default
+    ``auto``), nodes
     and depth: a fixed draft tree of that many nodes, that deep, without the controller:
     ``eagle:nodes=16,depth=5``, dkind: ``siblings`` or ``dynamic`` trees) as a
     speculative_config, the command-line defaults filling what the spec leaves out;
@@ -188,8 +189,9 @@ def parse_args() -> argparse.Namespace:
         "'hybrid:min=2,conf=0.3' "
         "(k, min and max n-gram length, conf: draft confidence threshold, adaptive=1: "
         "adaptive_k, tree=1: lookup trees, dtree=1: draft siblings, model=PATH: a draft model "
-        "or head, ddtype=float32|bfloat16: the draft model's dtype, or any SpeculationTuning "
-        "field: 'default:hurdle=0'); 'default:tree=1,dtree=1' is auto with both",
+        "or head, ddtype=float32|bfloat16|q8_0: the draft model's weights, or any "
+        "SpeculationTuning field: 'default:hurdle=0'); 'default:tree=1,dtree=1' is auto with "
+        "both",
     )
     parser.add_argument("--draft-model", default=None)
     parser.add_argument("-k", type=int, default=4)

@@ -47,11 +47,12 @@
 #define DIRECT_ROWS 6      /* Q4_1 up to this many rows (one register block): no scratch */
 #define DIRECT_ROWS_Q8 2   /* Q8_0 likewise (its 3 to 6-row blocks are slower than a tile) */
 #define TILE_M 6           /* at most this many rows per register block over a scratch tile */
-/* AVX2 (16 registers), Q4_1 in registers up to 4 rows: at 3 and 4 rows 1.24-1.78x oneDNN
- * float32 streamed where a scratch tile gave 1.06-1.51x (13 of 16 cells ahead; AMD EPYC, 2
- * cores, 2026-12-05); Q8_0 (the LM head) up to 2 rows, as with AVX-512 */
-#define DIRECT_ROWS_AVX2 4
-#define DIRECT_ROWS_Q8_AVX2 2
+/* AVX2 (16 registers), both kinds in registers up to 6 rows (a panel streamed once, group by
+ * group): SmolLM2's 120 Q4_1 products at 5 / 6 rows 17.3 / 19.3 ms against a scratch tile's
+ * 24.4 / 27.0, its Q8_0 LM head 2.7 / 3.5 ms against 5.1 / 5.8; at 7 rows a tile's 29 ms
+ * equals two register passes (AMD EPYC, 2 cores, 2026-12-05, alternated runs) */
+#define DIRECT_ROWS_AVX2 6
+#define DIRECT_ROWS_Q8_AVX2 6
 #define CHUNK_K 768        /* at most this many weights of a row per chunk over a tile */
 #define PREFETCH_GROUPS 12 /* prefetch distance: the streamed weights arrive in time */
 
@@ -388,42 +389,63 @@ static void scratch_tile(const Weights *w, const float *x, int64_t rows, int64_t
 #elif defined(__AVX2__) && defined(__FMA__)
 
 /*
- * The MR rows of x times outputs n0 .. n0 + NR - 1 (inside one panel; MR * NR <= 4, eight
- * accumulator registers), the weights dequantised in registers block by block and used for all
- * MR rows. Padding outputs (n >= N) are computed and not stored.
+ * The MR rows of x times outputs n0 + i0 .. n0 + i0 + NR - 1 (inside one panel; MR * NR <= 4,
+ * eight accumulator registers) over the blocks of group g: the accumulators come from and go
+ * back to `acc` (a float stored and loaded back is the same float), the weights dequantised in
+ * registers block by block and used for all MR rows.
  */
-static inline __attribute__((always_inline)) void direct_micro(const Weights *w, int kind,
+static inline __attribute__((always_inline)) void direct_group(const Weights *w, int kind,
                                                                const float *x, int MR, int NR,
-                                                               int64_t n0, float *out) {
-    const uint8_t *first = record_of(w, n0, 0);
-    const int64_t group_stride = PANEL * w->record;
-    Lanes16 acc[4][4];
+                                                               int64_t n0, int i0, int64_t g,
+                                                               Lanes16 acc[][PANEL]) {
+    const uint8_t *records = record_of(w, n0 + i0, g);
+    const int64_t b1 = (g + 1) * GROUP < w->blocks ? (g + 1) * GROUP : w->blocks;
+    Lanes16 a[6][4];
     for (int r = 0; r < MR; r++)
-        for (int i = 0; i < NR; i++) acc[r][i].a = acc[r][i].b = _mm256_setzero_ps();
-    for (int64_t b = 0; b < w->blocks; b++) {
-        const uint8_t *records = first + b / GROUP * group_stride;
-        if (b % GROUP == 0) prefetch(records + PREFETCH_GROUPS * group_stride, NR * w->record);
+        for (int i = 0; i < NR; i++) a[r][i] = acc[r][i0 + i];
+    for (int64_t b = g * GROUP; b < b1; b++) {
         for (int i = 0; i < NR; i++) {
             Lanes16 lo, hi;
             block_planes(kind, records + i * w->record, (int)(b % GROUP), &lo, &hi);
             for (int r = 0; r < MR; r++)
-                acc[r][i] = fma_block(x + r * w->k + b * BLOCK, lo, hi, acc[r][i]);
+                a[r][i] = fma_block(x + r * w->k + b * BLOCK, lo, hi, a[r][i]);
         }
     }
-    for (int i = 0; i < NR && n0 + i < w->n; i++)
+    for (int r = 0; r < MR; r++)
+        for (int i = 0; i < NR; i++) acc[r][i0 + i] = a[r][i];
+}
+
+/*
+ * The MR rows of x times the panel of outputs n0 .. n0 + 7, group by group: each group's
+ * records (contiguous) are read once, in register blocks of NR outputs, so the panel streams
+ * through once whatever NR is. Padding outputs (n >= N) are computed and not stored.
+ */
+static inline __attribute__((always_inline)) void direct_micro(const Weights *w, int kind,
+                                                               const float *x, int MR, int NR,
+                                                               int64_t n0, float *out) {
+    Lanes16 acc[6][PANEL];
+    for (int r = 0; r < MR; r++)
+        for (int i = 0; i < PANEL; i++) acc[r][i].a = acc[r][i].b = _mm256_setzero_ps();
+    const int64_t group_stride = PANEL * w->record;
+    for (int64_t g = 0; g < w->groups; g++) {
+        prefetch(record_of(w, n0, g) + PREFETCH_GROUPS * group_stride, group_stride);
+        for (int i0 = 0; i0 < PANEL; i0 += NR) direct_group(w, kind, x, MR, NR, n0, i0, g, acc);
+    }
+    for (int i = 0; i < PANEL && n0 + i < w->n; i++)
         for (int r = 0; r < MR; r++) out[r * w->n + n0 + i] = reduce16(acc[r][i]);
 }
 
 /* All the rows (at most DIRECT_ROWS_AVX2) times outputs [n0, n1) (whole panels, or up to N). */
 static void direct_tile(const Weights *w, const float *x, int64_t rows, int64_t n0, int64_t n1,
                         float *out) {
-    const int per = rows == 1 ? 4 : rows == 2 ? 2 : 1; /* outputs per register block */
-    for (int64_t n = n0; n < n1; n += per) {
+    for (int64_t n = n0; n < n1; n += PANEL) {
         switch (rows) { /* constant counts, so that the accumulators stay in registers */
         case 1: KIND_DISPATCH(direct_micro, x, 1, 4, n, out); break;
         case 2: KIND_DISPATCH(direct_micro, x, 2, 2, n, out); break;
         case 3: KIND_DISPATCH(direct_micro, x, 3, 1, n, out); break;
         case 4: KIND_DISPATCH(direct_micro, x, 4, 1, n, out); break;
+        case 5: KIND_DISPATCH(direct_micro, x, 5, 1, n, out); break;
+        case 6: KIND_DISPATCH(direct_micro, x, 6, 1, n, out); break;
         }
     }
 }
