@@ -135,7 +135,7 @@ def prompt_sets(args: argparse.Namespace, engine: LLMEngine) -> dict[str, list[l
     ]
     short = sorted((ids for ids in chats if len(ids) <= 64), key=len)
     long = [ids for ids in chats if 450 <= len(ids) <= 800][: args.long_prompts]
-    count = max(args.batch_sizes)
+    count = max(*args.batch_sizes, 8)  # batch 1 runs eight prompts one after the other
     return {
         "short": (short * (count // max(len(short), 1) + 1))[:count],
         "long": long,
