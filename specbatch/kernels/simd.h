@@ -14,6 +14,9 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#if defined(__AVX__) && !defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 typedef float v16f __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));
@@ -21,8 +24,17 @@ typedef uint16_t v16h __attribute__((vector_size(32)));
 typedef uint32_t v16u __attribute__((vector_size(64)));
 
 static inline v16f splat16(float value) {
+#if defined(__AVX__) && !defined(__AVX512F__)
+    /* two 8-lane broadcasts: GCC builds a 16-lane initializer lane by lane through memory */
+    const __m256 half = _mm256_set1_ps(value);
+    v16f out;
+    memcpy(&out, &half, sizeof half);
+    memcpy((char *)&out + sizeof half, &half, sizeof half);
+    return out;
+#else
     return (v16f){value, value, value, value, value, value, value, value,
                   value, value, value, value, value, value, value, value};
+#endif
 }
 
 /* A bitwise blend: GCC's C (unlike its C++) has no ?: on vectors. */

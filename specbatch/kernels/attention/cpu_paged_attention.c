@@ -238,7 +238,8 @@ static inline __attribute__((always_inline)) void attend_row16(
         const float weight = row[j];
         if (weight == 0.0f) continue;
         const v16f *value = values + j * per_row + kv_vec;
-        for (int64_t c = 0; c < per_head; c++) acc[c] += weight * value[c];
+        const v16f weights = splat16(weight);
+        for (int64_t c = 0; c < per_head; c++) acc[c] += weights * value[c];
     }
     memcpy(part.acc + r * per_head * 16, acc, (size_t)per_head * sizeof(v16f));
 }
