@@ -25,8 +25,9 @@
  * bits never depend on the rows it is multiplied with (speculative decoding's verify step and
  * its decode step agree). The paths differ only in where the dequantised weights live: in
  * registers, block by block, for a few rows (decode and verify sizes), or in a per-thread
- * float32 tile reused over all the rows (larger batches). The AVX2 path holds the 16 lanes in
- * two 8-lane registers, and the plain C path (neither) performs the same operations one output
+ * float32 tile reused over all the rows (larger batches; with AVX2 every row count stays in
+ * registers, blocks of 6 rows per panel). The AVX2 path holds the 16 lanes in two 8-lane
+ * registers, and the plain C path (neither) performs the same operations one output
  * at a time: both in the same order, with the same bits. Built with
  * -ffp-contract=off, so that every fused multiply-add is one written as such.
  *
@@ -50,12 +51,13 @@
 #define DIRECT_ROWS 6      /* Q4_1 up to this many rows (one register block): no scratch */
 #define DIRECT_ROWS_Q8 2   /* Q8_0 likewise (its 3 to 6-row blocks are slower than a tile) */
 #define TILE_M 6           /* at most this many rows per register block over a scratch tile */
-/* AVX2 (16 registers), both kinds in registers up to 6 rows (a panel streamed once, group by
- * group): SmolLM2's 120 Q4_1 products at 5 / 6 rows 17.3 / 19.3 ms against a scratch tile's
- * 24.4 / 27.0, its Q8_0 LM head 2.7 / 3.5 ms against 5.1 / 5.8; at 7 rows a tile's 29 ms
- * equals two register passes (AMD EPYC, 2 cores, 2026-12-05, alternated runs) */
+/* AVX2 (16 registers): every row count in registers, blocks of up to 6 rows per panel (a
+ * panel streamed once, group by group), no scratch tile. Against a scratch tile from 3 rows
+ * (Q4_1) or 7 (Q8_0): SmolLM2's 120 Q4_1 products at 5 / 6 rows 17.3 / 19.3 ms against 24.4 /
+ * 27.0, its LM head 2.7 / 3.5 against 5.1 / 5.8; against a tile from 7 rows, all products and
+ * the head at 16 / 64 / 256 rows 47-50 / 190-201 / 826-903 ms against 63-94 / 223-242 /
+ * 968-1069 (AMD EPYC, 2 cores, 2026-12-05, alternated runs) */
 #define DIRECT_ROWS_AVX2 6
-#define DIRECT_ROWS_Q8_AVX2 6
 #define CHUNK_K 768        /* at most this many weights of a row per chunk over a tile */
 #define PREFETCH_GROUPS 12 /* prefetch distance: the streamed weights arrive in time */
 
@@ -149,8 +151,6 @@ static inline void store_planes(float *out, __m512 lo, __m512 hi) {
     _mm512_storeu_ps(out + LANES, hi);
 }
 
-typedef __m512 Plane;
-
 #elif defined(__AVX2__) && defined(__FMA__)
 
 /*
@@ -219,19 +219,10 @@ static inline __attribute__((always_inline)) Lanes16 fma_block(const float *x, L
     return acc;
 }
 
-/* A block's two planes stored as its 32 floats. */
-static inline void store_planes(float *out, Lanes16 lo, Lanes16 hi) {
-    _mm256_storeu_ps(out, lo.a);
-    _mm256_storeu_ps(out + 8, lo.b);
-    _mm256_storeu_ps(out + 16, hi.a);
-    _mm256_storeu_ps(out + 24, hi.b);
-}
-
-typedef Lanes16 Plane;
 
 #endif
 
-#ifdef VECTOR_PATH
+#ifdef __AVX512F__
 
 /* Outputs n0 .. n1 - 1 (whole panels, or up to N) dequantised into tile ([n1 - n0][K]),
  * reading the panels in order. */
@@ -243,7 +234,7 @@ static void dequantize_tile(const Weights *w, int64_t n0, int64_t n1, float *til
             prefetch(record + PREFETCH_GROUPS * PANEL * w->record, w->record);
             float *out = tile + (n - n0) * w->k + g * GROUP * BLOCK;
             for (int s = 0; s < blocks; s++) {
-                Plane lo, hi;
+                __m512 lo, hi;
                 if (w->kind == Q4_1) block_planes(Q4_1, record, s, &lo, &hi);
                 else block_planes(Q8_0, record, s, &lo, &hi);
                 store_planes(out + s * BLOCK, lo, hi);
@@ -436,84 +427,23 @@ static inline __attribute__((always_inline)) void direct_micro(const Weights *w,
         for (int r = 0; r < MR; r++) out[r * w->n + n0 + i] = reduce16(acc[r][i]);
 }
 
-/* All the rows (at most DIRECT_ROWS_AVX2) times outputs [n0, n1) (whole panels, or up to N). */
+/* All the rows times outputs [n0, n1) (whole panels, or up to N): per panel, blocks of up to
+ * DIRECT_ROWS_AVX2 rows in turn, the panel's records staying in L1 between them. */
 static void direct_tile(const Weights *w, const float *x, int64_t rows, int64_t n0, int64_t n1,
                         float *out) {
     for (int64_t n = n0; n < n1; n += PANEL) {
-        switch (rows) { /* constant counts, so that the accumulators stay in registers */
-        case 1: KIND_DISPATCH(direct_micro, x, 1, 4, n, out); break;
-        case 2: KIND_DISPATCH(direct_micro, x, 2, 2, n, out); break;
-        case 3: KIND_DISPATCH(direct_micro, x, 3, 1, n, out); break;
-        case 4: KIND_DISPATCH(direct_micro, x, 4, 1, n, out); break;
-        case 5: KIND_DISPATCH(direct_micro, x, 5, 1, n, out); break;
-        case 6: KIND_DISPATCH(direct_micro, x, 6, 1, n, out); break;
-        }
-    }
-}
-
-/*
- * Rows m0 .. m0 + MR - 1 (MR <= 2) times the tile's rows i0, i0 + 1 (clamped to nt, those not
- * stored) over k in [k0, k1). Between chunks the accumulators wait in `partial`; the last
- * chunk reduces them into out.
- */
-static inline __attribute__((always_inline)) void tile_micro(const float *tile, int64_t nt,
-                                                             int64_t k, const float *x,
-                                                             int64_t m0, int MR, int64_t i0,
-                                                             int64_t k0, int64_t k1,
-                                                             float *partial, float *out,
-                                                             int64_t ldo) {
-    const float *wrow[2];
-    for (int i = 0; i < 2; i++) wrow[i] = tile + (i0 + i < nt ? i0 + i : nt - 1) * k;
-    Lanes16 acc[2][2];
-    for (int r = 0; r < MR; r++)
-        for (int i = 0; i < 2; i++) {
-            const float *saved = partial + ((m0 + r) * 2 + i) * LANES;
-            acc[r][i].a = k0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(saved);
-            acc[r][i].b = k0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(saved + 8);
-        }
-    for (int64_t p = k0; p < k1; p += LANES) {
-        Lanes16 wv[2];
-        for (int i = 0; i < 2; i++) {
-            wv[i].a = _mm256_loadu_ps(wrow[i] + p);
-            wv[i].b = _mm256_loadu_ps(wrow[i] + p + 8);
-        }
-        for (int r = 0; r < MR; r++) {
-            const float *row = x + (m0 + r) * k + p;
-            const __m256 xa = _mm256_loadu_ps(row), xb = _mm256_loadu_ps(row + 8);
-            for (int i = 0; i < 2; i++) {
-                acc[r][i].a = _mm256_fmadd_ps(xa, wv[i].a, acc[r][i].a);
-                acc[r][i].b = _mm256_fmadd_ps(xb, wv[i].b, acc[r][i].b);
+        for (int64_t m = 0; m < rows; m += DIRECT_ROWS_AVX2) {
+            const float *xm = x + m * w->k;
+            float *om = out + m * w->n;
+            switch (rows - m < DIRECT_ROWS_AVX2 ? rows - m : DIRECT_ROWS_AVX2) {
+            /* constant counts, so that the accumulators stay in registers */
+            case 1: KIND_DISPATCH(direct_micro, xm, 1, 4, n, om); break;
+            case 2: KIND_DISPATCH(direct_micro, xm, 2, 2, n, om); break;
+            case 3: KIND_DISPATCH(direct_micro, xm, 3, 1, n, om); break;
+            case 4: KIND_DISPATCH(direct_micro, xm, 4, 1, n, om); break;
+            case 5: KIND_DISPATCH(direct_micro, xm, 5, 1, n, om); break;
+            case 6: KIND_DISPATCH(direct_micro, xm, 6, 1, n, om); break;
             }
-        }
-    }
-    if (k1 < k) {
-        for (int r = 0; r < MR; r++)
-            for (int i = 0; i < 2; i++) {
-                float *saved = partial + ((m0 + r) * 2 + i) * LANES;
-                _mm256_storeu_ps(saved, acc[r][i].a);
-                _mm256_storeu_ps(saved + 8, acc[r][i].b);
-            }
-        return;
-    }
-    for (int r = 0; r < MR; r++)
-        for (int i = 0; i < 2 && i0 + i < nt; i++) out[(m0 + r) * ldo + i0 + i] = reduce16(acc[r][i]);
-}
-
-/* Outputs [n0, n1) for all rows: the tile dequantised once, then for each two outputs, chunk by
- * chunk of K, blocks of two rows (one at the end of an odd count). */
-static void scratch_tile(const Weights *w, const float *x, int64_t rows, int64_t n0, int64_t n1,
-                         float *tile, float *partial, float *out) {
-    const int64_t nt = n1 - n0, k = w->k;
-    const int64_t chunks = (k + CHUNK_K - 1) / CHUNK_K;
-    const int64_t chunk = ((k + chunks - 1) / chunks + LANES - 1) / LANES * LANES;
-    dequantize_tile(w, n0, n1, tile);
-    float *o = out + n0;
-    for (int64_t i = 0; i < nt; i += 2) {
-        for (int64_t k0 = 0; k0 < k; k0 += chunk) {
-            const int64_t k1 = k0 + chunk < k ? k0 + chunk : k;
-            int64_t m = 0;
-            for (; m + 2 <= rows; m += 2) tile_micro(tile, nt, k, x, m, 2, i, k0, k1, partial, o, w->n);
-            if (m < rows) tile_micro(tile, nt, k, x, m, 1, i, k0, k1, partial, o, w->n);
         }
     }
 }
@@ -587,7 +517,7 @@ int gguf_linear(int kind, const float *x, int64_t rows, int64_t k, const void *d
 #ifdef __AVX512F__
     const int direct = rows <= (kind == Q4_1 ? DIRECT_ROWS : DIRECT_ROWS_Q8);
 #elif defined(__AVX2__) && defined(__FMA__)
-    const int direct = rows <= (kind == Q4_1 ? DIRECT_ROWS_AVX2 : DIRECT_ROWS_Q8_AVX2);
+    const int direct = 1;
 #else
     const int direct = 0;
 #endif
@@ -609,7 +539,9 @@ int gguf_linear(int kind, const float *x, int64_t rows, int64_t k, const void *d
                 continue;
             }
 #endif
+#if !defined(VECTOR_PATH) || defined(__AVX512F__) /* AVX2 always takes the direct path */
             if (tile != NULL) scratch_tile(&w, x, rows, n0, n1, tile, tile + TILE_N * k, out);
+#endif
         }
         free(tile);
     }
