@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import random
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -385,3 +385,21 @@ class OracleProposer(Proposer):
                     )
             tokens.append(drafts)
         return Proposal(tokens)
+
+
+def assert_fused_equals_per_op(
+    model: LlamaForCausalLM, logits: Callable[[], list[torch.Tensor]]
+) -> None:
+    """``logits()`` with the model's fused layers, then with them off (restored after): every
+    tensor the same bit for bit."""
+    assert model.fused.applies()
+    fused = logits()
+    model.fused.enabled = False
+    model.fused.reconsider()
+    try:
+        per_op = logits()
+    finally:
+        model.fused.enabled = True
+        model.fused.reconsider()
+    for a, b in zip(fused, per_op, strict=True):
+        assert torch.equal(a, b)

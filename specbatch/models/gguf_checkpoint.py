@@ -214,8 +214,11 @@ QUANTIZED_KINDS = {"Q4_1": "q4_1", "Q8_0": "q8_0"}  # GGUF types the CPU kernel 
 
 
 # fused products (q, k, v; gate, up): the kernel multiplies each with one type
-_FUSED_WITH = {"attn_k.weight": "attn_q.weight", "attn_v.weight": "attn_q.weight"}
-_FUSED_WITH["ffn_up.weight"] = "ffn_gate.weight"
+_FUSED_WITH = {
+    "attn_k.weight": "attn_q.weight",
+    "attn_v.weight": "attn_q.weight",
+    "ffn_up.weight": "ffn_gate.weight",
+}
 _LAYER_MATRICES = {name for name in _LAYER_NAMES if name.endswith("weight") and "norm" not in name}
 
 

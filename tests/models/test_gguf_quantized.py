@@ -20,7 +20,12 @@ from specbatch.kernels.linear import Linear
 from specbatch.models import LlamaForCausalLM, load_model
 from specbatch.models.llama import QuantizedEmbedding
 from tests.gguf_writer import write_gguf
-from tests.helpers import PagedHarness, tiny_config, write_hf_checkpoint
+from tests.helpers import (
+    PagedHarness,
+    assert_fused_equals_per_op,
+    tiny_config,
+    write_hf_checkpoint,
+)
 
 Q4_1 = gguf.GGMLQuantizationType.Q4_1
 Q8_0 = gguf.GGMLQuantizationType.Q8_0
@@ -179,17 +184,7 @@ def test_fused_layers_give_the_per_op_paths_bits(quantized_smollm2: LlamaForCaus
     """With every linear in GGUF blocks, each layer runs as one C call; it calls the same
     kernels as the per-op path, so every logit is the same bit for bit."""
     model = quantized_smollm2
-    assert model.fused.applies()
-    fused = _logits_of_a_mixed_workload(model)
-    model.fused.enabled = False
-    model.fused.reconsider()
-    try:
-        per_op = _logits_of_a_mixed_workload(model)
-    finally:
-        model.fused.enabled = True
-        model.fused.reconsider()
-    for a, b in zip(fused, per_op, strict=True):
-        assert torch.equal(a, b)
+    assert_fused_equals_per_op(model, lambda: _logits_of_a_mixed_workload(model))
 
 
 def test_fused_layers_with_biases_match_the_plain_load(tmp_path: Path) -> None:

@@ -18,7 +18,7 @@ from specbatch.models import LlamaForCausalLM, load_model
 from specbatch.models.llama import QuantizedEmbedding
 from specbatch.spec_decode.factory import draft_dtype, quantized_draft
 from specbatch.spec_decode.proposers.shipped import check_shipped_q8_0, default_draft_path
-from tests.helpers import PagedHarness
+from tests.helpers import PagedHarness, assert_fused_equals_per_op
 from tests.kernels.test_gguf_linear import assert_near_product
 
 Q8_0 = gguf.GGMLQuantizationType.Q8_0
@@ -112,7 +112,6 @@ def test_the_draft_equals_its_dequantised_float32_self(
 
 
 def test_fused_layers_give_the_per_op_bits(q8_draft: LlamaForCausalLM) -> None:
-    assert q8_draft.fused.applies()
     gen = torch.Generator().manual_seed(4)
     first = torch.randint(0, 49152, (40,), generator=gen).tolist()
 
@@ -122,16 +121,7 @@ def test_fused_layers_give_the_per_op_bits(q8_draft: LlamaForCausalLM) -> None:
         out += harness.forward([(0, [11]), (1, [12, 13, 14, 15])])
         return out
 
-    fused = logits()
-    q8_draft.fused.enabled = False
-    q8_draft.fused.reconsider()
-    try:
-        per_op = logits()
-    finally:
-        q8_draft.fused.enabled = True
-        q8_draft.fused.reconsider()
-    for a, b in zip(fused, per_op, strict=True):
-        assert torch.equal(a, b)
+    assert_fused_equals_per_op(q8_draft, logits)
 
 
 def test_the_shipped_drafts_blocks_are_checked_by_digest(q8_draft: LlamaForCausalLM) -> None:
