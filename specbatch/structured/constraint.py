@@ -15,6 +15,7 @@ and the engine ends that request alone with the error.
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Sequence
 
@@ -27,7 +28,9 @@ from specbatch.structured.grammar import CompiledGrammar
 # worst on ordinary grammars, and every sequence of the batch waits on each one (a bound, not
 # a tuning: a grammar 100x slower than the worst ordinary mask is the request's fault). The
 # step thread's CPU seconds, not wall time: a loaded machine's waits are nobody's fault (CI saw
-# a mask "take" 305 ms of wall time under load).
+# a mask "take" 305 ms of wall time under load). The collector is paused while a mask is
+# timed: a full collection of a large heap costs the thread 0.3-0.6 s of CPU when it happens
+# to start inside the mask (CI failed a request on a 355 ms "mask" that way).
 MASK_SECONDS = 0.1
 
 
@@ -89,6 +92,8 @@ class Constraint:
         if key and matcher.validate(key) < len(key):
             mask = self._masks[key] = np.ones(self.vocab_size, dtype=bool)
             return mask
+        collecting = gc.isenabled()
+        gc.disable()  # the backend's time, not a collection's that starts inside it
         started = time.thread_time()  # CPU time: a loaded machine's waits do not count
         bits = None
         try:
@@ -101,7 +106,9 @@ class Constraint:
         finally:
             if key:
                 matcher.rollback(len(key))
-        seconds = time.thread_time() - started
+            seconds = time.thread_time() - started
+            if collecting:
+                gc.enable()
         if seconds > MASK_SECONDS:
             self._fail(
                 f"the constraint took {seconds * 1e3:.0f} ms for one token's mask (at most "

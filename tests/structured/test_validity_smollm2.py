@@ -51,7 +51,9 @@ SCHEMAS: list[dict[str, Any]] = [
         "type": "object",
         "properties": {
             "items": {"type": "array", "items": WORD, "minItems": 1, "maxItems": 3},
-            "total": {"type": "number", "minimum": 0, "maximum": 1000},
+            # (an integer: a number's fraction has no bound on its digits, so an unseeded
+            # sample may write them to max_tokens; "hybrid" failed here once, message lost)
+            "total": {"type": "integer", "minimum": 0, "maximum": 1000},
         },
         "required": ["items", "total"],
         "additionalProperties": False,
