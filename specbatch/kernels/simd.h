@@ -86,6 +86,30 @@ static inline v16f exp16(v16f x) {
     return EXP_OF_REMAINDER(clamped, n) * (v16f)bits;
 }
 
+#if defined(__AVX__) && !defined(__AVX512F__)
+/* Eight lanes, which AVX compares natively (GCC compares 16-lane vectors lane by lane):
+ * exp8 is exp16's operations on eight lanes, each lane's bits exp16's. */
+typedef float v8f __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+
+static inline v8f splat8(float value) { return (v8f)_mm256_set1_ps(value); }
+
+static inline v8f select8(v8i mask, v8f yes, v8f no) {
+    return (v8f)(((v8i)yes & mask) | ((v8i)no & ~mask));
+}
+
+static inline v8f exp8(v8f x) {
+    const v8f distance = (v8f)((v8i)(x - 0.5f) & 0x7fffffff); /* |x - 0.5| */
+    const v8f edge = (v8f)((v8i)splat8(88.0f) | ((v8i)x & (int32_t)0x80000000u)); /* +-88 */
+    const v8f clamped = select8(distance > splat8(87.5f), edge, x);
+    const v8f y = clamped * EXP_LOG2E + 0.5f;
+    v8f n = __builtin_convertvector(__builtin_convertvector(y, v8i), v8f);
+    n += __builtin_convertvector(n > y, v8f); /* true is -1 */
+    const v8i bits = (__builtin_convertvector(n, v8i) + 127) << 23;
+    return EXP_OF_REMAINDER(clamped, n) * (v8f)bits;
+}
+#endif
+
 /* exp16 on one float, written as scalar code so that loops calling it still vectorise. */
 static inline float exp1f(float x) {
     const float clamped = fabsf(x - 0.5f) > 87.5f ? copysignf(88.0f, x) : x;

@@ -13,6 +13,7 @@ import torch
 from specbatch.kernels.attention import PAD_SLOT, AttentionInputs, cpu_paged
 from specbatch.kernels.attention.cpu_paged import CpuPagedBackend, CpuPagedMetadata
 from specbatch.kernels.attention.torch_ref import TorchAttentionBackend
+from specbatch.kernels.cbuild import NativeLibrary
 from tests.kernels.reference_attention import (
     RandomStep,
     float32_reference,
@@ -277,3 +278,37 @@ def test_a_slot_outside_the_cache_is_refused_not_written() -> None:
     )
     with pytest.raises(IndexError, match="outside the cache"):
         run_backend(CpuPagedBackend(4, 2, 16, 0.25), step, inputs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tree", [False, True])
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "dim", "block_size"), [(9, 3, 64, 16), (4, 2, 32, 32)]
+)
+def test_the_eight_lane_path_gives_the_sixteen_lane_bits(
+    monkeypatch: pytest.MonkeyPatch,
+    dtype: torch.dtype,
+    tree: bool,
+    heads: int,
+    kv_heads: int,
+    dim: int,
+    block_size: int,
+) -> None:
+    """Without AVX-512 the vector path works on 8-lane halves; built with -DSIXTEEN_LANES it
+    takes the 16-lane path instead, which must give the same bits on every kind of query,
+    block edge, masked position and tree (on an AVX-512 machine both builds are that path)."""
+    rng = np.random.default_rng(5)
+    kinds = ["prefill", "decode", "chunk", "verify", "long-decode", "long-verify", "decode"]
+    step = random_step(rng, kinds, heads, kv_heads, dim, block_size, dtype=dtype, tree=tree)
+    backend = CpuPagedBackend(heads, kv_heads, dim, dim**-0.5)
+    native = run_backend(backend, step, step.inputs)
+    sixteen = NativeLibrary(
+        cpu_paged.SOURCE,
+        (*cpu_paged.FLAGS, "-DSIXTEEN_LANES"),
+        "the 16-lane build",
+        "the test fails",
+        cpu_paged._declare,
+    )
+    assert sixteen.load() is not None
+    monkeypatch.setattr(cpu_paged, "NATIVE", sixteen)
+    assert torch.equal(run_backend(backend, step, step.inputs), native)

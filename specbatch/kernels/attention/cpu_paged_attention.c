@@ -11,6 +11,10 @@
  * in order, chunk boundaries at absolute positions), never on the batch it is in or the number
  * of threads, so a row's result is bit-for-bit the same alone or in any batch.
  *
+ * Without AVX-512 (AVX2 with FMA), the vector path works on 8-lane halves where GCC would
+ * otherwise spill 16-lane vectors or compare them lane by lane: the same operations on every
+ * lane, so the same bits (2-4x faster on an AVX2 EPYC: benchmarks/cpu_attention.py).
+ *
  * Built at first use by specbatch/kernels/attention/cpu_paged.py (cc -O3 -march=native
  * -fopenmp) and called through ctypes; no Python or torch headers.
  */
@@ -20,6 +24,12 @@
 #include <string.h>
 
 #include "../simd.h"
+
+/* AVX2 with FMA and no AVX-512: the vector path on 8-lane halves (see above). The tests build
+ * with -DSIXTEEN_LANES to compare it with the 16-lane path it replaces. */
+#if defined(__AVX__) && defined(__FMA__) && !defined(__AVX512F__) && !defined(SIXTEEN_LANES)
+#define HALVES
+#endif
 
 typedef struct {
     const float *q;
@@ -172,6 +182,65 @@ static inline v16f reduce16(const v16f p[16]) {
     return fold(level3[0], level3[1], lo1, hi1);
 }
 
+#ifdef HALVES
+/*
+ * Without AVX-512 a 16-lane vector is two registers and GCC builds reduce16's two-source
+ * shuffles through the stack (each fold a spill and a stalled reload). The same sums in
+ * 8-lane registers: p[j]'s two halves added (lane l + lane l + 8), then lane l + l + 4 across
+ * 128-bit halves, l + l + 2 and l + l + 1 within them, each step for several positions at
+ * once; the last leaves positions in natural order. Same operands, same order, same bits.
+ */
+typedef union {
+    v16f v;
+    __m256 h[2];
+} Halves;
+
+/* lane j of out: positions j of a (j < 4) and of b (j >= 4) summed l + l + 4, per 128 bits */
+static inline __m256 fold4(__m256 a, __m256 b) {
+    return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+
+/* The reduced sums of eight positions' first-level folds a[0..7] (lanes 0-7 each), in order. */
+static inline __m256 reduce8(const __m256 a[8]) {
+    const __m256 b04 = fold4(a[0], a[4]), b15 = fold4(a[1], a[5]);
+    const __m256 b26 = fold4(a[2], a[6]), b37 = fold4(a[3], a[7]);
+    /* l + l + 2: [0 1 | 4 5] and [2 3 | 6 7], two lanes each */
+    const __m256 c0 = _mm256_add_ps(_mm256_shuffle_ps(b04, b15, 0x44),
+                                    _mm256_shuffle_ps(b04, b15, 0xEE));
+    const __m256 c1 = _mm256_add_ps(_mm256_shuffle_ps(b26, b37, 0x44),
+                                    _mm256_shuffle_ps(b26, b37, 0xEE));
+    /* l + l + 1: [0 1 2 3 | 4 5 6 7] */
+    return _mm256_add_ps(_mm256_shuffle_ps(c0, c1, 0x88), _mm256_shuffle_ps(c0, c1, 0xDD));
+}
+
+/* reduce16 of p[j] = the 16 lanes of query . key j, computed position by position. */
+static inline __attribute__((always_inline)) Halves scores16(const v16f *query, const v16f *keys,
+                                                           int64_t per_row, int64_t per_head,
+                                                           int64_t n) {
+    Halves out;
+    for (int half = 0; half < 2; half++) {
+        __m256 folded[8];
+        for (int64_t j = 0; j < 8; j++) {
+            Halves sum = {.v = {0}};
+            if (8 * half + j < n)
+                for (int64_t c = 0; c < per_head; c++)
+                    sum.v += query[c] * keys[(8 * half + j) * per_row + c];
+            folded[j] = _mm256_add_ps(sum.h[0], sum.h[1]);
+        }
+        out.h[half] = reduce8(folded);
+    }
+    return out;
+}
+
+/* sum16 of the 16 lanes lo (0-7) and hi (8-15): + 8, + 4, + 2, + 1. */
+static inline float sum8x2(v8f lo, v8f hi) {
+    const __m256 s8 = _mm256_add_ps((__m256)lo, (__m256)hi);
+    const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+    const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+}
+#endif
+
 /* The last position each row of [r0, r1) may see, and where its KV head's slice starts in a
  * position's K/V row. Rows of one query token are consecutive, so limits never decrease. */
 static void row_layout(const Step *st, int64_t s, int64_t r0, int64_t r1, int64_t *limit,
@@ -193,6 +262,47 @@ static inline __attribute__((always_inline)) void attend_row16(
     const Step *st, int64_t s, int64_t r, int64_t start, int64_t count, int64_t limit,
     int64_t per_head, const v16f *query, const v16f *keys, const v16f *values, int64_t per_row,
     int64_t kv_vec, Partial part, float *row) {
+#ifdef HALVES
+    /* the same steps as below, on each 16-lane vector's two 8-lane halves */
+    const v8i lane = {0, 1, 2, 3, 4, 5, 6, 7};
+    const v8f hidden8 = splat8(-INFINITY);
+    const int64_t groups = (count + 15) / 16;
+    const int64_t seen = limit - start + 1; /* positions start + j, j < seen, are causal */
+    v8f top8[2] = {splat8(part.best[r]), splat8(part.best[r])};
+    for (int64_t g = 0; g < groups; g++) {
+        const int64_t n = count - 16 * g < 16 ? count - 16 * g : 16;
+        const Halves sums = scores16(query, keys + 16 * g * per_row + kv_vec, per_row, per_head, n);
+        const int32_t shown = (int32_t)(n + 16 * g < seen ? n + 16 * g : seen);
+        for (int h = 0; h < 2; h++) {
+            const v8i index = lane + (int32_t)(16 * g + 8 * h);
+            const v8f scores = select8(index < shown, (v8f)sums.h[h], hidden8);
+            memcpy(row + 16 * g + 8 * h, &scores, sizeof scores);
+        }
+        if (st->tree != NULL)
+            for (int64_t j = 0; j < n; j++)
+                if (!visible(st, s, r, start + 16 * g + j)) row[16 * g + j] = -INFINITY;
+        for (int h = 0; h < 2; h++) {
+            v8f scores;
+            memcpy(&scores, row + 16 * g + 8 * h, sizeof scores);
+            top8[h] = select8(scores > top8[h], scores, top8[h]);
+        }
+    }
+    float top = top8[0][0]; /* a maximum is exact in any order */
+    for (int i = 1; i < 16; i++) top = top8[i / 8][i % 8] > top ? top8[i / 8][i % 8] : top;
+    if (top == -INFINITY) return; /* nothing visible yet */
+    const float shrink = part.best[r] == -INFINITY ? 0.0f : exp1f(part.best[r] - top);
+    float sum = 0.0f;
+    for (int64_t g = 0; g < groups; g++) {
+        v8f weights[2];
+        for (int h = 0; h < 2; h++) {
+            v8f scores;
+            memcpy(&scores, row + 16 * g + 8 * h, sizeof scores);
+            weights[h] = select8(scores == hidden8, splat8(0.0f), exp8(scores - top));
+            memcpy(row + 16 * g + 8 * h, &weights[h], sizeof weights[h]);
+        }
+        sum += sum8x2(weights[0], weights[1]);
+    }
+#else
     const v16f zero = {0}, hidden = splat16(-INFINITY);
     const v16i lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
     const int64_t groups = (count + 15) / 16;
@@ -208,9 +318,10 @@ static inline __attribute__((always_inline)) void attend_row16(
                     sum += query[c] * keys[(16 * g + j) * per_row + kv_vec + c];
             partials[j] = sum;
         }
+        const v16f sums = reduce16(partials);
         const v16i index = lane + (int32_t)(16 * g);
-        v16f scores = select16(index < (int32_t)(n + 16 * g < seen ? n + 16 * g : seen),
-                               reduce16(partials), hidden);
+        v16f scores = select16(index < (int32_t)(n + 16 * g < seen ? n + 16 * g : seen), sums,
+                               hidden);
         if (st->tree != NULL)
             for (int64_t j = 0; j < n; j++)
                 if (!visible(st, s, r, start + 16 * g + j)) scores[j] = -INFINITY;
@@ -229,8 +340,26 @@ static inline __attribute__((always_inline)) void attend_row16(
         memcpy(row + 16 * g, &weights, sizeof weights);
         sum += sum16(weights);
     }
+#endif
     part.total[r] = part.total[r] * shrink + sum;
     part.best[r] = top;
+#ifdef HALVES
+    /* 8-lane registers: GCC moves an array of 16-lane vectors through general registers */
+    float *acc = part.acc + r * per_head * 16;
+    __m256 out[2 * MAX_PER_HEAD];
+    const __m256 shrink8 = _mm256_set1_ps(shrink);
+    for (int64_t c = 0; c < 2 * per_head; c++)
+        out[c] = _mm256_mul_ps(_mm256_loadu_ps(acc + 8 * c), shrink8);
+    for (int64_t j = 0; j < count; j++) {
+        const float weight = row[j];
+        if (weight == 0.0f) continue;
+        const float *value = (const float *)(values + j * per_row + kv_vec);
+        const __m256 weights = _mm256_set1_ps(weight);
+        for (int64_t c = 0; c < 2 * per_head; c++)
+            out[c] = _mm256_fmadd_ps(weights, _mm256_loadu_ps(value + 8 * c), out[c]);
+    }
+    for (int64_t c = 0; c < 2 * per_head; c++) _mm256_storeu_ps(acc + 8 * c, out[c]);
+#else
     v16f acc[MAX_PER_HEAD];
     memcpy(acc, part.acc + r * per_head * 16, (size_t)per_head * sizeof(v16f));
     for (int64_t c = 0; c < per_head; c++) acc[c] *= shrink;
@@ -242,6 +371,7 @@ static inline __attribute__((always_inline)) void attend_row16(
         for (int64_t c = 0; c < per_head; c++) acc[c] += weights * value[c];
     }
     memcpy(part.acc + r * per_head * 16, acc, (size_t)per_head * sizeof(v16f));
+#endif
 }
 
 /* Rows [r0, r1) of sequence s over positions [from, to), block by block: each block's K and V
