@@ -175,9 +175,15 @@ class TensorParallelGroup:
 
     def check_after_failure(self) -> None:
         """``check`` after a collective failed: a killed worker's sockets close before its exit
-        can be seen, so wait up to ``REAP_SECONDS`` for one to exit, to name it."""
+        can be seen, so wait up to ``REAP_SECONDS`` for one to exit, to name it. A worker whose
+        sentinel is ready has closed its files but may not be a zombie yet (``is_alive`` then
+        still says alive: CI saw it once a loaded suite run), so it is joined, which waits for
+        the exit itself."""
         if not self.closed:
-            connection.wait([p.sentinel for p in self._processes], timeout=REAP_SECONDS)
+            deadline = time.monotonic() + REAP_SECONDS
+            by_sentinel = {p.sentinel: p for p in self._processes}
+            for sentinel in connection.wait(list(by_sentinel), timeout=REAP_SECONDS):
+                by_sentinel[sentinel].join(timeout=max(deadline - time.monotonic(), 0.0))
         self.check()
 
     def _send(self, command: tuple[Any, ...]) -> None:

@@ -319,3 +319,35 @@ def test_a_killed_worker_ends_an_async_engine(tiny_model_dir: Path) -> None:
         await served.shutdown(1.0)
 
     asyncio.run(asyncio.wait_for(main(), 60))
+
+
+class _ExitingWorker:
+    """A worker caught between closing its files and becoming a zombie: its sentinel is
+    ready, ``is_alive`` says alive until it has been joined (waited for)."""
+
+    def __init__(self) -> None:
+        self.sentinel, self._write = os.pipe()
+        os.close(self._write)  # the child's end closed: the sentinel reads EOF
+        self.joined = False
+        self.exitcode: int | None = None
+
+    def is_alive(self) -> bool:
+        return not self.joined
+
+    def join(self, timeout: float | None = None) -> None:
+        self.joined, self.exitcode = True, -signal.SIGKILL
+
+
+def test_a_worker_seen_exiting_is_waited_for_and_named() -> None:
+    """After a collective fails, a worker whose sentinel is ready is joined before the check,
+    so the error names it even when its exit is not yet visible to ``is_alive``."""
+    from specbatch.parallel.workers import TensorParallelError, TensorParallelGroup
+
+    group = object.__new__(TensorParallelGroup)
+    worker = _ExitingWorker()
+    group.closed, group._processes = False, [worker]
+    try:
+        with pytest.raises(TensorParallelError, match=r"worker 1 exited \(exit code -9\)"):
+            group.check_after_failure()
+    finally:
+        os.close(worker.sentinel)
