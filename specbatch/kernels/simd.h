@@ -74,21 +74,25 @@ static inline v16f select16(v16i mask, v16f yes, v16f no) {
     })
 #define EXP_LOG2E 1.44269504088896341f
 
-static inline v16f exp16(v16f x) {
-    const v16f distance = (v16f)((v16i)(x - 0.5f) & 0x7fffffff); /* |x - 0.5| */
-    const v16f edge = (v16f)((v16i)splat16(88.0f) | ((v16i)x & (int32_t)0x80000000u)); /* +-88 */
-    const v16f clamped = select16(distance > splat16(87.5f), edge, x);
-    /* floor by truncation, corrected where it rounded up: exact, and cheaper than a call */
-    const v16f y = clamped * EXP_LOG2E + 0.5f;
-    v16f n = __builtin_convertvector(__builtin_convertvector(y, v16i), v16f);
-    n += __builtin_convertvector(n > y, v16f); /* true is -1 */
-    const v16i bits = (__builtin_convertvector(n, v16i) + 127) << 23;
-    return EXP_OF_REMAINDER(clamped, n) * (v16f)bits;
-}
+/* The exp of a vector x of float type VF and matching int type VI (SPLAT and SELECT of that
+ * width): one body for exp16 and exp8, so each lane's bits are the same at either width. */
+#define EXP_VECTOR(VF, VI, SPLAT, SELECT, x)                                                  \
+    ({                                                                                        \
+        const VF distance_ = (VF)((VI)((x) - 0.5f) & 0x7fffffff); /* |x - 0.5| */             \
+        const VF edge_ = (VF)((VI)SPLAT(88.0f) | ((VI)(x) & (int32_t)0x80000000u)); /* +-88 */ \
+        const VF clamped_ = SELECT(distance_ > SPLAT(87.5f), edge_, (x));                      \
+        /* floor by truncation, corrected where it rounded up: exact, and cheaper than a call */ \
+        const VF y_ = clamped_ * EXP_LOG2E + 0.5f;                                             \
+        VF n_ = __builtin_convertvector(__builtin_convertvector(y_, VI), VF);                  \
+        n_ += __builtin_convertvector(n_ > y_, VF); /* true is -1 */                           \
+        const VI bits_ = (__builtin_convertvector(n_, VI) + 127) << 23;                        \
+        EXP_OF_REMAINDER(clamped_, n_) * (VF)bits_;                                            \
+    })
+
+static inline v16f exp16(v16f x) { return EXP_VECTOR(v16f, v16i, splat16, select16, x); }
 
 #if defined(__AVX__) && !defined(__AVX512F__)
-/* Eight lanes, which AVX compares natively (GCC compares 16-lane vectors lane by lane):
- * exp8 is exp16's operations on eight lanes, each lane's bits exp16's. */
+/* Eight lanes, which AVX compares natively (GCC compares 16-lane vectors lane by lane). */
 typedef float v8f __attribute__((vector_size(32)));
 typedef int32_t v8i __attribute__((vector_size(32)));
 
@@ -98,15 +102,14 @@ static inline v8f select8(v8i mask, v8f yes, v8f no) {
     return (v8f)(((v8i)yes & mask) | ((v8i)no & ~mask));
 }
 
-static inline v8f exp8(v8f x) {
-    const v8f distance = (v8f)((v8i)(x - 0.5f) & 0x7fffffff); /* |x - 0.5| */
-    const v8f edge = (v8f)((v8i)splat8(88.0f) | ((v8i)x & (int32_t)0x80000000u)); /* +-88 */
-    const v8f clamped = select8(distance > splat8(87.5f), edge, x);
-    const v8f y = clamped * EXP_LOG2E + 0.5f;
-    v8f n = __builtin_convertvector(__builtin_convertvector(y, v8i), v8f);
-    n += __builtin_convertvector(n > y, v8f); /* true is -1 */
-    const v8i bits = (__builtin_convertvector(n, v8i) + 127) << 23;
-    return EXP_OF_REMAINDER(clamped, n) * (v8f)bits;
+static inline v8f exp8(v8f x) { return EXP_VECTOR(v8f, v8i, splat8, select8, x); }
+
+/* sum16 of 16 lanes held as two 8-lane halves, lo (lanes 0-7) and hi (8-15): the same folds. */
+static inline float sum8x2(v8f lo, v8f hi) {
+    const __m256 s8 = _mm256_add_ps((__m256)lo, (__m256)hi);
+    const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+    const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
 }
 #endif
 

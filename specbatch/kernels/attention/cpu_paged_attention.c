@@ -13,7 +13,8 @@
  *
  * Without AVX-512 (AVX2 with FMA), the vector path works on 8-lane halves where GCC would
  * otherwise spill 16-lane vectors or compare them lane by lane: the same operations on every
- * lane, so the same bits (2-4x faster on an AVX2 EPYC: benchmarks/cpu_attention.py).
+ * lane, so the same bits (1.6-4x faster on an AVX2 EPYC, old and new builds alternated:
+ * docs/notes.md, 2026-12-05).
  *
  * Built at first use by specbatch/kernels/attention/cpu_paged.py (cc -O3 -march=native
  * -fopenmp) and called through ctypes; no Python or torch headers.
@@ -230,14 +231,6 @@ static inline __attribute__((always_inline)) Halves scores16(const v16f *query, 
         out.h[half] = reduce8(folded);
     }
     return out;
-}
-
-/* sum16 of the 16 lanes lo (0-7) and hi (8-15): + 8, + 4, + 2, + 1. */
-static inline float sum8x2(v8f lo, v8f hi) {
-    const __m256 s8 = _mm256_add_ps((__m256)lo, (__m256)hi);
-    const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
-    const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-    return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
 }
 #endif
 
