@@ -35,6 +35,7 @@ from specbatch.spec_decode.control.step_times import (
     StepClock,
     StepTimes,
     _weighted_fit,
+    _weighted_fits,
 )
 from specbatch.spec_decode.plan import DraftPlan
 from specbatch.spec_decode.plan import pairs_of as _pairs
@@ -184,6 +185,34 @@ def test_step_time_fit_is_the_nonnegative_least_squares_optimum(seed: int) -> No
     reference, _ = nnls(design * root[:, None], y * root)
     assert (coef >= 0).all()
     assert coef == pytest.approx(reference, rel=1e-5, abs=1e-8)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_fits_in_one_computation_are_each_the_nonnegative_optimum(seed: int) -> None:
+    """Several fits at once (a batch-1 plan's, one per draft position), some of whose lines
+    cross zero above the origin and some not, some with unused slots (weight 0): each is
+    its own NNLS optimum (the refit through the origin runs for the crossing ones together)."""
+    from scipy.optimize import nnls
+
+    rng = np.random.default_rng(100 + seed)
+    count = int(rng.integers(24, 60))  # a dozen samples a fit at least: well conditioned
+    columns = int(rng.integers(1, 4))
+    design = np.column_stack([np.ones(count), rng.uniform(1, 50, (count, columns))])
+    y = design @ np.r_[-0.03, rng.uniform(5e-4, 2e-3, columns)] + rng.normal(0, 1e-4, count)
+    half = count // 2
+    y[:half] += 0.06  # the first half's line crosses zero below the origin, the second's above
+    weights = rng.uniform(0.1, 1.0, (7, count))
+    weights[::2, half:] *= 1e-6  # even fits weigh the first half, odd ones the second
+    weights[1::2, :half] *= 1e-6
+    weights[:, rng.integers(0, count, 3)] = 0.0
+    coefs = _weighted_fits(design, y, weights, True)
+    for weight, coef in zip(weights, coefs, strict=True):
+        root = np.sqrt(weight)
+        reference, _ = nnls(design * root[:, None], y * root)
+        assert (coef >= 0).all()
+        assert coef == pytest.approx(reference, rel=1e-5, abs=1e-8)
+    assert (coefs[:, 0] == 0).any()  # both kinds of fit occur
+    assert (coefs[:, 0] > 0).any()
 
 
 def test_far_steps_do_not_price_a_decode_step_at_nothing() -> None:

@@ -117,18 +117,21 @@ class StepTimes:
         return self.fits([tokens], seqs)[0]
 
     def fits(self, sizes: list[float], seqs: float) -> list[StepCost]:
-        """``fit`` at each of ``sizes`` tokens, ``seqs`` sequences: the ones fitted within
-        the last ``refit_every`` samples as they were, the rest in one computation (a
-        batch-1 plan asks for one per draft position every step)."""
+        """``fit`` at each of ``sizes`` tokens, ``seqs`` sequences: as fitted within the
+        last ``refit_every`` samples if every one was, else all of them again in one
+        computation (a batch-1 plan asks for one per draft position every step; refitting
+        only the missing ones put the sizes out of phase, two computations every
+        ``refit_every`` plans where one does)."""
         count = self._ring.count
         if not count:
             return [StepCost(0.0, 0.0, 0.0, 0.0) for _ in sizes]
-        cached = {size: self._cache.get((size, seqs), count) for size in sizes}
-        missing = [size for size, fit in cached.items() if fit is None]
-        if missing:
-            for size, fit in zip(missing, self._fit(missing, seqs), strict=True):
-                cached[size] = self._cache.put((size, seqs), count, fit)
-        return [cached[size] for size in sizes]  # type: ignore[misc]
+        cached = [self._cache.get((size, seqs), count) for size in sizes]
+        if all(fit is not None for fit in cached):
+            return cached  # type: ignore[return-value]
+        return [
+            self._cache.put((size, seqs), count, fit)
+            for size, fit in zip(sizes, self._fit(sizes, seqs), strict=True)
+        ]
 
     def _fit(self, sizes: list[float], seqs: float) -> list[StepCost]:
         prior = self._ring.weights()  # 0 where no step is stored yet
@@ -225,7 +228,15 @@ class ForwardTimes:
             # of it per row) gets it tried
             return 0.0, float((y[stored] / r[stored]).min())
         weight = self._ring.weights() * (np.exp(-near / (2 * bandwidth**2)) + FAR)
-        fixed, per_row = _weighted_fit(self._design, y, weight, constrained=False)
+        # a line's weighted least squares in closed form (``_weighted_fit``'s, its whisper of
+        # ridge included): a catch-up's fit is asked at a new row count most steps, and the
+        # general solver's calls cost ~10x these sums
+        total = weight.sum()
+        mean_r, mean_y = weight @ r / total, weight @ y / total
+        weighted = weight * (r - mean_r)
+        spread = weighted @ (r - mean_r)
+        per_row = float(weighted @ (y - mean_y) / (spread * (1 + 1e-9) + 1e-30))
+        fixed = float(mean_y - per_row * mean_r)
         per_row = max(per_row, 0.0)
         if fixed < 0:  # a line through the origin's side: all of it per row
             fixed, per_row = 0.0, float((weight * y).sum() / (weight * r).sum())
@@ -338,21 +349,24 @@ def _weighted_fits(
     weighted = x * weights[:, :, None]
     sum_x = weighted.sum(1)
     sum_y = (weights * dy).sum(1)
-    gram = np.einsum("kni,knj->kij", weighted, x)
+    weighted_t = weighted.transpose(0, 2, 1)  # (batched products: einsum's cost 5x here)
+    gram = weighted_t @ x
     gram -= sum_x[:, :, None] * sum_x[:, None, :] / totals[:, None, None]
-    moment = np.einsum("kni,kn->ki", weighted, dy) - sum_x * (sum_y / totals)[:, None]
+    moment = (weighted_t @ dy[:, :, None])[:, :, 0] - sum_x * (sum_y / totals)[:, None]
     slopes = _ridge_solve(gram, moment, constrained)
     mean_x = sum_x / totals[:, None] + design[heaviest, 1:]
     intercepts = sum_y / totals + y[heaviest] - (mean_x * slopes).sum(1)
-    for k in np.flatnonzero(intercepts < 0) if constrained else ():
+    below = np.flatnonzero(intercepts < 0) if constrained else ()
+    if len(below):
         # no forward takes negative time: the optimum with the intercept >= 0 too has it at
         # 0 (the problem is convex and its optimum without that bound is past it), so the
-        # slopes are refitted through the origin. Otherwise a few far steps (a fresh engine's
-        # prefills, a contended spell) can extrapolate a small step below zero, and rows
-        # would be priced against a free step
-        raw = design[:, 1:] * weights[k, :, None]
-        through = _ridge_solve((raw.T @ design[:, 1:])[None], (raw.T @ y)[None], constrained)
-        slopes[k], intercepts[k] = through[0], 0.0
+        # slopes are refitted through the origin (every such fit in one computation).
+        # Otherwise a few far steps (a fresh engine's prefills, a contended spell) can
+        # extrapolate a small step below zero, and rows would be priced against a free step
+        raw = design[None, :, 1:] * weights[below, :, None]
+        raw_t = raw.transpose(0, 2, 1)
+        slopes[below] = _ridge_solve(raw_t @ design[:, 1:], raw_t @ y, constrained)
+        intercepts[below] = 0.0
     return np.concatenate([intercepts[:, None], slopes], axis=1)
 
 
@@ -379,11 +393,14 @@ def _nonnegative_slopes(gram: np.ndarray, moment: np.ndarray) -> np.ndarray:
     for size in range(1, columns + 1):
         for subset in itertools.combinations(range(columns), size):
             index = list(subset)
-            sub = gram[:, index][:, :, index]
-            trial = np.linalg.solve(sub, moment[:, index, None])[:, :, 0]
-            decrease = (trial * moment[:, index]).sum(1)  # = 2 x.h - x.G.x at the optimum
+            trial = np.zeros((count, columns))
+            if size == 1:  # (a division: the solver's call costs more than the rest here)
+                trial[:, index[0]] = moment[:, index[0]] / gram[:, index[0], index[0]]
+            else:
+                sub = gram[:, index][:, :, index]
+                trial[:, index] = np.linalg.solve(sub, moment[:, index, None])[:, :, 0]
+            decrease = (trial * moment).sum(1)  # = 2 x.h - x.G.x at the optimum
             better = (trial >= 0).all(1) & (decrease > best)
             best = np.where(better, decrease, best)
-            slopes[better] = 0.0
-            slopes[np.ix_(better, index)] = trial[better]
+            slopes = np.where(better[:, None], trial, slopes)
     return slopes
