@@ -242,7 +242,7 @@ class GoodputController:
             [(c.slots, c.context, c.catch_up) for c in candidates], dtype=np.float64
         ).reshape(count, 3)
         slots, context = table[:, 0].astype(np.int64), table[:, 1]
-        most = int(slots.max())
+        most = max(c.slots for c in candidates)  # (numpy's reductions: ~20 us a call here)
         row, base_cost, prices = self._row_prices(base_tokens, base_seqs, base_pairs, context, most)
         draft_fit = self.draft_times.fit(count) if DRAFT in ways else (0.0, 0.0)
         acceptance = self.acceptance
@@ -321,14 +321,15 @@ class GoodputController:
             prices = Prices(fit.row(0.0), fit.per_pair, 0.0)
             rows = fit.per_token + fit.per_pair * (context[:, None] + positions[None, :])
             return rows, fit, prices
-        mean_context = float(context.mean())
+        mean_context = float(context.sum()) / count
         sizes = [float(base_tokens + count * j) for j in range(most + 1)]
         fits = self.times.fits(sizes, base_seqs)
         seconds = []
         for j, (tokens, fit) in enumerate(zip(sizes, fits, strict=True)):
             pairs = base_pairs + count * j * (mean_context + (j - 1) / 2)
             seconds.append(fit.seconds(tokens, base_seqs, pairs))
-        step = np.maximum(np.diff(seconds) / count, 0.0)
+        predicted = np.array(seconds)
+        step = np.maximum((predicted[1:] - predicted[:-1]) / count, 0.0)
         per_pair = np.array([fit.per_pair for fit in fits[1:]])
         prices = Prices(float(step[0]), float(per_pair[0]), mean_context)
         offset = context[:, None] - mean_context
