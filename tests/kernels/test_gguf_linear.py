@@ -81,6 +81,28 @@ def test_dequantize_equals_gguf_bit_for_bit(kind: str, k: int, n: int) -> None:
     for bad in (n, -1):  # a padding row, a wrapped index
         with pytest.raises(IndexError, match="row ids"):
             weight.rows(torch.tensor([0, bad]))
+        with pytest.raises(IndexError, match="row ids"):
+            weight.rows_reference(torch.tensor([0, bad]))
+
+
+@pytest.mark.parametrize("kind", QTYPES)
+@pytest.mark.parametrize(("k", "n"), SHAPES)
+def test_the_c_lookup_equals_the_torch_one(kind: str, k: int, n: int) -> None:
+    """An embedding lookup by the C library against the same operations as torch calls: the
+    same bits for random ids (repeats, both ends, every panel position), one id, none."""
+    assert gguf_linear.load_library() is not None
+    weight, _ = make_weight(kind, k, n, seed=n)
+    rng = np.random.default_rng(k)
+    for ids in (
+        torch.from_numpy(rng.integers(0, n, 37)),
+        torch.tensor([0, n - 1, n - 1, 0]),
+        torch.tensor([n // 2]),
+        torch.tensor([], dtype=torch.int64),
+        torch.arange(n).view(-1, 1).to(torch.int32),
+    ):
+        got, expected = weight.rows(ids), weight.rows_reference(ids)
+        assert got.shape == expected.shape == (*ids.shape, k)
+        assert torch.equal(got, expected)
 
 
 @pytest.mark.parametrize("kind", QTYPES)
