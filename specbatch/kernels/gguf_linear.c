@@ -494,7 +494,8 @@ static void scratch_tile(const Weights *w, const float *x, int64_t rows, int64_t
 #endif
 
 /* Rows ids[0 .. count) of W (N x K, the layout above) dequantised into out ([count][K]): an
- * embedding lookup, ~100x the speed of the same operations as torch calls. Returns 0, or -1
+ * embedding lookup (one row: 13 us against 81 for the same operations as torch calls, whose
+ * bits it equals: tests/kernels/test_gguf_linear.py). Returns 0, or -1
  * (out untouched) when an id is outside [0, N). */
 int gguf_rows(int kind, const void *data, int64_t n, int64_t k, const int64_t *ids, int64_t count,
               float *out) {

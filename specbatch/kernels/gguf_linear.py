@@ -110,7 +110,7 @@ class QuantizedWeight:
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Dequantised rows ``ids`` (an embedding lookup): float32 [*ids.shape, K], by the C
-        library where it is built (a decode's lookup took ~0.2 ms as torch calls)."""
+        library where it is built (a decode's row: 13 us against 81 as torch calls)."""
         library = load_library()
         if library is None or ids.device.type != "cpu":
             return self.rows_reference(ids)

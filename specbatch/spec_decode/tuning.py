@@ -47,7 +47,7 @@ class SpeculationTuning:
     # against 1.49x / 1.11x). 16 against 4, gguf on the AVX2 host, all 13 categories side by
     # side (docs/notes.md, "the plan's cost at batch 1"): batch 1 geomean 1.08x against 1.06x,
     # 12 categories up or level (writing 0.94x / 0.93x, stem 1.00x / 0.97x); batch 8 0.99x
-    # both (a refit costs ~1 ms; at 4 it was a quarter of a batch-1 plan).
+    # both (a refit costs ~1 ms; at 4 refits were a third of a batch-1 plan's 0.78 ms).
     refit_every: int = 16
     # Width of the nearness kernel in log tokens and log sequences: how local a fit is
     # (0.35: 1.45x / 1.10x against 1.48x / 1.11x).

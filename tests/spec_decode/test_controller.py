@@ -31,6 +31,7 @@ from specbatch.spec_decode.control.controller import (
 )
 from specbatch.spec_decode.control.solver import best_by_depth, best_single, promising_depths
 from specbatch.spec_decode.control.step_times import (
+    FAR,
     ForwardTimes,
     StepClock,
     StepTimes,
@@ -277,6 +278,23 @@ def test_forward_times_fit_fixed_and_per_row() -> None:
     fixed, per_row = times.fit(4)
     assert fixed == pytest.approx(0.004, rel=1e-3)
     assert per_row == pytest.approx(0.0001, rel=1e-3)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_a_draft_forwards_line_is_the_general_fits(seed: int) -> None:
+    """A draft forward's fit, a weighted line in closed form, against the general weighted
+    least squares (``_weighted_fit``, unconstrained) on the same samples and weights."""
+    rng = np.random.default_rng(seed)
+    times = ForwardTimes()
+    shapes = [1, 2, 3, 5, 8, 40, 120]  # each measured: no fit is the far reading
+    for rows in shapes + list(rng.choice(shapes, int(rng.integers(0, 80)))):
+        times.observe(int(rows), 0.001 + 0.0002 * rows + float(rng.normal(0, 5e-5)), 1.0)
+    for rows in (1.0, 2.0, 5.0, 37.0, 120.0):
+        near = np.log(times._design[:, 1] / rows) ** 2
+        bandwidth = times.tuning.bandwidth
+        weight = times._ring.weights() * (np.exp(-near / (2 * bandwidth**2)) + FAR)
+        fixed, per_row = _weighted_fit(times._design, times._y, weight, constrained=False)
+        assert times._fit(rows) == pytest.approx((fixed, per_row), rel=1e-6, abs=1e-12)
 
 
 def test_a_far_draft_forward_does_not_rule_small_ones_out() -> None:

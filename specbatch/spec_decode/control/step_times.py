@@ -40,6 +40,9 @@ from specbatch.spec_decode.tuning import SpeculationTuning
 FAR = 1e-6
 PAIR_SCALE = 1e-4  # attention pairs are fitted in units of 10^4 (the fit's conditioning)
 SLOPES = 3  # a step's fit has one per tokens, sequences, pairs: it needs as many samples
+# The whisper of ridge on every fit's slopes: this share of the Gram matrix's trace, plus a floor
+# (a column that does not vary gets slope 0, not noise)
+RIDGE, RIDGE_FLOOR = 1e-9, 1e-30
 
 Fit = TypeVar("Fit")
 
@@ -235,7 +238,7 @@ class ForwardTimes:
         mean_r, mean_y = weight @ r / total, weight @ y / total
         weighted = weight * (r - mean_r)
         spread = weighted @ (r - mean_r)
-        per_row = float(weighted @ (y - mean_y) / (spread * (1 + 1e-9) + 1e-30))
+        per_row = float(weighted @ (y - mean_y) / (spread * (1 + RIDGE) + RIDGE_FLOOR))
         fixed = float(mean_y - per_row * mean_r)
         per_row = max(per_row, 0.0)
         if fixed < 0:  # a line through the origin's side: all of it per row
@@ -375,7 +378,7 @@ def _ridge_solve(gram: np.ndarray, moment: np.ndarray, constrained: bool) -> np.
     with a whisper of ridge on ``gram`` (in place), all >= 0 if ``constrained``."""
     columns = gram.shape[1]
     trace = np.trace(gram, axis1=1, axis2=2)
-    gram += np.eye(columns)[None] * (1e-9 * trace + 1e-30)[:, None, None]
+    gram += np.eye(columns)[None] * (RIDGE * trace + RIDGE_FLOOR)[:, None, None]
     slopes = np.linalg.solve(gram, moment[:, :, None])[:, :, 0]
     if constrained:
         negative = (slopes < 0).any(axis=1)
