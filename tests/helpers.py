@@ -17,7 +17,7 @@ from specbatch import LLM, LLMEngine, SamplingParams
 from specbatch.cache.kv_tensors import allocate_kv_caches
 from specbatch.kernels.attention import AttentionInputs
 from specbatch.models.llama import LlamaForCausalLM
-from specbatch.spec_decode.control.controller import (
+from specbatch.spec_decode.control.choices import (
     DRAFT,
     Candidate,
     Choice,

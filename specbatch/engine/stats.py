@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from specbatch.spec_decode.control.controller import PlanReport
+from specbatch.spec_decode.control.choices import PlanReport
 from specbatch.spec_decode.plan import SpecCounters
 
 

@@ -13,18 +13,18 @@ from dataclasses import dataclass, field
 
 from specbatch.scheduler import ScheduledSequence, SchedulerOutput
 from specbatch.sequence import Sequence
-from specbatch.spec_decode.control.controller import (
+from specbatch.spec_decode.control.choices import (
     DRAFT,
     EXTERNAL,
     FORCED,
     LOOKUP_WAYS,
     Candidate,
     Choice,
-    GoodputController,
     PlanReport,
     Prices,
     lookup_way,
 )
+from specbatch.spec_decode.control.controller import GoodputController
 from specbatch.spec_decode.proposers.base import DraftRequest, LookupMatch, Proposer
 
 

@@ -30,11 +30,8 @@ from specbatch.kernels.sampling import sample
 from specbatch.runner.flat_batch import TokenRun, cache_slots
 from specbatch.scheduler import ScheduledSequence, SchedulerOutput
 from specbatch.sequence import Sequence
-from specbatch.spec_decode.control.controller import (
-    EXTERNAL,
-    FORCED,
-    GoodputController,
-)
+from specbatch.spec_decode.control.choices import EXTERNAL, FORCED
+from specbatch.spec_decode.control.controller import GoodputController
 from specbatch.spec_decode.control.step_times import StepClock
 from specbatch.spec_decode.plan import DraftPlan, Planner, SpecCounters, pairs_of
 from specbatch.spec_decode.proposers.base import (

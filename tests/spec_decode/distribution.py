@@ -17,7 +17,7 @@ from specbatch import LLMEngine, SamplingParams
 from specbatch.config import EngineConfig
 from specbatch.kernels.sampling import SamplingRow, SamplingTensors, target_probs
 from specbatch.models import load_model
-from specbatch.spec_decode.control.controller import DRAFT, Candidate, Choice, lookup_way
+from specbatch.spec_decode.control.choices import DRAFT, Candidate, Choice, lookup_way
 from specbatch.spec_decode.proposers.base import Proposer
 from tests.helpers import PagedHarness
 

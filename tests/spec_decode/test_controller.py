@@ -23,12 +23,8 @@ from specbatch.spec_decode.control.acceptance import (
     _PositionRates,
     _TimedRate,
 )
-from specbatch.spec_decode.control.controller import (
-    DRAFT,
-    LOOKUP_WAYS,
-    Candidate,
-    GoodputController,
-)
+from specbatch.spec_decode.control.choices import DRAFT, LOOKUP_WAYS, Candidate
+from specbatch.spec_decode.control.controller import GoodputController
 from specbatch.spec_decode.control.solver import best_by_depth, best_single, promising_depths
 from specbatch.spec_decode.control.step_times import (
     FAR,
@@ -88,9 +84,9 @@ def with_rates(
     acceptance = controller.acceptance
     acceptance.firsts = lambda way, seq_ids: [rates[i] for i in seq_ids]  # type: ignore[method-assign]
     later = next(iter(rates.values())) if follow is None else follow
-    acceptance.follow_rows = lambda ways, count: np.array(  # type: ignore[method-assign]
-        [np.r_[1.0, np.full(count - 1, later)] for _ in ways]
-    )
+    acceptance.follow_lists = lambda ways, count: [  # type: ignore[method-assign]
+        [1.0] + [later] * (count - 1) for _ in ways
+    ]
 
 
 def gains_of(model: AcceptanceModel, seq_id: int, way: str, count: int) -> np.ndarray:
@@ -418,9 +414,9 @@ def test_hybrid_plan_is_the_exhaustive_optimum(seed: int) -> None:
     follows = {way: float(rng.choice([0.3, 0.8, 1.0])) for way in (*LOOKUP_WAYS, DRAFT)}
     acceptance = controller.acceptance
     acceptance.firsts = lambda way, seq_ids: [rates[(i, way)] for i in seq_ids]  # type: ignore[method-assign]
-    acceptance.follow_rows = lambda ways, count: np.array(  # type: ignore[method-assign]
-        [np.r_[1.0, np.full(count - 1, follows[way])] for way in ways]
-    )
+    acceptance.follow_lists = lambda ways, count: [  # type: ignore[method-assign]
+        [1.0] + [follows[way]] * (count - 1) for way in ways
+    ]
     choices = controller.plan(cands, count, count, 0.0, 1000).choices
 
     def ratio(plan: list[tuple[str, int]]) -> float:

@@ -163,19 +163,36 @@ class AcceptanceModel:
     def follow_rows(self, ways: tuple[str, ...], count: int) -> np.ndarray:
         """Per way (ways x count), the chance that draft ``j`` (1 .. count - 1) is accepted
         given draft ``j - 1`` was; entry 0 is 1."""
-        out = self._rows(self._follow, ways, count, UNINFORMED)
-        out[:, :1] = 1.0
-        return out
+        return np.array(self.follow_lists(ways, count), dtype=np.float64).reshape(len(ways), count)
+
+    def follow_lists(self, ways: tuple[str, ...], count: int) -> list[list[float]]:
+        """``follow_rows`` as lists (a batch-1 plan's, in plain floats)."""
+        rows = self._rows(self._follow, ways, count, UNINFORMED)
+        for row in rows:
+            if row:
+                row[0] = 1.0
+        return rows
 
     def made_rows(self, ways: tuple[str, ...], count: int) -> np.ndarray:
         """Per way (ways x count), the chance that draft ``j`` is made when ``count`` are
         allotted: the proposer made every one before it and did not stop (1 until a
         proposer stops early or drops a first draft)."""
-        return np.cumprod(self._rows(self._made, ways, count, 1.0), axis=1)
+        return np.array(self.made_lists(ways, count), dtype=np.float64).reshape(len(ways), count)
+
+    def made_lists(self, ways: tuple[str, ...], count: int) -> list[list[float]]:
+        """``made_rows`` as lists (a batch-1 plan's, in plain floats)."""
+        out = []
+        for rates in self._rows(self._made, ways, count, 1.0):
+            chance, made = 1.0, []
+            for rate in rates:
+                chance *= rate
+                made.append(chance)
+            out.append(made)
+        return out
 
     def _rows(
         self, table: dict[str, _PositionRates], ways: tuple[str, ...], count: int, prior: float
-    ) -> np.ndarray:
+    ) -> list[list[float]]:
         """The position rates of each of ``ways`` in ``table`` (a way not in it: ``prior``)."""
         rows = []
         for way in ways:
@@ -184,7 +201,7 @@ class AcceptanceModel:
                 rows.append([prior] * count)
             else:
                 rows.append(rates.values(count, prior, self._weight, self.step))
-        return np.array(rows, dtype=np.float64).reshape(len(ways), count)
+        return rows
 
     def observe_made(self, way: str, allotted: int, made: int) -> None:
         """The proposer made ``made`` of the ``allotted`` drafts of ``way``."""

@@ -35,11 +35,26 @@ steps), and a shape measured slow once is measured again. The constants are fiel
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+import itertools
+from dataclasses import dataclass
 
 import numpy as np
 
+from specbatch.spec_decode.control import single
 from specbatch.spec_decode.control.acceptance import AcceptanceModel
+from specbatch.spec_decode.control.choices import (
+    DRAFT,
+    EXTERNAL,
+    FORCED,
+    LOOKUP_WAYS,
+    Candidate,
+    Choice,
+    ControllerPlan,
+    PlanReport,
+    Prices,
+    lookup_way,
+    report_of,
+)
 from specbatch.spec_decode.control.solver import (
     all_slots,
     best_by_depth,
@@ -48,96 +63,6 @@ from specbatch.spec_decode.control.solver import (
 )
 from specbatch.spec_decode.control.step_times import ForwardTimes, StepCost, StepTimes
 from specbatch.spec_decode.tuning import SpeculationTuning
-
-LOOKUP_WAYS = ("lookup1", "lookup2", "lookup3")  # by match length: 1, 2, 3 or more tokens
-DRAFT = "draft"
-EXTERNAL = "external"
-# a constraint's only continuation (its forced tokens): free to propose, and the masked target
-# gives it probability 1, so every controller plans it beside its proposer's ways
-FORCED = "forced"
-
-
-def lookup_way(match_length: int) -> str:
-    return LOOKUP_WAYS[min(match_length, len(LOOKUP_WAYS)) - 1]
-
-
-@dataclass
-class Candidate:
-    """A sequence that samples this step and may get drafts.
-
-    ``context``: keys its first draft row attends to; ``lookup``: what prompt lookup would
-    draft (empty: no match) and ``lookup_n`` the matched suffix length."""
-
-    seq_id: int
-    slots: int
-    context: int
-    lookup: list[int]
-    lookup_n: int = 0
-    catch_up: int = 1  # rows the draft model computes for it before its first draft
-    forced: list[int] = field(default_factory=list)  # its constraint's only continuation
-
-
-@dataclass(frozen=True)
-class Choice:
-    way: str | None  # None: no drafts
-    drafts: int
-    # accepted drafts expected, by the uncalibrated estimates it was chosen on, if the
-    # proposer makes 1, 2, ... drafts
-    expected: tuple[float, ...] = ()
-    # the drafts the plan chose where a probe added one (``probe_every``); acceptance is
-    # learned from those only: the probe's draft is one no plan would choose, and counted it
-    # would pull the rate of its position down for the drafts plans do choose
-    planned: int | None = None
-
-    @property
-    def learned(self) -> int:
-        """The drafts acceptance is learned from (the planned ones)."""
-        return self.drafts if self.planned is None else self.planned
-
-
-@dataclass(frozen=True)
-class PlanReport:
-    """What the controller decided for a step, and why (for stats and /metrics)."""
-
-    candidates: int = 0
-    seqs_drafting: int = 0
-    drafts: int = 0
-    by_way: dict[str, int] = field(default_factory=dict)
-    step_seconds: float = 0.0  # estimated, before drafts
-    row_seconds: float = 0.0  # estimated target cost of one more row, mean over candidates
-    expected_gain: float = 1.0  # planned goodput over the no-draft step's
-
-
-@dataclass(frozen=True)
-class Prices:
-    """What one more verify row costs a planned step: ``step`` seconds at the candidates'
-    mean context plus ``per_pair`` per key beyond it, worth ``tokens_per_second`` (the plan's
-    goodput; 0 where it was not planned on measured times)."""
-
-    step: float = 0.0
-    per_pair: float = 0.0
-    mean_context: float = 0.0
-    tokens_per_second: float = 0.0
-
-    def row_seconds(self, context: float) -> float:
-        """Seconds of one more verify row attending ``context`` keys."""
-        return max(self.step + self.per_pair * (context - self.mean_context), 0.0)
-
-    def row_tokens(self, context: float) -> float | None:
-        """That row's cost in tokens at the plan's goodput (None: not planned on measured
-        times)."""
-        if self.tokens_per_second <= 0.0:
-            return None
-        return self.tokens_per_second * self.row_seconds(context)
-
-
-@dataclass(frozen=True)
-class ControllerPlan:
-    """Each candidate's choice, what rows cost, and the report."""
-
-    choices: list[Choice]
-    prices: Prices = Prices()
-    report: PlanReport = PlanReport()
 
 
 class GoodputController:
@@ -167,6 +92,20 @@ class GoodputController:
         if not candidates or not max(c.slots for c in candidates):
             nothing = [Choice(None, 0) for _ in candidates]
             return ControllerPlan(nothing, report=PlanReport(candidates=len(candidates)))
+        if len(candidates) == 1 and base_seqs == 1 and self.times.ready:
+            return single.plan_one(self, candidates[0], base_tokens, base_pairs, budget)
+        return self._plan_arrays(candidates, base_tokens, base_seqs, base_pairs, budget)
+
+    def _plan_arrays(
+        self,
+        candidates: list[Candidate],
+        base_tokens: int,
+        base_seqs: int,
+        base_pairs: float,
+        budget: int,
+    ) -> ControllerPlan:
+        """``plan`` over arrays of candidates x ways x draft positions (a batch-1 step's plan
+        is :func:`single.plan_one`'s: the same in plain floats, and this its reference)."""
         options = self._options(candidates, base_tokens, base_seqs, base_pairs)
         gains, costs, valid = options.gains, options.costs, options.valid
         expected_gain, ratio = 1.0, 0.0
@@ -177,7 +116,7 @@ class GoodputController:
             chosen, ratio = self._solve(options, len(candidates), base)
             expected_gain = ratio * base / len(candidates)
         planned = chosen = within_budget(chosen, gains, costs, max(budget, 0))
-        if self.times.ready and sum(d + 1 for _, d in chosen) < budget:
+        if self.times.ready and sum(d + 1 for _, d in chosen) < budget and self.probe_due():
             chosen = self._probed(chosen, options, ratio)
         expected = np.cumsum(options.uncalibrated, axis=2)
         choices = [
@@ -191,19 +130,22 @@ class GoodputController:
             else Choice(None, 0)
             for i, ((w, d), was) in enumerate(zip(chosen, planned, strict=True))
         ]
-        prices = replace(options.prices, tokens_per_second=ratio)
-        report = _report(candidates, choices, base, prices, expected_gain)
+        p = options.prices
+        prices = Prices(p.step, p.per_pair, p.mean_context, ratio)
+        report = report_of(candidates, choices, base, prices, expected_gain)
         return ControllerPlan(choices, prices, report)
+
+    def probe_due(self) -> bool:
+        """Whether this plan, leaving room in its budget, gets a probe (one draft more every
+        ``probe_every`` such plans, see the module docstring); counted once per such plan."""
+        self.plans_since_probe += 1
+        every = self.tuning.probe_every
+        return bool(every) and self.plans_since_probe >= every
 
     def _probed(
         self, chosen: list[tuple[int, int]], options: _Options, ratio: float
     ) -> list[tuple[int, int]]:
-        """``chosen``, with one draft more every ``probe_every`` plans (see the module
-        docstring)."""
-        self.plans_since_probe += 1
-        every = self.tuning.probe_every
-        if not every or self.plans_since_probe < every:
-            return chosen
+        """``chosen`` with the one draft more (a probe is due) that costs the plan least."""
         gains, costs, valid = options.gains, options.costs, options.valid
         _count, ways, slots = gains.shape
         draft = self.ways.index(DRAFT) if DRAFT in self.ways else None
@@ -279,10 +221,7 @@ class GoodputController:
         ran[..., 0] = 1.0
         # a draft-model draft adds a row to a draft forward (the first: one catch-up row, see
         # the module docstring); an application's proposer its measured time per draft
-        seconds, drafts = self._external
-        per_draft = {DRAFT: draft_fit[1], EXTERNAL: seconds / drafts if drafts else 0.0}
-        extra = [per_draft.get(way, 0.0) for way in ways]
-        proposing = np.array(extra)[None, :, None] * ran
+        proposing = np.array(self.proposing_seconds(ways, draft_fit))[None, :, None] * ran
         costs = np.where(valid, row[:, None, :] * made + proposing, 0.0)
         if DRAFT in ways:  # the backlog a draft model must catch up on
             catch_up = np.maximum(table[:, 2], 1.0)
@@ -322,18 +261,37 @@ class GoodputController:
             rows = fit.per_token + fit.per_pair * (context[:, None] + positions[None, :])
             return rows, fit, prices
         mean_context = float(context.sum()) / count
-        sizes = [float(base_tokens + count * j) for j in range(most + 1)]
-        fits = self.times.fits(sizes, base_seqs)
-        seconds = []
-        for j, (tokens, fit) in enumerate(zip(sizes, fits, strict=True)):
-            pairs = base_pairs + count * j * (mean_context + (j - 1) / 2)
-            seconds.append(fit.seconds(tokens, base_seqs, pairs))
-        predicted = np.array(seconds)
-        step = np.maximum((predicted[1:] - predicted[:-1]) / count, 0.0)
-        per_pair = np.array([fit.per_pair for fit in fits[1:]])
+        step, per_pair, base_fit = self.batch_one_rows(
+            base_tokens, base_pairs, mean_context, count, most
+        )
         prices = Prices(float(step[0]), float(per_pair[0]), mean_context)
         offset = context[:, None] - mean_context
-        return np.maximum(step[None, :] + per_pair[None, :] * offset, 0.0), fits[0], prices
+        rows = np.maximum(np.array(step)[None, :] + np.array(per_pair)[None, :] * offset, 0.0)
+        return rows, base_fit, prices
+
+    def batch_one_rows(
+        self, base_tokens: int, base_pairs: float, mean_context: float, count: int, most: int
+    ) -> tuple[list[float], list[float], StepCost]:
+        """A one-sequence step's ``_row_prices`` before the offsets of the candidates'
+        contexts: per draft position the seconds a row adds there at ``mean_context`` and the
+        per-pair slope, and the plain step's fit."""
+        sizes = [float(base_tokens + count * j) for j in range(most + 1)]
+        fits = self.times.fits(sizes, 1)
+        seconds = [
+            fit.seconds(tokens, 1, base_pairs + count * j * (mean_context + (j - 1) / 2))
+            for j, (tokens, fit) in enumerate(zip(sizes, fits, strict=True))
+        ]
+        step = [max((after - before) / count, 0.0) for before, after in itertools.pairwise(seconds)]
+        return step, [fit.per_pair for fit in fits[1:]], fits[0]
+
+    def proposing_seconds(
+        self, ways: tuple[str, ...], draft_fit: tuple[float, float]
+    ) -> list[float]:
+        """Per way, the proposer's seconds per draft it makes: a draft model's row in its
+        forward (``draft_fit``), an application's proposer's measured time, 0 for the rest."""
+        seconds, drafts = self._external
+        per_draft = {DRAFT: draft_fit[1], EXTERNAL: seconds / drafts if drafts else 0.0}
+        return [per_draft.get(way, 0.0) for way in ways]
 
     def _solve(
         self, options: _Options, seqs: int, base: float
@@ -460,26 +418,3 @@ class _Options:
     draft_fit: tuple[float, float]  # a draft forward's (fixed, per row) seconds near this step
     base_cost: StepCost  # the fit of the plain step
     prices: Prices  # of one more verify row
-
-
-def _report(
-    candidates: list[Candidate],
-    choices: list[Choice],
-    base_seconds: float,
-    prices: Prices,
-    expected_gain: float,
-) -> PlanReport:
-    by_way: dict[str, int] = {}
-    for choice in choices:
-        if choice.way is not None:
-            by_way[choice.way] = by_way.get(choice.way, 0) + choice.drafts
-    mean_context = sum(c.context for c in candidates) / len(candidates)
-    return PlanReport(
-        candidates=len(candidates),
-        seqs_drafting=sum(1 for c in choices if c.drafts),
-        drafts=sum(c.drafts for c in choices),
-        by_way=by_way,
-        step_seconds=float(base_seconds),
-        row_seconds=prices.row_seconds(mean_context),
-        expected_gain=float(expected_gain),
-    )
