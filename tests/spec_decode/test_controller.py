@@ -23,7 +23,7 @@ from specbatch.spec_decode.control.acceptance import (
     _PositionRates,
     _TimedRate,
 )
-from specbatch.spec_decode.control.choices import DRAFT, LOOKUP_WAYS, Candidate
+from specbatch.spec_decode.control.choices import DRAFT, LOOKUP_WAYS, Candidate, Choice
 from specbatch.spec_decode.control.controller import GoodputController
 from specbatch.spec_decode.control.solver import best_by_depth, best_single, promising_depths
 from specbatch.spec_decode.control.step_times import (
@@ -577,6 +577,30 @@ def test_a_probe_adds_one_draft_that_acceptance_does_not_learn_from() -> None:
     for _ in range(PROBE_EVERY):
         last = tight.plan(cands, 2, 2, 402.0, sum(planned)).choices
     assert [c.drafts for c in last] == planned
+
+
+@pytest.mark.parametrize("catch_up", [1, 2, 3, 40])
+def test_a_probe_is_a_row_not_a_draft_models_catch_up(catch_up: int) -> None:
+    """A plan of no drafts, a probe due, no lookup match: the draft model's first draft is
+    the probe if its catch-up is a drafting sequence's usual one or two rows; past that (it
+    sat out steps) there is none, and the probe stays due until a plan has a way to probe
+    that is only a row (a lookup's draft)."""
+    clock = FakeClock(0.015, 0.004, 0.0, 1e-6)  # a row: a quarter of a step
+    controller = trained(clock, ways=(*LOOKUP_WAYS, DRAFT), probe_every=1)
+    for rows in (1, 2, 3, 40):
+        controller.observe_draft_forward(rows, 0.001 + 0.0002 * rows)
+    with_rates(controller, {0: 0.05})  # no plan drafts
+    choice = controller.plan([Candidate(0, 4, 200, [], catch_up=catch_up)], 1, 1, 200.0, 100)
+    if catch_up <= 2:
+        assert choice.choices[0] == Choice(DRAFT, 1, (0.05,), planned=0)
+        assert controller.plans_since_probe == 0
+        return
+    assert choice.choices[0] == Choice(None, 0)
+    assert controller.plans_since_probe == 1
+    matched = Candidate(0, 4, 200, [5, 6], 2, catch_up=catch_up)
+    choice = controller.plan([matched], 1, 1, 200.0, 100)
+    assert choice.choices[0] == Choice(LOOKUP_WAYS[1], 1, (0.05,), planned=0)
+    assert controller.plans_since_probe == 0
 
 
 def pulled(outcomes: list[bool], decay: float, prior: float, weight: float) -> float:

@@ -97,6 +97,13 @@ class ControllerPlan:
     report: PlanReport = PlanReport()
 
 
+def probe_free(by_draft_model: bool, position: int, catch_up: int) -> bool:
+    """Whether draft ``position`` may be a probe: not a draft model's first where its catch-up
+    goes beyond the one or two rows a sequence it drafted for last step has (the tokens of the
+    steps it sat out: a forward of them all, to measure one row)."""
+    return not (by_draft_model and position == 0 and catch_up > 2)
+
+
 def report_of(
     candidates: list[Candidate],
     choices: list[Choice],

@@ -29,7 +29,10 @@ judges a point-mass draft exactly as a verify would). Until the step-time model 
 steps it drafts every slot, so that it sees what drafts cost. The step-time model learns a
 drafted step's shape only from drafted steps, so every ``probe_every`` plans one draft more
 than the plan chose is run (the exception to "never planned slower": one row in so many
-steps), and a shape measured slow once is measured again. The constants are fields of
+steps), and a shape measured slow once is measured again. A probe is that row, not a draft
+model's catch-up: a draft model's first draft is no probe where it would first compute the
+tokens of steps it sat out (``probe_free``; at batch 1 on a gguf step such a probe cost 15 ms,
+the writing prompts' 3% against speculation off). The constants are fields of
 :class:`~specbatch.spec_decode.tuning.SpeculationTuning`.
 """
 
@@ -53,6 +56,7 @@ from specbatch.spec_decode.control.choices import (
     PlanReport,
     Prices,
     lookup_way,
+    probe_free,
     report_of,
 )
 from specbatch.spec_decode.control.solver import (
@@ -117,7 +121,7 @@ class GoodputController:
             expected_gain = ratio * base / len(candidates)
         planned = chosen = within_budget(chosen, gains, costs, max(budget, 0))
         if self.times.ready and sum(d + 1 for _, d in chosen) < budget and self.probe_due():
-            chosen = self._probed(chosen, options, ratio)
+            chosen = self._probed(chosen, options, ratio, [c.catch_up for c in candidates])
         expected = np.cumsum(options.uncalibrated, axis=2)
         choices = [
             Choice(
@@ -143,9 +147,14 @@ class GoodputController:
         return bool(every) and self.plans_since_probe >= every
 
     def _probed(
-        self, chosen: list[tuple[int, int]], options: _Options, ratio: float
+        self,
+        chosen: list[tuple[int, int]],
+        options: _Options,
+        ratio: float,
+        catch_ups: list[int],
     ) -> list[tuple[int, int]]:
-        """``chosen`` with the one draft more (a probe is due) that costs the plan least."""
+        """``chosen`` with the one draft more (a probe is due) that costs the plan least, of
+        those ``probe_free`` allows."""
         gains, costs, valid = options.gains, options.costs, options.valid
         _count, ways, slots = gains.shape
         draft = self.ways.index(DRAFT) if DRAFT in self.ways else None
@@ -155,6 +164,8 @@ class GoodputController:
             for way in range(ways) if d < 0 else (w,):
                 j = d + 1
                 if j >= slots or not valid[i, way, j]:
+                    continue
+                if not probe_free(way == draft, j, catch_ups[i]):
                     continue
                 cost = costs[i, way, j]
                 if way == draft and j + 1 > depth:  # one more draft-model forward

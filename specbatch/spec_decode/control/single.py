@@ -26,6 +26,7 @@ from specbatch.spec_decode.control.choices import (
     ControllerPlan,
     Prices,
     lookup_way,
+    probe_free,
     report_of,
 )
 from specbatch.spec_decode.control.solver import EPSILON
@@ -71,7 +72,7 @@ def plan_one(
     last = min(last, max(budget, 0) - 1)  # ``within_budget``, for one candidate
     planned = way, last
     if last + 1 < budget and controller.probe_due():
-        way, last = _probed(controller, per_way, draft, draft_fit[0], planned, ratio)
+        way, last = _probed(controller, per_way, draft, draft_fit[0], planned, ratio, candidate)
     choice = Choice(None, 0)
     if last >= 0:
         expected = _running_sums(per_way[way].uncalibrated[: last + 1])
@@ -157,6 +158,7 @@ def _probed(
     per_forward: float,
     chosen: tuple[int, int],
     ratio: float,
+    candidate: Candidate,
 ) -> tuple[int, int]:
     """``chosen`` with the one draft more that costs the plan least (``_probed``)."""
     w, d = chosen
@@ -165,7 +167,7 @@ def _probed(
     j = d + 1
     for way in range(len(per_way)) if d < 0 else (w,):
         option = per_way[way]
-        if j >= option.usable:
+        if j >= option.usable or not probe_free(way == draft, j, candidate.catch_up):
             continue
         cost = option.costs[j]
         if way == draft and j + 1 > depth:  # one more draft-model forward
