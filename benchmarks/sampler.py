@@ -6,7 +6,9 @@ Logits are SmolLM2-135M's own (float32), from the last positions of chat-templat
 prompts, ``--rows`` of them. For each setting, the time of ``target_probs`` (the distribution
 every row samples from) with the tiers and with sorting every row (``CANDIDATE_TIERS = ()``),
 measured in the same run, and where the rows' top-k/nucleus sets end: within the 256 largest
-logits, within 4096, or past them (sorted whole).
+logits, within 4096, or past them (sorted whole). Then greedy rows (``sample`` with every row
+greedy: the argmax) at 1, 5 and ``--rows`` rows, ``row_argmax`` (numpy's on the CPU) against
+torch's ``argmax``, the same run.
 """
 
 from __future__ import annotations
@@ -107,6 +109,31 @@ def main() -> None:
             f"({sorted_ms / fast:4.1f}x); rows ending within 256 / 4096 / sorted whole: "
             + " / ".join(map(str, within))
         )
+    for count in (1, 5, args.rows):
+        greedy = time_greedy(logits[:count], args.repeats)
+        plain = time_greedy(logits[:count], args.repeats, torch_argmax=True)
+        print(
+            f"greedy, {count:3d} rows: row_argmax {1e3 * greedy:7.1f} us, torch argmax "
+            f"{1e3 * plain:7.1f} us ({plain / greedy:4.1f}x)"
+        )
+
+
+def time_greedy(logits: torch.Tensor, repeats: int, torch_argmax: bool = False) -> float:
+    """Milliseconds of ``sample`` for greedy rows (with torch's argmax in place of
+    ``row_argmax`` if ``torch_argmax``)."""
+    rows = [SamplingRow(SamplingParams(temperature=0.0), [], [], 0) for _ in logits]
+    original = sampling.row_argmax
+    if torch_argmax:
+        sampling.row_argmax = lambda x: x.argmax(-1)
+    try:
+        samples = []
+        for _ in range(max(repeats, 1) * 20):
+            start = time.perf_counter()
+            sampling.sample(logits, rows, torch.Generator())
+            samples.append(time.perf_counter() - start)
+    finally:
+        sampling.row_argmax = original
+    return statistics.median(samples) * 1e3
 
 
 if __name__ == "__main__":

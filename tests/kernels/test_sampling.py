@@ -14,6 +14,7 @@ from specbatch.kernels.sampling import (
     SamplingTensors,
     gumbel_argmax,
     gumbel_noise,
+    row_argmax,
     sample,
     target_probs,
 )
@@ -269,3 +270,26 @@ def test_candidate_top_k_top_p_rows_do_not_depend_on_the_batch() -> None:
     for r in range(8):
         alone = _top_k_top_p(logits[r : r + 1], top_k[r : r + 1], top_p[r : r + 1])
         assert torch.equal(alone, together[r : r + 1]), r
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_row_argmax_is_torchs_argmax(dtype: torch.dtype) -> None:
+    """The numpy path (float CPU tensors) against torch's argmax: random rows, ties (the first
+    wins), -inf rows, NaN (the first NaN wins), one row, no rows, a strided view."""
+    g = torch.Generator().manual_seed(0)
+    cases = [
+        torch.randn(7, 1000, generator=g),
+        torch.randint(0, 3, (6, 50), generator=g).float(),  # many ties
+        torch.full((2, 9), float("-inf")),
+        torch.randn(1, 49152, generator=g),
+        torch.zeros(0, 16),
+        torch.randn(8, 40, generator=g)[::2, 5:],
+    ]
+    with_nan = torch.randn(4, 30, generator=g)
+    with_nan[1, 7] = with_nan[1, 20] = with_nan[3, 0] = float("nan")
+    cases.append(with_nan)
+    for x in cases:
+        x = x.to(dtype)
+        got = row_argmax(x)
+        assert got.dtype == torch.long
+        assert torch.equal(got, x.argmax(-1))

@@ -34,6 +34,7 @@ from specbatch.kernels.sampling import (
     SamplingTensors,
     greedy_tokens,
     inverse_cdf,
+    row_argmax,
     target_probs,
     with_seeded_samples,
 )
@@ -109,7 +110,7 @@ def verify(
     ]
     random_seq = torch.tensor(random_flags, dtype=torch.bool, device=device)
     # Per row: the argmax, or for seeded random rows their Gumbel-max sample.
-    targets = with_seeded_samples(p.argmax(-1), p, rows)
+    targets = with_seeded_samples(row_argmax(p), p, rows)
     accepted, final = _match(layout, targets[layout.rows])
     if any(random_flags):  # known on the host: no wait on the device
         r_accepted, r_final = _rejection(p, layout, draft_probs, generator)

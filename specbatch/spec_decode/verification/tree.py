@@ -65,6 +65,7 @@ from specbatch.kernels.sampling import (
     SamplingTensors,
     greedy_tokens,
     inverse_cdf,
+    row_argmax,
     target_probs,
     with_seeded_samples,
 )
@@ -338,7 +339,7 @@ def _targets(
     if index:
         at = torch.tensor(index, dtype=torch.long, device=p.device)
         picked = p[at]
-        targets[at] = with_seeded_samples(picked.argmax(-1), picked, [rows[i] for i in index])
+        targets[at] = with_seeded_samples(row_argmax(picked), picked, [rows[i] for i in index])
     return targets
 
 
