@@ -60,15 +60,15 @@ def plan_one(
     most = candidate.slots
     context = float(candidate.context)
     step, per_pair, base_fit = controller.batch_one_rows(base_tokens, base_pairs, context, 1, most)
-    # the row's price at the candidate's own context: the mean's, offset by nothing
-    row = [max(s + p * (context - context), 0.0) for s, p in zip(step, per_pair, strict=True)]
+    # the row's price at the candidate's own context, the mean's: no per-pair offset
+    row = step
     draft_fit = controller.draft_times.fit(1) if DRAFT in ways else (0.0, 0.0)
     per_way = _ways(controller, candidate, ways, row, draft_fit)
     base = base_fit.seconds(base_tokens, 1, base_pairs)
     draft = controller.ways.index(DRAFT) if DRAFT in controller.ways else None
     floor = 1 / base * (1 + controller.tuning.hurdle)
     way, last, ratio = _best(per_way, draft, base, draft_fit[0], floor)
-    expected_gain = ratio * base / 1
+    expected_gain = ratio * base
     last = min(last, max(budget, 0) - 1)  # ``within_budget``, for one candidate
     planned = way, last
     if last + 1 < budget and controller.probe_due():
