@@ -52,9 +52,11 @@ class RotaryEmbedding:
 
     On the CPU they are rows of a table of every position so far (grown by doubling, per
     dtype): the seven torch calls for one position took 40 us alone and 0.16 ms a step in a
-    batch-1 gguf engine (of ~10.5), the lookup 11 us alone. The table's rows are the direct
-    computation's (``compute``, element by element the same operations; a test compares
-    them). An accelerator computes them directly (the same under CUDA graphs' capture)."""
+    batch-1 gguf engine (of ~10.5), the lookup 11 us alone. Its memory: the cos and sin of
+    every position up to twice the largest seen, head_dim values each (float32: 4 MB for
+    SmolLM2's head_dim 64 at 8K positions, 128 MB for head_dim 128 at 128K). The table's rows
+    are the direct computation's (``compute``, element by element the same operations; a test
+    compares them). An accelerator computes them directly (the same under CUDA graphs' capture)."""
 
     def __init__(self, config: ModelConfig) -> None:
         self._inv_freq_cpu = rotary_inv_freq(config)
