@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import random
+from typing import Any
 
 import pytest
 
@@ -122,23 +123,19 @@ def test_the_paths_agree_where_the_plan_drafts_and_where_it_probes() -> None:
     assert wanted <= seen
 
 
-def test_plan_takes_the_float_path_at_batch_one_only() -> None:
+def test_plan_takes_the_float_path_at_batch_one_only(monkeypatch: pytest.MonkeyPatch) -> None:
     """``plan`` with one sequence in the step: ``plan_one``'s plan; with a prefill beside it
     (two sequences in the forward) the arrays'."""
-    rng = random.Random(7)
-    controller = learned(rng)
+    controller = learned(random.Random(7))
     cand = Candidate(0, 4, 100, [1, 2, 3], 3)
     calls = []
     original = single.plan_one
 
-    def spy(*args: object, **kwargs: object) -> ControllerPlan:
+    def spy(*args: Any) -> ControllerPlan:
         calls.append(args)
-        return original(*args, **kwargs)  # type: ignore[arg-type]
+        return original(*args)
 
-    single.plan_one = spy  # type: ignore[assignment]
-    try:
-        controller.plan([cand], 1, 1, 100.0, 10)
-        controller.plan([cand], 30, 2, 3000.0, 10)
-    finally:
-        single.plan_one = original  # type: ignore[assignment]
+    monkeypatch.setattr(single, "plan_one", spy)
+    controller.plan([cand], 1, 1, 100.0, 10)
+    controller.plan([cand], 30, 2, 3000.0, 10)
     assert len(calls) == 1

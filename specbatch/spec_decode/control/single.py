@@ -2,8 +2,8 @@
 
 The controller plans over arrays of candidates x ways x draft positions
 (``GoodputController._plan_arrays``). For one candidate they hold a few dozen numbers, and each
-numpy call costs more than its arithmetic: 0.54 ms a plan, ~5% of a gguf batch-1 step, all of
-it paid on the steps where the plan drafts nothing. Here is the same plan for a step whose
+numpy call costs more than its arithmetic: 0.54 ms a plan, ~5% of a gguf batch-1 step, paid
+on every step, drafting or not. Here is the same plan for a step whose
 forward is one sequence's: the same quantities, by the same operations in the same order, so
 the same bits (a test compares the two on random models and candidates; the arrays path stays
 the reference and the path for more candidates). The quantities are documented there:
@@ -13,6 +13,7 @@ the reference and the path for more candidates). The quantities are documented t
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -38,9 +39,8 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class _Way:
     """One way's drafts for the candidate, by position (``_Options``' row for it, its usable
-    positions only)."""
+    positions only: as many as may be drafted)."""
 
-    usable: int  # positions 0 .. usable - 1 may be drafted
     gains: list[float]
     costs: list[float]
     uncalibrated: list[float]
@@ -75,7 +75,7 @@ def plan_one(
         way, last = _probed(controller, per_way, draft, draft_fit[0], planned, ratio, candidate)
     choice = Choice(None, 0)
     if last >= 0:
-        expected = _running_sums(per_way[way].uncalibrated[: last + 1])
+        expected = itertools.accumulate(per_way[way].uncalibrated[: last + 1])
         learned = None if planned == (way, last) else planned[1] + 1
         choice = Choice(ways[way], last + 1, tuple(expected), learned)
     prices = Prices(float(step[0]), float(per_pair[0]), context, ratio)
@@ -102,7 +102,7 @@ def _ways(
         elif way in LOOKUP_WAYS:
             usable = min(usable, len(candidate.lookup)) if way == matched else 0
         if not usable:  # (a lookup without a match): no position is read
-            out.append(_Way(0, [], [], [], []))
+            out.append(_Way([], [], [], []))
             continue
         follow = acceptance.follow_lists((way,), usable)[0]
         made = acceptance.made_lists((way,), usable)[0]
@@ -121,7 +121,7 @@ def _ways(
             catch_up = max(float(candidate.catch_up), 1.0)
             per_row = draft_fit[1] if catch_up <= 1 else controller.draft_times.fit(catch_up)[1]
             costs[0] += per_row * (catch_up - 1.0)
-        out.append(_Way(usable, gains, costs, uncalibrated, ran))
+        out.append(_Way(gains, costs, uncalibrated, ran))
     return out
 
 
@@ -134,12 +134,12 @@ def _best(
     made, the first whenever one is allotted), any other way's none."""
     forwards = [0.0]
     if draft is not None:
-        for ran in per_way[draft].ran:
+        for ran in per_way[draft].ran:  # (the arrays path's 1 - (1 - ran) ** sequences)
             forwards.append(forwards[-1] + (1.0 - (1.0 - ran)))
     best, way, last = -math.inf, 0, -1
     for w, option in enumerate(per_way):
         gains = costs = 0.0
-        for j in range(option.usable):
+        for j in range(len(option.gains)):
             gains += option.gains[j]
             costs += option.costs[j]
             depth = j + 1 if w == draft else 0
@@ -167,7 +167,7 @@ def _probed(
     j = d + 1
     for way in range(len(per_way)) if d < 0 else (w,):
         option = per_way[way]
-        if j >= option.usable or not probe_free(way == draft, j, candidate.catch_up):
+        if j >= len(option.gains) or not probe_free(way == draft, j, candidate.catch_up):
             continue
         cost = option.costs[j]
         if way == draft and j + 1 > depth:  # one more draft-model forward
@@ -179,11 +179,3 @@ def _probed(
         return chosen
     controller.plans_since_probe = 0
     return probe
-
-
-def _running_sums(values: list[float]) -> list[float]:
-    out, total = [], 0.0
-    for value in values:
-        total += value
-        out.append(total)
-    return out
