@@ -387,6 +387,18 @@ class OracleProposer(Proposer):
         return Proposal(tokens)
 
 
+def mixed_workload_logits(model: LlamaForCausalLM) -> list[torch.Tensor]:
+    """Prefills of two lengths in one step, then decodes and a 5-token verify-like step."""
+    harness = PagedHarness(model, num_blocks=96, block_size=16)
+    gen = torch.Generator().manual_seed(7)
+    first = torch.randint(0, 49152, (300,), generator=gen).tolist()
+    second = torch.randint(0, 49152, (37,), generator=gen).tolist()
+    outputs = [torch.cat(harness.forward([(0, first), (1, second)]))]
+    outputs.append(torch.cat(harness.forward([(0, [11]), (1, [12, 13, 14, 15, 16])])))
+    outputs.append(torch.cat(harness.forward([(1, [17])])))
+    return outputs
+
+
 def assert_fused_equals_per_op(
     model: LlamaForCausalLM, logits: Callable[[], list[torch.Tensor]]
 ) -> None:

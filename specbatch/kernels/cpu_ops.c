@@ -5,6 +5,7 @@
  *
  * Built at first use by specbatch/kernels/cpu_ops.py (see cbuild.py) and called through ctypes.
  */
+#include <limits.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -141,9 +142,29 @@ typedef void (*write_fn)(const void *k, int64_t k_stride, const void *v, int64_t
                          void *key_cache, void *value_cache, const int64_t *slots, int64_t tokens,
                          int64_t kv_width, int64_t elem_size);
 
+/* MKL's cblas_sgemm_compute (kernels/sgemm.py hands its address over once): float32 rows times
+ * a matrix packed by cblas_sgemm_pack, behind the linear_fn signature, called with the very
+ * arguments the per-op path passes it from Python, so both give the same bits. */
+typedef void (*sgemm_compute_fn)(int layout, int trans_a, int trans_b, int m, int n, int k,
+                                 const float *a, int lda, const void *b, int ldb, float beta,
+                                 float *c, int ldc);
+static sgemm_compute_fn sgemm_compute = NULL;
+
+void set_sgemm_compute(void *compute) { sgemm_compute = (sgemm_compute_fn)compute; }
+
+int sgemm_linear(int kind, const float *x, int64_t rows, int64_t k, const void *data, int64_t n,
+                 float *out, int threads) {
+    (void)kind, (void)threads; /* MKL keeps torch's thread count */
+    if (sgemm_compute == NULL || rows > INT_MAX || k > INT_MAX || n > INT_MAX) return -1;
+    if (rows > 0)
+        sgemm_compute(101 /* row major */, 111 /* x as is */, 151 /* packed */, (int)rows, (int)n,
+                      (int)k, x, (int)k, data, (int)k, 0.0f, out, (int)n);
+    return 0;
+}
+
 typedef struct {
-    int kind;         /* gguf_linear's kind */
-    const void *data; /* its repacked blocks */
+    int kind;         /* gguf_linear's kind (sgemm_linear ignores it) */
+    const void *data; /* its repacked blocks, or MKL's packed matrix */
 } QuantLinear;
 
 /* What a layer holds (built once per layer and cache binding). */
@@ -178,11 +199,18 @@ int decoder_layer(const Layer *L, const LayerStep *S, float *x) {
     const int64_t T = S->tokens, H = L->hidden, hd = L->head_dim;
     const int64_t q_size = L->heads * hd, kv = L->kv_heads * hd, qkv_n = q_size + 2 * kv;
     const int64_t inter = L->intermediate;
-    const size_t floats = (size_t)T * (size_t)(H + qkv_n + q_size + H + 2 * inter + inter);
-    float *memory = malloc(floats * sizeof(float));
-    if (memory == NULL) return -1;
-    float *h = memory, *qkv = h + T * H, *attn = qkv + T * qkv_n, *o = attn + T * q_size;
-    float *gate_up = o + T * H, *act = gate_up + T * 2 * inter;
+    /* each buffer starts on a 64-byte line, as torch's tensors do for the per-op path */
+    const int64_t widths[6] = {H, qkv_n, q_size, H, 2 * inter, inter};
+    size_t offsets[6], floats = 0;
+    for (int i = 0; i < 6; i++) {
+        offsets[i] = floats;
+        floats += ((size_t)(T * widths[i]) + 15) / 16 * 16;
+    }
+    float *memory = NULL;
+    if (posix_memalign((void **)&memory, 64, (floats > 0 ? floats : 16) * sizeof(float)) != 0)
+        return -1;
+    float *h = memory + offsets[0], *qkv = memory + offsets[1], *attn = memory + offsets[2];
+    float *o = memory + offsets[3], *gate_up = memory + offsets[4], *act = memory + offsets[5];
     int status = 0;
     rms_norm(x, T, H, H, L->norm1, L->eps, h, 0, S->threads);
     status |= S->linear(L->qkv.kind, h, T, H, L->qkv.data, qkv_n, qkv, S->threads);

@@ -36,6 +36,8 @@ def _declare(library: ctypes.CDLL) -> None:
     ]  # fmt: skip
     library.silu_mul.restype = None
     library.silu_mul.argtypes = [pointer, i64, i64, pointer, ctypes.c_int, ctypes.c_int]
+    library.set_sgemm_compute.restype = None
+    library.set_sgemm_compute.argtypes = [pointer]
     library.decoder_layer.restype = ctypes.c_int
     library.decoder_layer.argtypes = [pointer, pointer, pointer]
 

@@ -1,4 +1,5 @@
-"""Linear layers, with weights pre-packed for oneDNN on x86 CPUs.
+"""Linear layers, with weights pre-packed on x86 CPUs: float32 for MKL's packed GEMM
+(``kernels.sgemm``) where torch carries it, otherwise (and bfloat16) for oneDNN.
 
 On this class of CPU, torch's default float32 ``F.linear`` (MKL) is slow for the small row counts
 of decoding and verification: a 4-row product costs ~1.8x a 1-row one. oneDNN with weights
@@ -18,7 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specbatch.kernels import sgemm
 from specbatch.kernels.gguf_linear import QuantizedWeight, quantized_linear
+from specbatch.kernels.sgemm import SgemmWeight, sgemm_linear
 
 _PACK_BATCH_HINT = 8  # oneDNN picks its weight layout for this row count; any count works
 PADDED_ROWS = 8  # products of up to this many rows may be computed with more (row padding)
@@ -41,9 +44,16 @@ def cpu_packing_supported(dtype: torch.dtype) -> bool:
     return bool(out.shape == (2, 8))
 
 
+def packing_supported(dtype: torch.dtype) -> bool:
+    """True when :meth:`Linear.pack` has a layout for ``dtype`` weights here: MKL's for
+    float32 where torch exports it, oneDNN's otherwise."""
+    return (dtype == torch.float32 and sgemm.available()) or cpu_packing_supported(dtype)
+
+
 class Linear(nn.Module):
-    """``y = x W^T (+ b)`` with a plain weight (loadable, trainable), a packed one, or GGUF
-    blocks multiplied as they are (``kernels.gguf_linear``)."""
+    """``y = x W^T (+ b)`` with a plain weight (loadable, trainable), a packed one (MKL's
+    layout, ``sgemm``, or oneDNN's, ``packed``), or GGUF blocks multiplied as they are
+    (``kernels.gguf_linear``)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
@@ -52,6 +62,7 @@ class Linear(nn.Module):
         self.weight: nn.Parameter | None = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.packed: torch.Tensor | None = None
+        self.sgemm: SgemmWeight | None = None
         self.quantized: QuantizedWeight | None = None
         # rows to compute a packed product of m <= PADDED_ROWS rows with (measure_row_padding)
         self.row_padding: Sequence[int] = ()
@@ -59,6 +70,9 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quantized is not None:
             out = quantized_linear(x, self.quantized)
+            return out if self.bias is None else out + self.bias
+        if self.sgemm is not None:
+            out = sgemm_linear(x, self.sgemm)
             return out if self.bias is None else out + self.bias
         if self.packed is not None:
             return packed_linear(x, self.packed, self.bias, self.out_features, self.row_padding)
@@ -76,10 +90,14 @@ class Linear(nn.Module):
         self.weight = None
 
     def pack(self) -> None:
-        """Replace the plain weight by its oneDNN layout (call only if supported)."""
+        """Replace the plain weight by MKL's packed layout (float32, where available) or
+        oneDNN's (call only where :func:`packing_supported`)."""
         if self.weight is None:  # packed already, or quantized
             return
-        self.packed = pack_weight(self.weight.detach())
+        if self.weight.dtype == torch.float32 and sgemm.available():
+            self.sgemm = SgemmWeight.from_dense(self.weight.detach())
+        else:
+            self.packed = pack_weight(self.weight.detach())
         self.weight = None
 
 

@@ -1,11 +1,13 @@
-"""Every decoder layer of a model as one C call, where all its linears are GGUF blocks.
+"""Every decoder layer of a model as one C call, where all its linears are GGUF blocks or all
+float32 in MKL's packed layout (``kernels.sgemm``).
 
 ``cpu_ops.decoder_layer`` runs a layer (norms, quantized projections, rotary, K/V write,
 attention, residuals) without returning to Python; it calls the very kernels the per-op path
 calls (by address) and the same C norm, rotary and SiLU-gate, so both paths give the same bits
-(``tests/models/test_gguf_quantized.py``). On SmolLM2 a batch-1 decode forward takes 4.9 ms
-fused against 7.7 ms per op (``python benchmarks/verify_cost.py --modes gguf gguf-per-op
---batch-sizes 1``): ~90 us per layer had gone to torch dispatch and Python around the linears.
+(``tests/models/test_gguf_quantized.py``, ``tests/models/test_fused_float32.py``). On SmolLM2 a
+batch-1 decode forward takes 4.9 ms fused against 7.7 ms per op (``python
+benchmarks/verify_cost.py --modes gguf gguf-per-op --batch-sizes 1``): ~90 us per layer had
+gone to torch dispatch and Python around the linears.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 
-from specbatch.kernels import cpu_ops, gguf_linear
+from specbatch.kernels import cpu_ops, gguf_linear, sgemm
 from specbatch.kernels.attention import cpu_paged
 from specbatch.kernels.attention.cpu_paged import CpuPagedBackend, KernelQueries
 
@@ -44,10 +46,12 @@ class FusedLayers:
         self._layers = None
 
     def applies(self) -> bool:
-        """Float32 on the CPU, every linear of every layer GGUF blocks, the C attention backend,
-        and every library built."""
+        """Float32 on the CPU, every linear of every layer GGUF blocks or every one MKL-packed,
+        the C attention backend, and every library built."""
         if self._applies is None:
-            self._kernels = self._kernel_addresses() if self._model_fits() else ()
+            packed = self.model.multiplies_sgemm()
+            fits = self._model_fits() and (packed or self.model.multiplies_blocks())
+            self._kernels = self._kernel_addresses(packed) if fits else ()
             self._applies = bool(self._kernels)
         return self._applies
 
@@ -59,17 +63,28 @@ class FusedLayers:
             and model.dtype == torch.float32
             and isinstance(model.backend, CpuPagedBackend)
             and model.config.head_dim <= cpu_ops.MAX_ROTARY_DIM
-            and model.multiplies_blocks()
         )
 
     @staticmethod
-    def _kernel_addresses() -> tuple[int, ...]:
-        """The kernels a fused layer calls (GGUF linear, attention, K/V write), by address, or
-        () where a library cannot be built. Fixed for the process: taken once."""
-        linear, attention = gguf_linear.load_library(), cpu_paged.load_library()
-        if linear is None or attention is None or cpu_ops.load_library() is None:
+    def _kernel_addresses(packed: bool) -> tuple[int, ...]:
+        """The kernels a fused layer calls (the linear: GGUF's, or MKL's packed GEMM behind
+        ``cpu_ops.sgemm_linear`` where ``packed``; attention, K/V write), by address, or ()
+        where a library cannot be built."""
+        ops, attention = cpu_ops.load_library(), cpu_paged.load_library()
+        if ops is None or attention is None:
             return ()
-        functions = (linear.gguf_linear, attention.paged_attention, attention.write_kv)
+        if packed:
+            compute = sgemm.compute_address()
+            if not compute:
+                return ()
+            ops.set_sgemm_compute(compute)
+            linear = ops.sgemm_linear
+        else:
+            library = gguf_linear.load_library()
+            if library is None:
+                return ()
+            linear = library.gguf_linear
+        functions = (linear, attention.paged_attention, attention.write_kv)
         return tuple(ctypes.cast(f, ctypes.c_void_p).value or 0 for f in functions)
 
     def step(
@@ -140,11 +155,15 @@ def _step_spec(
 
 
 def _layer_spec(layer: LlamaDecoderLayer) -> cpu_ops.LayerSpec:
-    """The fused layer's arguments for ``layer`` (its linears GGUF blocks, its cache bound)."""
+    """The fused layer's arguments for ``layer`` (its linears GGUF blocks or MKL-packed, its
+    cache bound)."""
     attn = layer.self_attn
     assert attn.kv_cache is not None
     specs = []
     for linear in _linears(layer):
+        if linear.sgemm is not None:
+            specs.append(cpu_ops.QuantLinearSpec(0, linear.sgemm.data.data_ptr()))
+            continue
         assert linear.quantized is not None
         specs.append(
             cpu_ops.QuantLinearSpec(

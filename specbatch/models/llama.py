@@ -17,16 +17,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from specbatch.errors import ModelLoadError
-from specbatch.kernels import cpu_ops
+from specbatch.kernels import cpu_ops, sgemm
 from specbatch.kernels.attention import AttentionBackend, LayerKVCache
 from specbatch.kernels.gguf_linear import QuantizedWeight, quantized_linear
 from specbatch.kernels.linear import (
     Linear,
-    cpu_packing_supported,
     measure_row_padding,
     pack_weight,
     packed_linear,
+    packing_supported,
 )
+from specbatch.kernels.sgemm import SgemmWeight, sgemm_linear
 from specbatch.models.config import ModelConfig
 from specbatch.models.fused_layers import FusedLayers
 from specbatch.models.rotary import RotaryEmbedding, apply_rotary
@@ -173,6 +174,7 @@ class LlamaForCausalLM(nn.Module):
         if not config.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self._packed_tied_head: torch.Tensor | None = None
+        self._sgemm_tied_head: SgemmWeight | None = None
         self._row_padding: tuple[int, ...] = ()  # of the packed products (pack_for_cpu)
         self._quantized_tied_head: QuantizedWeight | None = None
         self.fused = FusedLayers(self)
@@ -245,6 +247,8 @@ class LlamaForCausalLM(nn.Module):
             return self.lm_head(hidden)
         if self._quantized_tied_head is not None:
             return quantized_linear(hidden, self._quantized_tied_head)
+        if self._sgemm_tied_head is not None:
+            return sgemm_linear(hidden, self._sgemm_tied_head)
         if self._packed_tied_head is not None:
             vocab = self.local_config.vocab_size
             return packed_linear(hidden, self._packed_tied_head, None, vocab, self._row_padding)
@@ -256,11 +260,14 @@ class LlamaForCausalLM(nn.Module):
         packed = [m.packed for m in self.modules() if isinstance(m, Linear)]
         packed.append(self._packed_tied_head)
         quantized: list[QuantizedWeight | None] = [self._quantized_tied_head]  # shared: once
+        sgemms = [m.sgemm for m in self.modules() if isinstance(m, Linear)]
+        sgemms.append(self._sgemm_tied_head)
         for module in self.modules():
             if isinstance(module, Linear | QuantizedEmbedding):
                 quantized.append(module.quantized)
         return (
             total
+            + sum(w.nbytes for w in sgemms if w is not None)
             + sum(t.numel() * t.element_size() for t in packed if t is not None)
             + sum(q.nbytes for q in {id(q): q for q in quantized if q is not None}.values())
         )
@@ -289,18 +296,26 @@ class LlamaForCausalLM(nn.Module):
         return self._token_maps[device]
 
     def pack_for_cpu(self) -> bool:
-        """Re-lay every linear weight out for oneDNN (inference only; see ``kernels.linear``).
+        """Re-lay every linear weight out for MKL's packed GEMM (float32) or oneDNN (inference
+        only; see ``kernels.linear``); a model whose layers all end up in MKL's layout runs
+        them fused (``fused_layers``).
 
-        Returns False, changing nothing, where packing is unsupported (non-float32, no oneDNN).
+        Returns False, changing nothing, where packing is unsupported (float16, no oneDNN).
         """
-        if self.device.type != "cpu" or not cpu_packing_supported(self.dtype):
+        if self.device.type != "cpu" or not packing_supported(self.dtype):
             return False
         for module in self.modules():
-            if isinstance(module, Linear) and module.packed is None:
+            if isinstance(module, Linear):
                 module.pack()
-        if self.lm_head is None and self._quantized_tied_head is None:
-            self._packed_tied_head = pack_weight(self.model.embed_tokens.weight.detach())
+        tied = self.lm_head is None and self._quantized_tied_head is None
+        if tied and self._sgemm_tied_head is None and self._packed_tied_head is None:
+            embedding = self.model.embed_tokens.weight.detach()
+            if self.dtype == torch.float32 and sgemm.available():
+                self._sgemm_tied_head = SgemmWeight.from_dense(embedding)
+            else:
+                self._packed_tied_head = pack_weight(embedding)
         self._measure_row_padding()
+        self.fused.reconsider()
         return True
 
     def quantize_for_cpu(self) -> None:
@@ -319,6 +334,7 @@ class LlamaForCausalLM(nn.Module):
             weight = QuantizedWeight.from_dense(self.model.embed_tokens.weight)
             self.model.embed_tokens = QuantizedEmbedding(weight)  # type: ignore[assignment]
             self._quantized_tied_head, self._packed_tied_head = weight, None
+            self._sgemm_tied_head = None
         self.fused.reconsider()
 
     def quantized_digest(self) -> str:
@@ -336,6 +352,14 @@ class LlamaForCausalLM(nn.Module):
         """Whether every linear of every decoder layer multiplies GGUF blocks."""
         return all(
             module.quantized is not None
+            for module in self.model.layers.modules()
+            if isinstance(module, Linear)
+        )
+
+    def multiplies_sgemm(self) -> bool:
+        """Whether every linear of every decoder layer is in MKL's packed layout."""
+        return all(
+            module.sgemm is not None
             for module in self.model.layers.modules()
             if isinstance(module, Linear)
         )
@@ -378,7 +402,7 @@ class LlamaForCausalLM(nn.Module):
                 self.model.embed_tokens = QuantizedEmbedding(weight)  # type: ignore[assignment]
                 if self.lm_head is None:
                     self._quantized_tied_head = weight
-                    self._packed_tied_head = None
+                    self._packed_tied_head = self._sgemm_tied_head = None
             elif isinstance(modules.get(module_name), Linear):
                 linear = cast(Linear, modules[module_name])
                 linear.use_quantized(

@@ -1,5 +1,5 @@
-"""oneDNN-packed linear layers against the plain float32 product, for both packed dtypes and
-the row counts of decoding, verifying and prefilling."""
+"""Packed linear layers (oneDNN's layout for both dtypes, MKL's for float32) against the plain
+float32 product, for the row counts of decoding, verifying and prefilling."""
 
 from __future__ import annotations
 
@@ -7,22 +7,45 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from specbatch.kernels import sgemm
 from specbatch.kernels.linear import (
     PADDED_ROWS,
     Linear,
     cpu_packing_supported,
     measure_row_padding,
+    pack_weight,
     packed_linear,
     padding_table,
 )
 
+LAYOUTS = [
+    (torch.float32, "onednn"),
+    (torch.bfloat16, "onednn"),
+    (torch.float32, "sgemm"),
+]
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+
+def _pack(layer: Linear, layout: str) -> None:
+    """``layer`` packed in ``layout`` (``Linear.pack`` picks MKL's for float32 where it can)."""
+    if layout == "sgemm":
+        if not sgemm.available():
+            pytest.skip("MKL's packed GEMM is not exported by this torch")
+        layer.pack()
+        assert layer.sgemm is not None
+        return
+    assert layer.weight is not None
+    if not cpu_packing_supported(layer.weight.dtype):
+        pytest.skip(f"oneDNN cannot pack {layer.weight.dtype} here")
+    layer.packed = pack_weight(layer.weight.detach())
+    layer.weight = None
+
+
+@pytest.mark.parametrize(("dtype", "layout"), LAYOUTS)
 @pytest.mark.parametrize("rows", [0, 1, 5, 16, 64, 333])
 @pytest.mark.parametrize("bias", [False, True])
-def test_packed_equals_the_plain_product(dtype: torch.dtype, rows: int, bias: bool) -> None:
-    if not cpu_packing_supported(dtype):
-        pytest.skip(f"oneDNN cannot pack {dtype} here")
+def test_packed_equals_the_plain_product(
+    dtype: torch.dtype, layout: str, rows: int, bias: bool
+) -> None:
     generator = torch.Generator().manual_seed(rows)
     layer = Linear(96, 200, bias=bias)
     with torch.no_grad():
@@ -36,7 +59,7 @@ def test_packed_equals_the_plain_product(dtype: torch.dtype, rows: int, bias: bo
     bias_values = None if layer.bias is None else layer.bias.detach().float()
     x = torch.randn(rows, 96, generator=generator).to(dtype)
     expected = F.linear(x.float(), weight, bias_values)  # float32 products of the same values
-    layer.pack()
+    _pack(layer, layout)
     assert layer.weight is None
     got = layer(x)
     assert got.dtype == dtype
@@ -50,19 +73,18 @@ def test_half_precision_is_not_packed() -> None:
     assert not cpu_packing_supported(torch.float16)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_row_has_the_same_bits_whatever_the_row_count(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize(("dtype", "layout"), LAYOUTS)
+def test_a_row_has_the_same_bits_whatever_the_row_count(dtype: torch.dtype, layout: str) -> None:
     """oneDNN's single-row path sums in another order (seen at K = 1536, SmolLM2's down
-    projection): one row is computed as two, so a row's result never depends on its batch."""
-    if not cpu_packing_supported(dtype):
-        pytest.skip(f"oneDNN cannot pack {dtype} here")
+    projection): one row is computed as two, so a row's result never depends on its batch.
+    MKL's packed GEMM needs no such care (and gets none)."""
     generator = torch.Generator().manual_seed(0)
     layer = Linear(1536, 576)
     with torch.no_grad():
         assert layer.weight is not None
         layer.weight.copy_(torch.randn(576, 1536, generator=generator) * 0.05)
     layer = layer.to(dtype)
-    layer.pack()
+    _pack(layer, layout)
     x = torch.randn(40, 1536, generator=generator).to(dtype)
     full = layer(x)
     for rows in (1, 2, 3, 7, 16, 39):
@@ -95,7 +117,8 @@ def test_padded_products_equal_unpadded_ones_bit_for_bit(dtype: torch.dtype) -> 
             layer.weight.copy_(
                 torch.randn(layer.out_features, layer.in_features, generator=generator)
             )
-        layer.to(dtype).pack()
+        layer.to(dtype)
+        _pack(layer, "onednn")
     with torch.no_grad():
         table = measure_row_padding(
             [x.forward for x in layers], [x.in_features for x in layers], dtype

@@ -23,6 +23,7 @@ from tests.gguf_writer import write_gguf
 from tests.helpers import (
     PagedHarness,
     assert_fused_equals_per_op,
+    mixed_workload_logits,
     tiny_config,
     write_hf_checkpoint,
 )
@@ -168,23 +169,11 @@ def test_quantized_rows_do_not_depend_on_the_batch(
         assert torch.equal(layer(x[row : row + 1]), together[row : row + 1]), row
 
 
-def _logits_of_a_mixed_workload(model: LlamaForCausalLM) -> list[torch.Tensor]:
-    """Prefills of two lengths in one step, then decodes and a 5-token verify-like step."""
-    harness = PagedHarness(model, num_blocks=96, block_size=16)
-    gen = torch.Generator().manual_seed(7)
-    first = torch.randint(0, 49152, (300,), generator=gen).tolist()
-    second = torch.randint(0, 49152, (37,), generator=gen).tolist()
-    outputs = [torch.cat(harness.forward([(0, first), (1, second)]))]
-    outputs.append(torch.cat(harness.forward([(0, [11]), (1, [12, 13, 14, 15, 16])])))
-    outputs.append(torch.cat(harness.forward([(1, [17])])))
-    return outputs
-
-
 def test_fused_layers_give_the_per_op_paths_bits(quantized_smollm2: LlamaForCausalLM) -> None:
     """With every linear in GGUF blocks, each layer runs as one C call; it calls the same
     kernels as the per-op path, so every logit is the same bit for bit."""
     model = quantized_smollm2
-    assert_fused_equals_per_op(model, lambda: _logits_of_a_mixed_workload(model))
+    assert_fused_equals_per_op(model, lambda: mixed_workload_logits(model))
 
 
 def test_fused_layers_with_biases_match_the_plain_load(tmp_path: Path) -> None:

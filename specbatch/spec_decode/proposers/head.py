@@ -35,7 +35,7 @@ from torch import nn
 from specbatch.cache.kv_tensors import allocate_kv_caches, lazy_zeros
 from specbatch.errors import ConfigError, ModelLoadError
 from specbatch.kernels.attention import AttentionBackend, LayerKVCache
-from specbatch.kernels.linear import Linear, cpu_packing_supported
+from specbatch.kernels.linear import Linear, packing_supported
 from specbatch.models.config import ModelConfig
 from specbatch.models.llama import LlamaDecoderLayer, LlamaForCausalLM, RMSNorm
 from specbatch.models.rotary import RotaryEmbedding
@@ -141,8 +141,8 @@ class EagleHead(nn.Module):
         return [cache]
 
     def pack_for_cpu(self) -> bool:
-        """oneDNN layouts for the linear weights (inference only, as ``LlamaForCausalLM``'s)."""
-        if self.device.type != "cpu" or not cpu_packing_supported(self.dtype):
+        """Packed layouts for the linear weights (inference only, as ``LlamaForCausalLM``'s)."""
+        if self.device.type != "cpu" or not packing_supported(self.dtype):
             return False
         for module in self.modules():
             if isinstance(module, Linear) and module.packed is None:

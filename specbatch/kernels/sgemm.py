@@ -1,0 +1,170 @@
+"""Float32 products through MKL's packed GEMM, which torch's x86 builds carry and export.
+
+A float32 weight is packed once (``cblas_sgemm_pack``, MKL's own layout of ``W^T``) and every
+product is one ``cblas_sgemm_compute`` call, reached through ctypes from Python (the per-op
+path) or by address from C (``cpu_ops.sgemm_linear``, the fused layers of
+``models/fused_layers.py``): the same function with the same arguments, so the same bits.
+
+Why MKL and not oneDNN's packed linear (``kernels.linear``) for float32 (this 2-core AVX2 host,
+SmolLM2's shapes, each product alone, ``python benchmarks/linear_rows.py``-style timings): it
+is as fast or faster at every row count (qkv 960x576: 1 row 16 us against 32, 256 rows 0.69
+ms against 0.85; gate/up 3072x576: 256 rows 2.55 ms against 2.79; the LM head 49152x576: 1.89
+ms against 2.05 at one row), a row's bits do not depend on how many rows share the product
+(1 .. 600 rows, any offset, 1 or 2 threads: tested at load by :func:`available` and in
+``tests/kernels/test_sgemm.py``), so one row needs no second row as oneDNN's does, and C can
+call it, so a float32 layer runs as one C call like a GGUF one.
+
+Where the symbols are missing (torch builds without MKL: ARM, some source builds) or the probe
+fails, :func:`available` is False and float32 weights keep oneDNN's layout.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger("specbatch")
+
+_ROW_MAJOR, _NO_TRANS, _TRANS, _PACKED, _B_MATRIX = 101, 111, 112, 151, 162
+
+# The row count MKL lays the packed matrix out for (any count multiplies with it; a row's bits
+# are the same at every count for a given layout). Measured, gate/up 3072x576 on the AVX2
+# host: 256 rows take 2.55 ms packed for 256, 3.57 ms packed for 8 (oneDNN 2.79); 1 and 8
+# rows ~120 us either way.
+_PACK_ROWS = 256
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+
+
+def _torch_library() -> ctypes.CDLL | None:
+    """torch's CPU library with MKL's packed-GEMM functions declared, or None without them."""
+    lib_dir = Path(torch.__file__).resolve().parent / "lib"
+    for name in ("libtorch_cpu.so", "libtorch_cpu.dylib"):
+        path = lib_dir / name
+        if not path.exists():
+            continue
+        try:
+            library = ctypes.CDLL(str(path))
+            size, pack, compute = (
+                library.cblas_sgemm_pack_get_size,
+                library.cblas_sgemm_pack,
+                library.cblas_sgemm_compute,
+            )
+        except (OSError, AttributeError):
+            return None
+        c_int, c_float, pointer = ctypes.c_int, ctypes.c_float, ctypes.c_void_p
+        size.restype = ctypes.c_size_t
+        size.argtypes = [c_int, c_int, c_int, c_int]
+        pack.restype = None
+        pack.argtypes = [c_int] * 6 + [c_float, pointer, c_int, pointer]
+        compute.restype = None
+        compute.argtypes = [c_int] * 6 + [pointer, c_int, pointer, c_int, c_float, pointer, c_int]
+        return library
+    return None
+
+
+def _library() -> ctypes.CDLL | None:
+    """The declared library once :func:`available` has said yes, else None."""
+    return _state.get("library") if available() else None  # type: ignore[return-value]
+
+
+def available() -> bool:
+    """Whether float32 products can go through MKL's packed GEMM here: the functions are
+    exported and a probe (a product of 1, 3 and 40 rows against float64, each row's bits equal
+    at every count) passes. Settled once per process."""
+    if "available" not in _state:
+        with _lock:
+            if "available" not in _state:
+                library = _torch_library()
+                _state["library"] = library
+                _state["available"] = library is not None and _probe(library)
+    return bool(_state["available"])
+
+
+def _probe(library: ctypes.CDLL) -> bool:
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(40, 72, generator=generator)
+    x = torch.randn(40, 72, generator=generator)
+    packed = _pack(library, weight)
+    full = _multiply(library, x, packed, 40)
+    expected = (x.double() @ weight.double().T).float()
+    ok = torch.allclose(full, expected, rtol=1e-4, atol=1e-4) and all(
+        torch.equal(_multiply(library, x[:m].clone(), packed, 40), full[:m]) for m in (1, 3)
+    )
+    if not ok:
+        logger.info("MKL's packed GEMM failed its probe: float32 weights stay in oneDNN's layout")
+    return ok
+
+
+@dataclass(frozen=True)
+class SgemmWeight:
+    """A float32 ``[out_features, in_features]`` weight in MKL's packed layout."""
+
+    data: torch.Tensor  # uint8, MKL's bytes
+    out_features: int
+    in_features: int
+
+    @classmethod
+    def from_dense(cls, weight: torch.Tensor) -> SgemmWeight:
+        library = _library()
+        if library is None:
+            raise RuntimeError("MKL's packed GEMM is not available in this torch build")
+        if weight.dtype != torch.float32 or weight.dim() != 2 or weight.device.type != "cpu":
+            raise ValueError(
+                f"a packed GEMM weight is a 2-D float32 CPU matrix, not {weight.dtype} "
+                f"{tuple(weight.shape)} on {weight.device}"
+            )
+        return cls(_pack(library, weight), weight.shape[0], weight.shape[1])
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+
+def _pack(library: ctypes.CDLL, weight: torch.Tensor) -> torch.Tensor:
+    n, k = weight.shape
+    weight = weight.detach().contiguous()
+    size = library.cblas_sgemm_pack_get_size(_B_MATRIX, _PACK_ROWS, n, k)
+    data = torch.empty(size, dtype=torch.uint8)
+    library.cblas_sgemm_pack(
+        _ROW_MAJOR, _B_MATRIX, _TRANS, _PACK_ROWS, n, k, 1.0, weight.data_ptr(), k, data.data_ptr()
+    )
+    return data
+
+
+def _multiply(library: ctypes.CDLL, x: torch.Tensor, data: torch.Tensor, n: int) -> torch.Tensor:
+    rows, k = x.shape
+    out = torch.empty(rows, n, dtype=torch.float32)
+    if rows:
+        library.cblas_sgemm_compute(
+            _ROW_MAJOR, _NO_TRANS, _PACKED, rows, n, k, x.data_ptr(), k, data.data_ptr(), k, 0.0,
+            out.data_ptr(), n,
+        )  # fmt: skip
+    return out
+
+
+def sgemm_linear(x: torch.Tensor, weight: SgemmWeight) -> torch.Tensor:
+    """``x @ W^T`` for float32 rows ``x`` ``[..., in_features]``."""
+    library = _library()
+    assert library is not None, "SgemmWeight exists only where the library does"
+    if x.dtype != torch.float32 or x.shape[-1] != weight.in_features:
+        raise ValueError(
+            f"expected float32 rows of {weight.in_features}, got {x.dtype} {tuple(x.shape)}"
+        )
+    rows = x.reshape(-1, weight.in_features).contiguous()
+    out = _multiply(library, rows, weight.data, weight.out_features)
+    return out.reshape(*x.shape[:-1], weight.out_features)
+
+
+def compute_address() -> int:
+    """``cblas_sgemm_compute``'s address (for ``cpu_ops.sgemm_linear``), or 0 without it."""
+    library = _library()
+    if library is None:
+        return 0
+    return ctypes.cast(library.cblas_sgemm_compute, ctypes.c_void_p).value or 0
