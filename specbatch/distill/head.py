@@ -94,7 +94,7 @@ def run(config: HeadTrainConfig) -> Path:
         shards += label_shards(part.sequences, labels, token_map, work, config.top_k, part.name)
     labelled = load_shards(shards)
     packed = load_model(config.target, attention_backend="dense_causal")
-    packed.pack_for_cpu()  # inference only: oneDNN layouts
+    packed.pack_for_cpu()  # inference only: packed layouts
     features = target_features(packed, sequences, work)
     del packed
     target = load_model(config.target, attention_backend="dense_causal")  # plain weights

@@ -49,6 +49,9 @@ def test_greedy_identity_k_1_3_5_batch_16_and_1(
                 # every chain k long (the default 0.5 would end some early)
                 "draft_confidence_threshold": 0.0,
                 "draft_tree": False,  # the chain only: a sibling of a right draft is wrong
+                # the target's own dtype ("auto" is bfloat16 on a CPU with native bfloat16,
+                # which no longer agrees with its float32 self ~100% of the time)
+                "draft_dtype": "float32",
             }
         llm = LLM(speculative_config=spec, **ENGINE, max_num_seqs=16)
         batched = [o.outputs[0].token_ids for o in llm.generate(prompts, PARAMS, use_tqdm=False)]
