@@ -88,22 +88,30 @@ def available() -> bool:
 
 
 def _probe(library: ctypes.CDLL) -> bool:
-    """A product of 260 rows against float64, and the first rows of it alone in the counts of
+    """Products of 260 rows against float64, and their first rows alone in the counts of
     decoding and verifying (1 .. 17) and a small prefill (64): each row's bits the same at
-    every count (K = 1536 as SmolLM2's down projection; a few milliseconds)."""
+    every count, for a tall and a wide matrix (K = 1536 as SmolLM2's down projection; N = 1024
+    with K = 576 as its q/k/v); ~10 ms."""
     generator = torch.Generator().manual_seed(0)
-    weight = torch.randn(64, 1536, generator=generator)
-    x = torch.randn(260, 1536, generator=generator)
-    packed = _pack(library, weight)
-    full = _multiply(library, x, packed, 64)
-    expected = (x.double() @ weight.double().T).float()
-    ok = torch.allclose(full, expected, rtol=1e-4, atol=1e-3) and all(
-        torch.equal(_multiply(library, x[:m].clone(), packed, 64), full[:m])
-        for m in (1, 2, 3, 5, 8, 17, 64)
-    )
-    if not ok:
-        logger.info("MKL's packed GEMM failed its probe: float32 weights stay in oneDNN's layout")
-    return ok
+    for n, k in ((64, 1536), (1024, 576)):
+        weight = torch.randn(n, k, generator=generator)
+        x = torch.randn(260, k, generator=generator)
+        packed = _pack(library, weight)
+        full = _multiply(library, x, packed, n)
+        expected = (x.double() @ weight.double().T).float()
+        ok = torch.allclose(full, expected, rtol=1e-4, atol=1e-3) and all(
+            torch.equal(_multiply(library, x[:m].clone(), packed, n), full[:m])
+            for m in (1, 2, 3, 5, 8, 17, 64)
+        )
+        if not ok:
+            logger.info(
+                "MKL's packed GEMM failed its probe (%dx%d): float32 weights stay in oneDNN's "
+                "layout",
+                n,
+                k,
+            )
+            return False
+    return True
 
 
 @dataclass(frozen=True)

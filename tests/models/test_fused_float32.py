@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from specbatch.kernels import sgemm
+from specbatch.kernels.linear import Linear
 from specbatch.models import LlamaForCausalLM, load_model
 from tests.helpers import (
     PagedHarness,
@@ -66,3 +67,40 @@ def test_fused_float32_matches_the_unpacked_model(tmp_path: Path, variant: str) 
     fused = PagedHarness(packed).forward([(0, prompt)])[0]
     torch.testing.assert_close(fused, expected, rtol=0, atol=1e-4)
     assert_fused_equals_per_op(packed, lambda: [PagedHarness(packed).forward([(0, prompt)])[0]])
+
+
+def test_without_mkl_float32_keeps_onednn(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Where MKL's packed GEMM is missing or fails its probe, float32 weights take oneDNN's
+    layout and the layers run per op, with the plain product's values."""
+    monkeypatch.setitem(sgemm._state, "available", False)
+    config = tiny_config(hidden_size=64, intermediate_size=128)
+    write_hf_checkpoint(tmp_path / "hf", config)
+    plain = load_model(tmp_path / "hf", dtype=torch.float32)
+    packed = load_model(tmp_path / "hf", dtype=torch.float32)
+    assert packed.pack_for_cpu()
+    linears = [m for m in packed.modules() if isinstance(m, Linear)]
+    assert all(m.sgemm is None and m.packed is not None for m in linears)
+    assert not packed.fused.applies()
+    prompt = list(range(1, 30))
+    torch.testing.assert_close(
+        PagedHarness(packed).forward([(0, prompt)])[0],
+        PagedHarness(plain).forward([(0, prompt)])[0],
+        rtol=0,
+        atol=1e-4,
+    )
+
+
+def test_the_probe_refuses_a_product_whose_rows_depend_on_their_batch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    library = sgemm._torch_library()
+    assert library is not None
+    assert sgemm._probe(library)
+    multiply = sgemm._multiply
+
+    def batch_dependent(lib: object, x: torch.Tensor, data: torch.Tensor, n: int) -> torch.Tensor:
+        out = multiply(library, x, data, n)
+        return out + 1e-6 if x.shape[0] == 1 else out  # one row alone: other bits
+
+    monkeypatch.setattr(sgemm, "_multiply", batch_dependent)
+    assert not sgemm._probe(library)
