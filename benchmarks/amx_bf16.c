@@ -1,0 +1,138 @@
+/*
+ * A bfloat16 product on AMX tiles whose every output row's bits are independent of the other
+ * rows (benchmarks/amx_bf16.py times it against oneDNN's bfloat16 linear): the groundwork for a
+ * bfloat16 product C can call, which the bfloat16 mode's fused layer needs (docs/notes.md,
+ * 2026-12-06). Not used by the engine.
+ *
+ * out[M][N] (float32) = x[M][K] (bfloat16) W^T, W [N][K] bfloat16 repacked by pack_b into
+ * TDPBF16PS's B tiles (per 16 outputs and 32 K: 16 rows of K pairs, 64 bytes each). Output
+ * (m, n) is C[m][n] accumulated over the K tiles in increasing order by TDPBF16PS, whatever
+ * the row count or blocking (2x2 tiles of 16 rows x 16 outputs, chunks of CHUNK_PAIRS output
+ * pairs per thread): rows do not interact. K must be a multiple of 32.
+ *
+ * Without AMX (no __AMX_TILE__ / __AMX_BF16__ under -march=native) amx_available returns 0.
+ */
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+/* asks Linux for the tile data state (ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA): 1 granted */
+int amx_available(void) { return syscall(SYS_arch_prctl, 0x1023, 18) == 0; }
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} TileConfig;
+
+/* W [N][K] bf16 -> tiles: for each n-tile (16 outputs), each k-tile (32): 16 rows (k pairs) x 64 bytes */
+void pack_b(const uint16_t *w, int64_t n, int64_t k, uint16_t *out) {
+    const int64_t ntiles = (n + 15) / 16, ktiles = k / 32;
+    for (int64_t nt = 0; nt < ntiles; nt++)
+        for (int64_t kt = 0; kt < ktiles; kt++) {
+            uint16_t *tile = out + (nt * ktiles + kt) * 512;
+            for (int kp = 0; kp < 16; kp++)
+                for (int c = 0; c < 16; c++)
+                    for (int i = 0; i < 2; i++) {
+                        const int64_t row = nt * 16 + c, col = kt * 32 + 2 * kp + i;
+                        tile[kp * 32 + 2 * c + i] = row < n ? w[row * k + col] : 0;
+                    }
+        }
+}
+
+static void configure(int mr) {
+    TileConfig cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 6; t++) { cfg.rows[t] = (uint8_t)mr; cfg.colsb[t] = 64; } /* C00 C01 C10 C11, A0 A1 */
+    cfg.rows[6] = 16; cfg.colsb[6] = 64; /* B0 */
+    cfg.rows[7] = 16; cfg.colsb[7] = 64; /* B1 */
+    _tile_loadconfig(&cfg);
+}
+
+static void store_tile(const float *spill, int mr, int64_t n, int64_t col0, float *out) {
+    for (int r = 0; r < mr; r++)
+        for (int c = 0; c < 16 && col0 + c < n; c++) out[r * n + col0 + c] = spill[r * 16 + c];
+}
+
+#define CHUNK_PAIRS 16
+#define STORE(t, mrow, col0)                                                                   \
+    do {                                                                                        \
+        if ((col0) + 16 <= n) _tile_stored(t, out + (mrow) * n + (col0), n * 4);                \
+        else { _tile_stored(t, spill, 64); store_tile(spill, mr, n, col0, out + (mrow) * n); } \
+    } while (0)
+
+/* out[M][N] f32 = x[M][K] bf16 . W^T; per (32 outputs, 32 rows) block: C tiles 0-3, A 4-5, B 6-7 */
+void amx_gemm(const uint16_t *x, int64_t m, int64_t k, const uint16_t *bp, int64_t n, float *out, int threads) {
+    const int64_t ntiles = (n + 15) / 16, ktiles = k / 32, pairs = (ntiles + 1) / 2;
+#pragma omp parallel num_threads(threads)
+    {
+        int configured = -1;
+        float spill[16 * 16];
+        const int64_t chunks = (pairs + CHUNK_PAIRS - 1) / CHUNK_PAIRS;
+#pragma omp for schedule(static)
+        for (int64_t chunk = 0; chunk < chunks; chunk++)
+        for (int64_t m0 = 0; m0 < m; m0 += 32)
+        for (int64_t p = chunk * CHUNK_PAIRS; p < pairs && p < (chunk + 1) * CHUNK_PAIRS; p++) {
+            const int64_t nt0 = 2 * p, nt1 = 2 * p + 1 < ntiles ? 2 * p + 1 : 2 * p;
+            const int two_n = nt1 != nt0;
+            {
+                const int mr = m - m0 < 16 ? (int)(m - m0) : 16;
+                const int64_t m1 = m0 + 16;
+                const int mr1 = m - m1 <= 0 ? 0 : (m - m1 < 16 ? (int)(m - m1) : 16);
+                if (mr1 != 0 && mr1 != mr) { /* an uneven tail: two passes of one block each */
+                    for (int64_t mb = m0; mb < m; mb += 16) {
+                        const int r = m - mb < 16 ? (int)(m - mb) : 16;
+                        if (r != configured) { configure(r); configured = r; }
+                        _tile_zero(0); _tile_zero(1);
+                        for (int64_t kt = 0; kt < ktiles; kt++) {
+                            _tile_loadd(4, x + mb * k + kt * 32, k * 2);
+                            _tile_loadd(6, bp + (nt0 * ktiles + kt) * 512, 64);
+                            _tile_loadd(7, bp + (nt1 * ktiles + kt) * 512, 64);
+                            _tile_dpbf16ps(0, 4, 6);
+                            _tile_dpbf16ps(1, 4, 7);
+                        }
+                        const int mrr = r;
+                        { const int mr = mrr; STORE(0, mb, nt0 * 16); if (two_n) STORE(1, mb, nt1 * 16); }
+                    }
+                    continue;
+                }
+                if (mr != configured) { configure(mr); configured = mr; }
+                _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+                for (int64_t kt = 0; kt < ktiles; kt++) {
+                    _tile_loadd(6, bp + (nt0 * ktiles + kt) * 512, 64);
+                    _tile_loadd(7, bp + (nt1 * ktiles + kt) * 512, 64);
+                    _tile_loadd(4, x + m0 * k + kt * 32, k * 2);
+                    _tile_dpbf16ps(0, 4, 6);
+                    _tile_dpbf16ps(1, 4, 7);
+                    if (mr1) {
+                        _tile_loadd(5, x + m1 * k + kt * 32, k * 2);
+                        _tile_dpbf16ps(2, 5, 6);
+                        _tile_dpbf16ps(3, 5, 7);
+                    }
+                }
+                STORE(0, m0, nt0 * 16);
+                if (two_n) STORE(1, m0, nt1 * 16);
+                if (mr1) { STORE(2, m1, nt0 * 16); if (two_n) STORE(3, m1, nt1 * 16); }
+            }
+        }
+        _tile_release();
+    }
+}
+
+#else
+
+int amx_available(void) { return 0; }
+void pack_b(const uint16_t *w, int64_t n, int64_t k, uint16_t *out) {
+    (void)w, (void)n, (void)k, (void)out;
+}
+void amx_gemm(const uint16_t *x, int64_t m, int64_t k, const uint16_t *bp, int64_t n, float *out,
+              int threads) {
+    (void)x, (void)m, (void)k, (void)bp, (void)n, (void)out, (void)threads;
+}
+
+#endif
