@@ -1,21 +1,19 @@
-"""A row-invariant bfloat16 product on AMX tiles against oneDNN's packed bfloat16 linear.
+"""bfloat16 products on AMX tiles (``kernels/amx_linear``) against oneDNN's packed bfloat16
+linear.
 
     python benchmarks/amx_bf16.py [--rows 1 2 8 64 256] [--repeats 20]
 
-The bfloat16 mode's layers cannot run as one C call (as float32's and gguf's do) because
-torch exports no bfloat16 product C can call whose row bits do not depend on the batch
-(oneDNN's C API is hidden; MKL's ``cblas_gemm_bf16bf16f32`` is not row-invariant). This times
-the groundwork for one (``amx_bf16.c``: TDPBF16PS over 2x2 tiles, every output accumulated
-over K in the same order at any row count) on SmolLM2-135M's shapes against oneDNN's bfloat16
-product of the same values, each product alone (weights in cache), in the same run; it checks
-the error against float64 and each row's bits at other row counts. Skips where the CPU has no
-AMX. Not used by the engine yet.
+Where the CPU has AMX, the bfloat16 mode multiplies with ``amx_linear`` (a product C can call,
+with a row's bits independent of its batch, so its layers run fused). This times it on
+SmolLM2-135M's shapes against oneDNN's bfloat16 product of the same values (what bfloat16 used
+before, and still uses without AMX), each product alone (weights in cache), both rounding
+their outputs to bfloat16, in the same run; it checks the error against float64 and each
+row's bits at other row counts. Skips where the CPU has no AMX.
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import statistics
 import sys
 import time
@@ -28,9 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch
 
 from benchmarks.common import print_conditions
-from specbatch.kernels.cbuild import NATIVE_FLAGS, load_c_library
+from specbatch.kernels import amx_linear
+from specbatch.kernels.amx_linear import TileWeight
 
-SOURCE = Path(__file__).with_name("amx_bf16.c")
 SHAPES = {"qkv": (960, 576), "gate/up": (3072, 576), "down": (576, 1536), "lm head": (49152, 576)}
 
 
@@ -50,43 +48,32 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 8, 64, 256])
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args()
-    library = load_c_library(SOURCE, NATIVE_FLAGS, "the AMX bfloat16 probe", "nothing to time")
-    if library is None or not library.amx_available():
+    if not amx_linear.available():
         print("no AMX tiles on this CPU (or no compiler): nothing to time")
         return
-    pointer, i64 = ctypes.c_void_p, ctypes.c_int64
-    library.pack_b.argtypes = [pointer, i64, i64, pointer]
-    library.amx_gemm.argtypes = [pointer, i64, i64, pointer, i64, pointer, ctypes.c_int]
-    threads = torch.get_num_threads()
     print_conditions(
-        "AMX bfloat16 product (amx_bf16.c) against oneDNN's packed bfloat16 linear",
-        threads=threads,
+        "AMX bfloat16 product (kernels/amx_linear) against oneDNN's packed bfloat16 linear",
+        threads=torch.get_num_threads(),
         rows=args.rows,
         repeats=args.repeats,
     )
 
-    def product(x: torch.Tensor, tiles: torch.Tensor, n: int) -> torch.Tensor:
-        out = torch.empty(x.shape[0], n)
-        library.amx_gemm(
-            x.data_ptr(), x.shape[0], x.shape[1], tiles.data_ptr(), n, out.data_ptr(), threads
-        )
-        return out
-
     generator = torch.Generator().manual_seed(0)
     for name, (n, k) in SHAPES.items():
         weight = torch.randn(n, k, generator=generator).bfloat16()
-        tiles = torch.empty(-(-n // 16) * (k // 32) * 512, dtype=torch.int16)
-        library.pack_b(weight.data_ptr(), n, k, tiles.data_ptr())
+        tiles = TileWeight.from_dense(weight)
         onednn = torch.ops.mkldnn._reorder_linear_weight(weight, 8)
         x = torch.randn(max(args.rows), k, generator=generator).bfloat16()
-        full = product(x, tiles, n)
+        full = amx_linear.amx_linear(x, tiles)
         exact = x.double() @ weight.double().T
         error = float((full.double() - exact).abs().max() / exact.abs().max())
-        same = all(torch.equal(product(x[:m].clone(), tiles, n), full[:m]) for m in args.rows)
+        same = all(
+            torch.equal(amx_linear.amx_linear(x[:m].clone(), tiles), full[:m]) for m in args.rows
+        )
         cells = []
         for m in args.rows:
             rows = x[:m].clone()
-            amx = median_us(partial(product, rows, tiles, n), args.repeats)
+            amx = median_us(partial(amx_linear.amx_linear, rows, tiles), args.repeats)
             dnnl = median_us(
                 partial(torch.ops.mkldnn._linear_pointwise, rows, onednn, None, "none", [], ""),
                 args.repeats,

@@ -33,9 +33,9 @@ class EngineConfig:
     and at most ``DEFAULT_CPU_KV_CACHE_GIB``). On the CPU the cache's memory is committed as
     blocks are first used, so a reservation costs nothing until the load needs it.
     ``max_num_batched_tokens`` is the per-step token budget (prefill chunks are cut to fit it).
-    ``cpu_weight_packing`` re-lays weights out on the CPU: float32 for MKL's packed GEMM (a
-    layer then runs as one C call), bfloat16 for oneDNN (much faster small matmuls; see
-    ``specbatch.kernels.linear`` and ``kernels.sgemm``).
+    ``cpu_weight_packing`` re-lays weights out on the CPU: float32 for MKL's packed GEMM,
+    bfloat16 as AMX tiles where the CPU has them (a layer then runs as one C call), else for
+    oneDNN (much faster small matmuls; see ``specbatch.kernels.linear``).
     ``quantization`` says how a GGUF model's weights are held: ``"gguf"`` keeps its Q4_1/Q8_0
     matrices quantized and multiplies with them as stored (CPU, float32 activations: the file's
     exact values at a fraction of the bytes per token); None dequantises them to ``dtype``;

@@ -234,3 +234,68 @@ int decoder_layer(const Layer *L, const LayerStep *S, float *x) {
     free(memory);
     return status != 0 ? -1 : 0;
 }
+
+/* ---------------- a whole bfloat16 decoder layer in one call (AMX linears) ---------------- */
+
+/* amx_linear.c's amx_linear_bf16 (by address, as LayerStep.linear): bfloat16 rows times AMX
+ * tiles, each output rounded to bfloat16. */
+typedef int (*bf16_linear_fn)(const uint16_t *x, int64_t rows, int64_t k, const void *tiles,
+                              int64_t n, uint16_t *out, int threads);
+
+/* a + b rounded to bfloat16, as torch adds two bfloat16 tensors */
+static inline uint16_t add_bf16(uint16_t a, uint16_t b) {
+    return to_bf16(from_bf16(a) + from_bf16(b));
+}
+
+/* decoder_layer for a bfloat16 model (Layer's pointers are to bfloat16 weights, bias, caches;
+ * LayerStep's cos/sin bfloat16), rounding to bfloat16 wherever its per-op path does: each
+ * product's output, the bias and residual adds, the norms' and SiLU-gate's outputs, the
+ * attention output (the queries widened to float32 for the kernel, as the backend does). */
+int decoder_layer_bf16(const Layer *L, const LayerStep *S, uint16_t *x) {
+    const int64_t T = S->tokens, H = L->hidden, hd = L->head_dim;
+    const int64_t q_size = L->heads * hd, kv = L->kv_heads * hd, qkv_n = q_size + 2 * kv;
+    const int64_t inter = L->intermediate;
+    const bf16_linear_fn linear = (bf16_linear_fn)(void *)S->linear;
+    /* bfloat16: h, qkv, attention out, o, gate/up, act; float32: queries, attention out */
+    const int64_t halves[6] = {H, qkv_n, q_size, H, 2 * inter, inter};
+    size_t offsets[8], bytes = 0;
+    for (int i = 0; i < 8; i++) {
+        offsets[i] = bytes;
+        const size_t size = i < 6 ? (size_t)(T * halves[i]) * 2 : (size_t)(T * q_size) * 4;
+        bytes += (size + 63) / 64 * 64;
+    }
+    char *memory = NULL;
+    if (posix_memalign((void **)&memory, 64, bytes > 0 ? bytes : 64) != 0) return -1;
+    uint16_t *h = (uint16_t *)(memory + offsets[0]), *qkv = (uint16_t *)(memory + offsets[1]);
+    uint16_t *attn = (uint16_t *)(memory + offsets[2]), *o = (uint16_t *)(memory + offsets[3]);
+    uint16_t *gate_up = (uint16_t *)(memory + offsets[4]);
+    uint16_t *act = (uint16_t *)(memory + offsets[5]);
+    float *q32 = (float *)(memory + offsets[6]), *attn32 = (float *)(memory + offsets[7]);
+    int status = 0;
+    rms_norm(x, T, H, H, L->norm1, L->eps, h, 1, S->threads);
+    status |= linear(h, T, H, L->qkv.data, qkv_n, qkv, S->threads);
+    if (L->qkv_bias != NULL) {
+        const uint16_t *bias = (const uint16_t *)(const void *)L->qkv_bias;
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t i = 0; i < qkv_n; i++) qkv[t * qkv_n + i] = add_bf16(qkv[t * qkv_n + i], bias[i]);
+    }
+    rotary(qkv, T, L->heads + L->kv_heads, hd, qkv_n, hd, S->cos, S->sin, 1);
+    S->write(qkv + q_size, qkv_n, qkv + q_size + kv, qkv_n, L->key_cache, L->value_cache,
+             S->slots, T, kv, 2);
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t i = 0; i < q_size; i++) q32[t * q_size + i] = from_bf16(qkv[t * qkv_n + i]);
+    status |= S->attention(q32, q_size, hd, attn32, q_size, hd, L->key_cache, L->value_cache, 1,
+                           S->q_start, S->q_len, S->seq_len, S->block_tables, S->bt_stride,
+                           S->tree, S->tree_stride, S->num_seqs, L->heads, L->kv_heads, hd,
+                           L->block_size, S->chunk, L->scale, S->threads);
+    for (int64_t i = 0; i < T * q_size; i++) attn[i] = to_bf16(attn32[i]);
+    status |= linear(attn, T, q_size, L->o.data, H, o, S->threads);
+    for (int64_t i = 0; i < T * H; i++) x[i] = add_bf16(x[i], o[i]);
+    rms_norm(x, T, H, H, L->norm2, L->eps, h, 1, S->threads);
+    status |= linear(h, T, H, L->gate_up.data, 2 * inter, gate_up, S->threads);
+    silu_mul(gate_up, T, inter, act, 1, S->threads);
+    status |= linear(act, T, inter, L->down.data, H, o, S->threads);
+    for (int64_t i = 0; i < T * H; i++) x[i] = add_bf16(x[i], o[i]);
+    free(memory);
+    return status != 0 ? -1 : 0;
+}

@@ -40,6 +40,8 @@ def _declare(library: ctypes.CDLL) -> None:
     library.set_sgemm_compute.argtypes = [pointer]
     library.decoder_layer.restype = ctypes.c_int
     library.decoder_layer.argtypes = [pointer, pointer, pointer]
+    library.decoder_layer_bf16.restype = ctypes.c_int
+    library.decoder_layer_bf16.argtypes = [pointer, pointer, pointer]
 
 
 NATIVE = NativeLibrary(
@@ -197,9 +199,10 @@ class LayerStepSpec(ctypes.Structure):
 
 
 def decoder_layer(layer: LayerSpec, step: LayerStepSpec, x: torch.Tensor) -> None:
-    """Run one decoder layer on the residual stream ``x`` (float32 ``[T, hidden]``, contiguous,
-    updated in place)."""
+    """Run one decoder layer on the residual stream ``x`` (float32 or, with AMX tiles,
+    bfloat16 ``[T, hidden]``, contiguous, updated in place)."""
     library = NATIVE.load()
     assert library is not None
-    if library.decoder_layer(ctypes.byref(layer), ctypes.byref(step), x.data_ptr()) != 0:
+    run = library.decoder_layer_bf16 if x.dtype == torch.bfloat16 else library.decoder_layer
+    if run(ctypes.byref(layer), ctypes.byref(step), x.data_ptr()) != 0:
         raise MemoryError("the fused CPU decoder layer could not allocate its scratch memory")

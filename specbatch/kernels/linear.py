@@ -1,5 +1,6 @@
 """Linear layers, with weights pre-packed on x86 CPUs: float32 for MKL's packed GEMM
-(``kernels.sgemm``) where torch carries it, otherwise (and bfloat16) for oneDNN.
+(``kernels.sgemm``) where torch carries it, bfloat16 as AMX tiles (``kernels.amx_linear``)
+where the CPU has them, otherwise for oneDNN.
 
 On this class of CPU, torch's default float32 ``F.linear`` (MKL) is slow for the small row counts
 of decoding and verification: a 4-row product costs ~1.8x a 1-row one. oneDNN with weights
@@ -19,7 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specbatch.kernels import sgemm
+from specbatch.kernels import amx_linear, sgemm
+from specbatch.kernels.amx_linear import TileWeight
 from specbatch.kernels.gguf_linear import QuantizedWeight, quantized_linear
 from specbatch.kernels.sgemm import SgemmWeight, sgemm_linear
 
@@ -46,14 +48,19 @@ def cpu_packing_supported(dtype: torch.dtype) -> bool:
 
 def packing_supported(dtype: torch.dtype) -> bool:
     """True when :meth:`Linear.pack` has a layout for ``dtype`` weights here: MKL's for
-    float32 where torch exports it, oneDNN's otherwise."""
-    return (dtype == torch.float32 and sgemm.available()) or cpu_packing_supported(dtype)
+    float32 where torch exports it, AMX tiles for bfloat16 where the CPU has them, oneDNN's
+    otherwise."""
+    return (
+        (dtype == torch.float32 and sgemm.available())
+        or (dtype == torch.bfloat16 and amx_linear.available())
+        or cpu_packing_supported(dtype)
+    )
 
 
 class Linear(nn.Module):
     """``y = x W^T (+ b)`` with a plain weight (loadable, trainable), a packed one (MKL's
-    layout, ``sgemm``, or oneDNN's, ``packed``), or GGUF blocks multiplied as they are
-    (``kernels.gguf_linear``)."""
+    layout, ``sgemm``; AMX tiles, ``tiles``; or oneDNN's, ``packed``), or GGUF blocks
+    multiplied as they are (``kernels.gguf_linear``)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
@@ -63,6 +70,7 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.packed: torch.Tensor | None = None
         self.sgemm: SgemmWeight | None = None
+        self.tiles: TileWeight | None = None
         self.quantized: QuantizedWeight | None = None
         # rows to compute a packed product of m <= PADDED_ROWS rows with (measure_row_padding)
         self.row_padding: Sequence[int] = ()
@@ -73,6 +81,9 @@ class Linear(nn.Module):
             return out if self.bias is None else out + self.bias
         if self.sgemm is not None:
             out = sgemm_linear(x, self.sgemm)
+            return out if self.bias is None else out + self.bias
+        if self.tiles is not None:
+            out = amx_linear.amx_linear(x, self.tiles)
             return out if self.bias is None else out + self.bias
         if self.packed is not None:
             return packed_linear(x, self.packed, self.bias, self.out_features, self.row_padding)
@@ -90,12 +101,15 @@ class Linear(nn.Module):
         self.weight = None
 
     def pack(self) -> None:
-        """Replace the plain weight by MKL's packed layout (float32, where available) or
-        oneDNN's (call only where :func:`packing_supported`)."""
+        """Replace the plain weight by MKL's packed layout (float32, where available), AMX
+        tiles (bfloat16, where available) or oneDNN's (call only where
+        :func:`packing_supported`)."""
         if self.weight is None:  # packed already, or quantized
             return
         if self.weight.dtype == torch.float32 and sgemm.available():
             self.sgemm = SgemmWeight.from_dense(self.weight.detach())
+        elif amx_linear.fits(self.weight):
+            self.tiles = TileWeight.from_dense(self.weight.detach())
         else:
             self.packed = pack_weight(self.weight.detach())
         self.weight = None

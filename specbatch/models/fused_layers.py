@@ -1,5 +1,6 @@
-"""Every decoder layer of a model as one C call, where all its linears are GGUF blocks or all
-float32 in MKL's packed layout (``kernels.sgemm``).
+"""Every decoder layer of a model as one C call, where all its linears are GGUF blocks, all
+float32 in MKL's packed layout (``kernels.sgemm``), or all bfloat16 AMX tiles
+(``kernels.amx_linear``; ``cpu_ops.decoder_layer_bf16``).
 
 ``cpu_ops.decoder_layer`` runs a layer (norms, quantized projections, rotary, K/V write,
 attention, residuals) without returning to Python; it calls the very kernels the per-op path
@@ -17,7 +18,7 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 
-from specbatch.kernels import cpu_ops, gguf_linear, sgemm
+from specbatch.kernels import amx_linear, cpu_ops, gguf_linear, sgemm
 from specbatch.kernels.attention import cpu_paged
 from specbatch.kernels.attention.cpu_paged import CpuPagedBackend, KernelQueries
 
@@ -46,12 +47,12 @@ class FusedLayers:
         self._layers = None
 
     def applies(self) -> bool:
-        """Float32 on the CPU, every linear of every layer GGUF blocks or every one MKL-packed,
-        the C attention backend, and every library built."""
+        """On the CPU with the C attention backend and every library built: a float32 model
+        whose layers' linears are all GGUF blocks or all MKL-packed, or a bfloat16 one whose
+        layers' linears are all AMX tiles."""
         if self._applies is None:
-            packed = self.model.multiplies_sgemm()
-            fits = self._model_fits() and (packed or self.model.multiplies_blocks())
-            self._kernels = self._kernel_addresses(packed) if fits else ()
+            kind = self._linear_kind() if self._model_fits() else None
+            self._kernels = self._kernel_addresses(kind) if kind is not None else ()
             self._applies = bool(self._kernels)
         return self._applies
 
@@ -60,32 +61,47 @@ class FusedLayers:
         return (
             self.enabled
             and model.device.type == "cpu"
-            and model.dtype == torch.float32
             and isinstance(model.backend, CpuPagedBackend)
             and model.config.head_dim <= cpu_ops.MAX_ROTARY_DIM
         )
 
+    def _linear_kind(self) -> str | None:
+        """What every layer linear multiplies with: "gguf", "sgemm", "tiles", or None (mixed,
+        plain, oneDNN)."""
+        model = self.model
+        if model.dtype == torch.bfloat16:
+            return "tiles" if model.multiplies_tiles() else None
+        if model.dtype != torch.float32:
+            return None
+        if model.multiplies_sgemm():
+            return "sgemm"
+        return "gguf" if model.multiplies_blocks() else None
+
     @staticmethod
-    def _kernel_addresses(packed: bool) -> tuple[int, ...]:
-        """The kernels a fused layer calls (the linear: GGUF's, or MKL's packed GEMM behind
-        ``cpu_ops.sgemm_linear`` where ``packed``; attention, K/V write), by address, or ()
+    def _kernel_addresses(kind: str) -> tuple[int, ...]:
+        """The kernels a fused layer calls (the linear: GGUF's, MKL's packed GEMM behind
+        ``cpu_ops.sgemm_linear``, or the AMX tiles'; attention, K/V write), by address, or ()
         where a library cannot be built."""
         ops, attention = cpu_ops.load_library(), cpu_paged.load_library()
         if ops is None or attention is None:
             return ()
-        if packed:
+        if kind == "sgemm":
             compute = sgemm.compute_address()
             if not compute:
                 return ()
             ops.set_sgemm_compute(compute)
-            linear = ops.sgemm_linear
+            linear = ctypes.cast(ops.sgemm_linear, ctypes.c_void_p).value or 0
+        elif kind == "tiles":
+            linear = amx_linear.linear_address()
         else:
             library = gguf_linear.load_library()
             if library is None:
                 return ()
-            linear = library.gguf_linear
-        functions = (linear, attention.paged_attention, attention.write_kv)
-        return tuple(ctypes.cast(f, ctypes.c_void_p).value or 0 for f in functions)
+            linear = ctypes.cast(library.gguf_linear, ctypes.c_void_p).value or 0
+        if not linear:
+            return ()
+        functions = (attention.paged_attention, attention.write_kv)
+        return (linear, *(ctypes.cast(f, ctypes.c_void_p).value or 0 for f in functions))
 
     def step(
         self, metadata: object, cos: torch.Tensor, sin: torch.Tensor, x: torch.Tensor
@@ -95,7 +111,8 @@ class FusedLayers:
         if queries is None or torch.is_grad_enabled() or not self.applies():
             return None
         cache = self._decoder_layers()[0].self_attn.kv_cache
-        if cache is None or cache[0].dtype != torch.float32 or x.dtype != torch.float32:
+        dtype = self.model.dtype
+        if cache is None or cache[0].dtype != dtype or x.dtype != dtype:
             return None
         if queries.max_slot >= cache[0].shape[0] * cache[0].shape[1]:
             raise IndexError(f"KV slot {queries.max_slot} is outside the cache")
@@ -161,8 +178,10 @@ def _layer_spec(layer: LlamaDecoderLayer) -> cpu_ops.LayerSpec:
     assert attn.kv_cache is not None
     specs = []
     for linear in _linears(layer):
-        if linear.sgemm is not None:
-            specs.append(cpu_ops.QuantLinearSpec(0, linear.sgemm.data.data_ptr()))
+        if linear.sgemm is not None or linear.tiles is not None:
+            held = linear.sgemm if linear.sgemm is not None else linear.tiles
+            assert held is not None
+            specs.append(cpu_ops.QuantLinearSpec(0, held.data.data_ptr()))
             continue
         assert linear.quantized is not None
         specs.append(

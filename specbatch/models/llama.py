@@ -18,6 +18,7 @@ from torch import nn
 
 from specbatch.errors import ModelLoadError
 from specbatch.kernels import cpu_ops, sgemm
+from specbatch.kernels.amx_linear import TileWeight
 from specbatch.kernels.attention import AttentionBackend, LayerKVCache
 from specbatch.kernels.gguf_linear import QuantizedWeight, quantized_linear
 from specbatch.kernels.linear import (
@@ -260,14 +261,16 @@ class LlamaForCausalLM(nn.Module):
         packed = [m.packed for m in self.modules() if isinstance(m, Linear)]
         packed.append(self._packed_tied_head)
         quantized: list[QuantizedWeight | None] = [self._quantized_tied_head]  # shared: once
-        sgemms = [m.sgemm for m in self.modules() if isinstance(m, Linear)]
-        sgemms.append(self._sgemm_tied_head)
+        held: list[SgemmWeight | TileWeight | None] = [self._sgemm_tied_head]
+        for module in self.modules():
+            if isinstance(module, Linear):
+                held += [module.sgemm, module.tiles]
         for module in self.modules():
             if isinstance(module, Linear | QuantizedEmbedding):
                 quantized.append(module.quantized)
         return (
             total
-            + sum(w.nbytes for w in sgemms if w is not None)
+            + sum(w.nbytes for w in held if w is not None)
             + sum(t.numel() * t.element_size() for t in packed if t is not None)
             + sum(q.nbytes for q in {id(q): q for q in quantized if q is not None}.values())
         )
@@ -360,6 +363,14 @@ class LlamaForCausalLM(nn.Module):
         """Whether every linear of every decoder layer is in MKL's packed layout."""
         return all(
             module.sgemm is not None
+            for module in self.model.layers.modules()
+            if isinstance(module, Linear)
+        )
+
+    def multiplies_tiles(self) -> bool:
+        """Whether every linear of every decoder layer is bfloat16 AMX tiles."""
+        return all(
+            module.tiles is not None
             for module in self.model.layers.modules()
             if isinstance(module, Linear)
         )

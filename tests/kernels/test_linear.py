@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specbatch.kernels import sgemm
+from specbatch.kernels import amx_linear, sgemm
 from specbatch.kernels.linear import (
     PADDED_ROWS,
     Linear,
@@ -22,6 +22,7 @@ LAYOUTS = [
     (torch.float32, "onednn"),
     (torch.bfloat16, "onednn"),
     (torch.float32, "sgemm"),
+    (torch.bfloat16, "tiles"),
 ]
 
 
@@ -32,6 +33,12 @@ def _pack(layer: Linear, layout: str) -> None:
             pytest.skip("MKL's packed GEMM is not exported by this torch")
         layer.pack()
         assert layer.sgemm is not None
+        return
+    if layout == "tiles":
+        if not amx_linear.available():
+            pytest.skip("no AMX tiles on this CPU")
+        layer.pack()
+        assert layer.tiles is not None
         return
     assert layer.weight is not None
     if not cpu_packing_supported(layer.weight.dtype):

@@ -1,6 +1,6 @@
-"""Float32 models whose linears are in MKL's packed layout run every decoder layer as one C
-call (``models/fused_layers.py``): the same bits as the per-op path, and the plain product's
-values within float32 rounding."""
+"""Float models run every decoder layer as one C call (``models/fused_layers.py``) where their
+linears allow: float32 in MKL's packed layout, bfloat16 as AMX tiles. The same bits as the
+per-op path, and the plain product's values within rounding."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from specbatch.kernels import sgemm
+from specbatch.kernels import amx_linear, sgemm
 from specbatch.kernels.linear import Linear
 from specbatch.models import LlamaForCausalLM, load_model
 from tests.helpers import (
@@ -20,9 +20,10 @@ from tests.helpers import (
     write_hf_checkpoint,
 )
 
-pytestmark = pytest.mark.skipif(
+needs_mkl = pytest.mark.skipif(
     not sgemm.available(), reason="MKL's packed GEMM is not exported by this torch"
 )
+needs_amx = pytest.mark.skipif(not amx_linear.available(), reason="no AMX tiles on this CPU")
 
 
 @pytest.fixture(scope="module")
@@ -32,6 +33,7 @@ def packed_smollm2(default_gguf: Path) -> LlamaForCausalLM:
     return model
 
 
+@needs_mkl
 def test_smollm2_float32_layers_run_fused_with_the_per_op_bits(
     packed_smollm2: LlamaForCausalLM,
 ) -> None:
@@ -42,10 +44,17 @@ def test_smollm2_float32_layers_run_fused_with_the_per_op_bits(
     assert_fused_equals_per_op(model, lambda: mixed_workload_logits(model))
 
 
+@pytest.mark.parametrize(
+    "dtype",
+    [pytest.param(torch.float32, marks=needs_mkl), pytest.param(torch.bfloat16, marks=needs_amx)],
+)
 @pytest.mark.parametrize("variant", ["llama-tied", "qwen2-bias"])
-def test_fused_float32_matches_the_unpacked_model(tmp_path: Path, variant: str) -> None:
+def test_fused_layers_match_the_unpacked_model(
+    tmp_path: Path, variant: str, dtype: torch.dtype
+) -> None:
     """A tiny model (biases on q/k/v, or a tied head): packed and fused against the same
-    weights multiplied by torch's plain product."""
+    weights multiplied by torch's plain product (float32: within float32 rounding; bfloat16:
+    within a few bfloat16 roundings, which land in other places)."""
     overrides = (
         {"tie_word_embeddings": True}
         if variant == "llama-tied"
@@ -57,18 +66,22 @@ def test_fused_float32_matches_the_unpacked_model(tmp_path: Path, variant: str) 
     )
     config = tiny_config(hidden_size=64, intermediate_size=128, **overrides)
     write_hf_checkpoint(tmp_path / "hf", config)
-    plain = load_model(tmp_path / "hf", dtype=torch.float32)
-    packed = load_model(tmp_path / "hf", dtype=torch.float32)
+    plain = load_model(tmp_path / "hf", dtype=dtype)
+    packed = load_model(tmp_path / "hf", dtype=dtype)
     assert packed.pack_for_cpu()
     assert packed.fused.applies()
     assert not plain.fused.applies()
     prompt = torch.randint(0, config["vocab_size"], (40,), generator=torch.Generator()).tolist()
-    expected = PagedHarness(plain).forward([(0, prompt)])[0]
-    fused = PagedHarness(packed).forward([(0, prompt)])[0]
-    torch.testing.assert_close(fused, expected, rtol=0, atol=1e-4)
+    expected = PagedHarness(plain).forward([(0, prompt)])[0].float()
+    fused = PagedHarness(packed).forward([(0, prompt)])[0].float()
+    if dtype == torch.float32:
+        torch.testing.assert_close(fused, expected, rtol=0, atol=1e-4)
+    else:
+        torch.testing.assert_close(fused, expected, rtol=0.05, atol=0.05)
     assert_fused_equals_per_op(packed, lambda: [PagedHarness(packed).forward([(0, prompt)])[0]])
 
 
+@needs_mkl
 def test_without_mkl_float32_keeps_onednn(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """Where MKL's packed GEMM is missing or fails its probe, float32 weights take oneDNN's
     layout and the layers run per op, with the plain product's values."""
@@ -90,6 +103,7 @@ def test_without_mkl_float32_keeps_onednn(monkeypatch: pytest.MonkeyPatch, tmp_p
     )
 
 
+@needs_mkl
 def test_the_probe_refuses_a_product_whose_rows_depend_on_their_batch(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -104,3 +118,14 @@ def test_the_probe_refuses_a_product_whose_rows_depend_on_their_batch(
 
     monkeypatch.setattr(sgemm, "_multiply", batch_dependent)
     assert not sgemm._probe(library)
+
+
+@needs_amx
+def test_smollm2_bfloat16_layers_run_fused_with_the_per_op_bits(default_gguf: Path) -> None:
+    """Every rounding of the bfloat16 per-op path (products, bias and residual adds, norms,
+    SiLU-gate, attention output) made in the same place by the fused layer."""
+    model = load_model(default_gguf, dtype=torch.bfloat16)
+    assert model.pack_for_cpu()
+    assert model.multiplies_tiles()
+    assert model.fused.applies()
+    assert_fused_equals_per_op(model, lambda: mixed_workload_logits(model))

@@ -1,19 +1,24 @@
 /*
- * A bfloat16 product on AMX tiles whose every output row's bits are independent of the other
- * rows (benchmarks/amx_bf16.py times it against oneDNN's bfloat16 linear): the groundwork for a
- * bfloat16 product C can call, which the bfloat16 mode's fused layer needs (docs/notes.md,
- * 2026-12-06). Not used by the engine.
+ * bfloat16 products on AMX tiles, a row's bits independent of the other rows (the bfloat16
+ * mode's linears where Linux grants AMX; kernels/amx_linear.py).
  *
- * out[M][N] (float32) = x[M][K] (bfloat16) W^T, W [N][K] bfloat16 repacked by pack_b into
- * TDPBF16PS's B tiles (per 16 outputs and 32 K: 16 rows of K pairs, 64 bytes each). Output
- * (m, n) is C[m][n] accumulated over the K tiles in increasing order by TDPBF16PS, whatever
- * the row count or blocking (2x2 tiles of 16 rows x 16 outputs, chunks of CHUNK_PAIRS output
- * pairs per thread): rows do not interact. K must be a multiple of 32.
+ * out[M][N] = x[M][K] W^T for bfloat16 x and W (W repacked once by pack_b into TDPBF16PS's B
+ * tiles: per 16 outputs and 32 K, 16 rows of K pairs, 64 bytes each), accumulated in float32:
+ * output (m, n) is C[m][n] summed over the K tiles in increasing order by TDPBF16PS, whatever
+ * the row count or the blocking (2x2 tiles of 16 rows x 16 outputs, chunks of CHUNK_PAIRS
+ * output pairs per thread): rows never meet. amx_linear_bf16 rounds each float32 output to
+ * bfloat16 (to_bf16: to nearest even, as torch does), so the per-op path and a fused layer
+ * calling it get the same bits. K is a multiple of 32. Measured against oneDNN's bfloat16
+ * linear: benchmarks/amx_bf16.py (docs/notes.md, 2026-12-06).
  *
- * Without AMX (no __AMX_TILE__ / __AMX_BF16__ under -march=native) amx_available returns 0.
+ * Built at first use (cbuild: -march=native); without AMX under -march=native, or where Linux
+ * refuses the tile state, amx_available returns 0 and nothing else may be called.
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
+
+#include "simd.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
 #include <immintrin.h>
@@ -67,7 +72,8 @@ static void store_tile(const float *spill, int mr, int64_t n, int64_t col0, floa
     } while (0)
 
 /* out[M][N] f32 = x[M][K] bf16 . W^T; per (32 outputs, 32 rows) block: C tiles 0-3, A 4-5, B 6-7 */
-void amx_gemm(const uint16_t *x, int64_t m, int64_t k, const uint16_t *bp, int64_t n, float *out, int threads) {
+static void amx_gemm(const uint16_t *x, int64_t m, int64_t k, const uint16_t *bp, int64_t n,
+                     float *out, int threads) {
     const int64_t ntiles = (n + 15) / 16, ktiles = k / 32, pairs = (ntiles + 1) / 2;
 #pragma omp parallel num_threads(threads)
     {
@@ -124,15 +130,28 @@ void amx_gemm(const uint16_t *x, int64_t m, int64_t k, const uint16_t *bp, int64
     }
 }
 
+/* amx_gemm, each output rounded to bfloat16 into out ([M][N]); -1 if scratch cannot be had. */
+int amx_linear_bf16(const uint16_t *x, int64_t m, int64_t k, const void *tiles, int64_t n,
+                    uint16_t *out, int threads) {
+    if (m == 0) return 0;
+    float *wide = malloc((size_t)(m * n) * sizeof(float));
+    if (wide == NULL) return -1;
+    amx_gemm(x, m, k, (const uint16_t *)tiles, n, wide, threads);
+    for (int64_t i = 0; i < m * n; i++) out[i] = to_bf16(wide[i]);
+    free(wide);
+    return 0;
+}
+
 #else
 
 int amx_available(void) { return 0; }
 void pack_b(const uint16_t *w, int64_t n, int64_t k, uint16_t *out) {
     (void)w, (void)n, (void)k, (void)out;
 }
-void amx_gemm(const uint16_t *x, int64_t m, int64_t k, const uint16_t *bp, int64_t n, float *out,
-              int threads) {
-    (void)x, (void)m, (void)k, (void)bp, (void)n, (void)out, (void)threads;
+int amx_linear_bf16(const uint16_t *x, int64_t m, int64_t k, const void *tiles, int64_t n,
+                    uint16_t *out, int threads) {
+    (void)x, (void)m, (void)k, (void)tiles, (void)n, (void)out, (void)threads;
+    return -1;
 }
 
 #endif
