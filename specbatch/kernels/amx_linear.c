@@ -59,26 +59,45 @@ static void configure(int mr) {
     _tile_loadconfig(&cfg);
 }
 
-static void store_tile(const float *spill, int mr, int64_t n, int64_t col0, float *out) {
-    for (int r = 0; r < mr; r++)
-        for (int c = 0; c < 16 && col0 + c < n; c++) out[r * n + col0 + c] = spill[r * 16 + c];
+/* to_bf16 on 16 floats (the same bits: to nearest even, a NaN made quiet) */
+static inline void to_bf16x16(const float *src, uint16_t *dst) {
+    v16u bits;
+    memcpy(&bits, src, sizeof bits);
+    const v16u nan = (v16u)((bits & 0x7fffffffu) > 0x7f800000u);
+    const v16u rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+    const v16u quiet = (bits >> 16) | 0x40u;
+    const v16h half = __builtin_convertvector((nan & quiet) | (~nan & rounded), v16h);
+    memcpy(dst, &half, sizeof half);
+}
+
+/* A C tile's mr rows (16 floats each, in spill) rounded into out's columns col0 .. col0 + 15
+ * (those below n). */
+static void store_tile(const float *spill, int mr, int64_t n, int64_t col0, uint16_t *out) {
+    for (int r = 0; r < mr; r++) {
+        if (col0 + 16 <= n) {
+            to_bf16x16(spill + r * 16, out + r * n + col0);
+            continue;
+        }
+        for (int c = 0; col0 + c < n; c++) out[r * n + col0 + c] = to_bf16(spill[r * 16 + c]);
+    }
 }
 
 #define CHUNK_PAIRS 16
 #define STORE(t, mrow, col0)                                                                   \
     do {                                                                                        \
-        if ((col0) + 16 <= n) _tile_stored(t, out + (mrow) * n + (col0), n * 4);                \
-        else { _tile_stored(t, spill, 64); store_tile(spill, mr, n, col0, out + (mrow) * n); } \
+        _tile_stored(t, spill, 64);                                                             \
+        store_tile(spill, mr, n, col0, out + (mrow) * n);                                       \
     } while (0)
 
-/* out[M][N] f32 = x[M][K] bf16 . W^T; per (32 outputs, 32 rows) block: C tiles 0-3, A 4-5, B 6-7 */
+/* out[M][N] = x[M][K] W^T rounded to bfloat16; per (32 outputs, 32 rows) block: C tiles 0-3,
+ * A 4-5, B 6-7 */
 static void amx_gemm(const uint16_t *x, int64_t m, int64_t k, const uint16_t *bp, int64_t n,
-                     float *out, int threads) {
+                     uint16_t *out, int threads) {
     const int64_t ntiles = (n + 15) / 16, ktiles = k / 32, pairs = (ntiles + 1) / 2;
 #pragma omp parallel num_threads(threads)
     {
         int configured = -1;
-        float spill[16 * 16];
+        float spill[16 * 16] __attribute__((aligned(64)));
         const int64_t chunks = (pairs + CHUNK_PAIRS - 1) / CHUNK_PAIRS;
 #pragma omp for schedule(static)
         for (int64_t chunk = 0; chunk < chunks; chunk++)
@@ -130,15 +149,10 @@ static void amx_gemm(const uint16_t *x, int64_t m, int64_t k, const uint16_t *bp
     }
 }
 
-/* amx_gemm, each output rounded to bfloat16 into out ([M][N]); -1 if scratch cannot be had. */
+/* out ([M][N], bfloat16) = x W^T, each output rounded once from its float32 sum. */
 int amx_linear_bf16(const uint16_t *x, int64_t m, int64_t k, const void *tiles, int64_t n,
                     uint16_t *out, int threads) {
-    if (m == 0) return 0;
-    float *wide = malloc((size_t)(m * n) * sizeof(float));
-    if (wide == NULL) return -1;
-    amx_gemm(x, m, k, (const uint16_t *)tiles, n, wide, threads);
-    for (int64_t i = 0; i < m * n; i++) out[i] = to_bf16(wide[i]);
-    free(wide);
+    if (m > 0) amx_gemm(x, m, k, (const uint16_t *)tiles, n, out, threads);
     return 0;
 }
 
