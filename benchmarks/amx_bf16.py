@@ -14,10 +14,7 @@ row's bits at other row counts. Skips where the CPU has no AMX.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
-from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
@@ -25,22 +22,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
 
-from benchmarks.common import print_conditions
+from benchmarks.common import median_seconds, print_conditions
 from specbatch.kernels import amx_linear
 from specbatch.kernels.amx_linear import TileWeight
 
 SHAPES = {"qkv": (960, 576), "gate/up": (3072, 576), "down": (576, 1536), "lm head": (49152, 576)}
-
-
-def median_us(run: Callable[[], object], repeats: int) -> float:
-    for _ in range(3):
-        run()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e6
 
 
 def main() -> None:
@@ -73,8 +59,8 @@ def main() -> None:
         cells = []
         for m in args.rows:
             rows = x[:m].clone()
-            amx = median_us(partial(amx_linear.amx_linear, rows, tiles), args.repeats)
-            dnnl = median_us(
+            amx = 1e6 * median_seconds(partial(amx_linear.amx_linear, rows, tiles), args.repeats)
+            dnnl = 1e6 * median_seconds(
                 partial(torch.ops.mkldnn._linear_pointwise, rows, onednn, None, "none", [], ""),
                 args.repeats,
             )

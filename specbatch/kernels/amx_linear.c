@@ -34,7 +34,7 @@ typedef struct {
     uint8_t rows[16];
 } TileConfig;
 
-/* W [N][K] bf16 -> tiles: for each n-tile (16 outputs), each k-tile (32): 16 rows (k pairs) x 64 bytes */
+/* W [N][K] bfloat16 -> B tiles: per 16 outputs and 32 K, 16 rows of K pairs, 64 bytes each. */
 void pack_b(const uint16_t *w, int64_t n, int64_t k, uint16_t *out) {
     const int64_t ntiles = (n + 15) / 16, ktiles = k / 32;
     for (int64_t nt = 0; nt < ntiles; nt++)
@@ -49,13 +49,16 @@ void pack_b(const uint16_t *w, int64_t n, int64_t k, uint16_t *out) {
         }
 }
 
-static void configure(int mr) {
+/* Tiles 0-1 (C) and 4 (A) hold the first 16-row block's rows, 2-3 and 5 the second's (either
+ * may be short: a tile's rows are independent), 6-7 the B tiles. */
+static void configure(int rows0, int rows1) {
     TileConfig cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
-    for (int t = 0; t < 6; t++) { cfg.rows[t] = (uint8_t)mr; cfg.colsb[t] = 64; } /* C00 C01 C10 C11, A0 A1 */
-    cfg.rows[6] = 16; cfg.colsb[6] = 64; /* B0 */
-    cfg.rows[7] = 16; cfg.colsb[7] = 64; /* B1 */
+    for (int t = 0; t < 8; t++) cfg.colsb[t] = 64;
+    cfg.rows[0] = cfg.rows[1] = cfg.rows[4] = (uint8_t)rows0;
+    cfg.rows[2] = cfg.rows[3] = cfg.rows[5] = (uint8_t)rows1;
+    cfg.rows[6] = cfg.rows[7] = 16;
     _tile_loadconfig(&cfg);
 }
 
@@ -82,67 +85,61 @@ static void store_tile(const float *spill, int mr, int64_t n, int64_t col0, uint
     }
 }
 
-#define CHUNK_PAIRS 16
-#define STORE(t, mrow, col0)                                                                   \
+#define CHUNK_PAIRS 16 /* output pairs per thread chunk: their B tiles stay in L2 */
+#define STORE(t, rows, mrow, col0)                                                             \
     do {                                                                                        \
         _tile_stored(t, spill, 64);                                                             \
-        store_tile(spill, mr, n, col0, out + (mrow) * n);                                       \
+        store_tile(spill, rows, n, col0, out + (mrow) * n);                                     \
     } while (0)
 
-/* out[M][N] = x[M][K] W^T rounded to bfloat16; per (32 outputs, 32 rows) block: C tiles 0-3,
- * A 4-5, B 6-7 */
+/* out[M][N] = x[M][K] W^T rounded to bfloat16, by blocks of 32 rows x 32 outputs (C tiles 0-3:
+ * two row blocks times two output tiles), chunk by chunk of outputs, each chunk's row blocks in
+ * turn (a row block's A tiles stay in L1 across the chunk's outputs). */
 static void amx_gemm(const uint16_t *x, int64_t m, int64_t k, const uint16_t *bp, int64_t n,
                      uint16_t *out, int threads) {
     const int64_t ntiles = (n + 15) / 16, ktiles = k / 32, pairs = (ntiles + 1) / 2;
+    const int64_t chunks = (pairs + CHUNK_PAIRS - 1) / CHUNK_PAIRS;
 #pragma omp parallel num_threads(threads)
     {
-        int configured = -1;
+        int configured0 = -1, configured1 = -1;
         float spill[16 * 16] __attribute__((aligned(64)));
-        const int64_t chunks = (pairs + CHUNK_PAIRS - 1) / CHUNK_PAIRS;
 #pragma omp for schedule(static)
-        for (int64_t chunk = 0; chunk < chunks; chunk++)
-        for (int64_t m0 = 0; m0 < m; m0 += 32)
-        for (int64_t p = chunk * CHUNK_PAIRS; p < pairs && p < (chunk + 1) * CHUNK_PAIRS; p++) {
-            const int64_t nt0 = 2 * p, nt1 = 2 * p + 1 < ntiles ? 2 * p + 1 : 2 * p;
-            const int two_n = nt1 != nt0;
-            {
-                const int mr = m - m0 < 16 ? (int)(m - m0) : 16;
+        for (int64_t chunk = 0; chunk < chunks; chunk++) {
+            const int64_t end = (chunk + 1) * CHUNK_PAIRS;
+            const int64_t last = end < pairs ? end : pairs;
+            for (int64_t m0 = 0; m0 < m; m0 += 32) {
                 const int64_t m1 = m0 + 16;
-                const int mr1 = m - m1 <= 0 ? 0 : (m - m1 < 16 ? (int)(m - m1) : 16);
-                if (mr1 != 0 && mr1 != mr) { /* an uneven tail: two passes of one block each */
-                    for (int64_t mb = m0; mb < m; mb += 16) {
-                        const int r = m - mb < 16 ? (int)(m - mb) : 16;
-                        if (r != configured) { configure(r); configured = r; }
-                        _tile_zero(0); _tile_zero(1);
-                        for (int64_t kt = 0; kt < ktiles; kt++) {
-                            _tile_loadd(4, x + mb * k + kt * 32, k * 2);
-                            _tile_loadd(6, bp + (nt0 * ktiles + kt) * 512, 64);
-                            _tile_loadd(7, bp + (nt1 * ktiles + kt) * 512, 64);
-                            _tile_dpbf16ps(0, 4, 6);
-                            _tile_dpbf16ps(1, 4, 7);
+                const int rows0 = m - m0 < 16 ? (int)(m - m0) : 16;
+                const int rows1 = m1 >= m ? 0 : (m - m1 < 16 ? (int)(m - m1) : 16);
+                if (rows0 != configured0 || rows1 != configured1) {
+                    configure(rows0, rows1 > 0 ? rows1 : rows0); /* tiles 2, 3, 5 unused */
+                    configured0 = rows0, configured1 = rows1;
+                }
+                for (int64_t p = chunk * CHUNK_PAIRS; p < last; p++) {
+                    const int64_t nt0 = 2 * p, nt1 = 2 * p + 1 < ntiles ? 2 * p + 1 : 2 * p;
+                    _tile_zero(0);
+                    _tile_zero(1);
+                    _tile_zero(2);
+                    _tile_zero(3);
+                    for (int64_t kt = 0; kt < ktiles; kt++) {
+                        _tile_loadd(6, bp + (nt0 * ktiles + kt) * 512, 64);
+                        _tile_loadd(7, bp + (nt1 * ktiles + kt) * 512, 64);
+                        _tile_loadd(4, x + m0 * k + kt * 32, k * 2);
+                        _tile_dpbf16ps(0, 4, 6);
+                        _tile_dpbf16ps(1, 4, 7);
+                        if (rows1) {
+                            _tile_loadd(5, x + m1 * k + kt * 32, k * 2);
+                            _tile_dpbf16ps(2, 5, 6);
+                            _tile_dpbf16ps(3, 5, 7);
                         }
-                        const int mrr = r;
-                        { const int mr = mrr; STORE(0, mb, nt0 * 16); if (two_n) STORE(1, mb, nt1 * 16); }
                     }
-                    continue;
-                }
-                if (mr != configured) { configure(mr); configured = mr; }
-                _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-                for (int64_t kt = 0; kt < ktiles; kt++) {
-                    _tile_loadd(6, bp + (nt0 * ktiles + kt) * 512, 64);
-                    _tile_loadd(7, bp + (nt1 * ktiles + kt) * 512, 64);
-                    _tile_loadd(4, x + m0 * k + kt * 32, k * 2);
-                    _tile_dpbf16ps(0, 4, 6);
-                    _tile_dpbf16ps(1, 4, 7);
-                    if (mr1) {
-                        _tile_loadd(5, x + m1 * k + kt * 32, k * 2);
-                        _tile_dpbf16ps(2, 5, 6);
-                        _tile_dpbf16ps(3, 5, 7);
+                    STORE(0, rows0, m0, nt0 * 16);
+                    if (nt1 != nt0) STORE(1, rows0, m0, nt1 * 16);
+                    if (rows1) {
+                        STORE(2, rows1, m1, nt0 * 16);
+                        if (nt1 != nt0) STORE(3, rows1, m1, nt1 * 16);
                     }
                 }
-                STORE(0, m0, nt0 * 16);
-                if (two_n) STORE(1, m0, nt1 * 16);
-                if (mr1) { STORE(2, m1, nt0 * 16); if (two_n) STORE(3, m1, nt1 * 16); }
             }
         }
         _tile_release();

@@ -13,7 +13,7 @@ Without AMX, bfloat16 weights keep oneDNN's layout (``kernels.linear``).
 from __future__ import annotations
 
 import ctypes
-import threading
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,19 +39,14 @@ def _declare(library: ctypes.CDLL) -> None:
 NATIVE = NativeLibrary(
     SOURCE, NATIVE_FLAGS, "the AMX bfloat16 linear kernel", "bfloat16 stays oneDNN's", _declare
 )
-_lock = threading.Lock()
-_granted: list[bool] = []  # settled once per process
 
 
+@functools.cache
 def available() -> bool:
     """Whether bfloat16 products can run on AMX tiles here (the kernel built with AMX and the
-    tile state granted by Linux)."""
-    if not _granted:
-        with _lock:
-            if not _granted:
-                library = NATIVE.load()
-                _granted.append(library is not None and bool(library.amx_available()))
-    return _granted[0]
+    tile state granted by Linux); settled once per process."""
+    library = NATIVE.load()
+    return library is not None and bool(library.amx_available())
 
 
 @dataclass(frozen=True)

@@ -277,7 +277,8 @@ int decoder_layer_bf16(const Layer *L, const LayerStep *S, uint16_t *x) {
     if (L->qkv_bias != NULL) {
         const uint16_t *bias = (const uint16_t *)(const void *)L->qkv_bias;
         for (int64_t t = 0; t < T; t++)
-            for (int64_t i = 0; i < qkv_n; i++) qkv[t * qkv_n + i] = add_bf16(qkv[t * qkv_n + i], bias[i]);
+            for (int64_t i = 0; i < qkv_n; i++)
+                qkv[t * qkv_n + i] = add_bf16(qkv[t * qkv_n + i], bias[i]);
     }
     rotary(qkv, T, L->heads + L->kv_heads, hd, qkv_n, hd, S->cos, S->sin, 1);
     S->write(qkv + q_size, qkv_n, qkv + q_size + kv, qkv_n, L->key_cache, L->value_cache,

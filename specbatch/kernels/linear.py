@@ -106,7 +106,7 @@ class Linear(nn.Module):
         :func:`packing_supported`)."""
         if self.weight is None:  # packed already, or quantized
             return
-        if self.weight.dtype == torch.float32 and sgemm.available():
+        if sgemm.fits(self.weight):
             self.sgemm = SgemmWeight.from_dense(self.weight.detach())
         elif amx_linear.fits(self.weight):
             self.tiles = TileWeight.from_dense(self.weight.detach())

@@ -5,15 +5,15 @@ product is one ``cblas_sgemm_compute`` call, reached through ctypes from Python 
 path) or by address from C (``cpu_ops.sgemm_linear``, the fused layers of
 ``models/fused_layers.py``): the same function with the same arguments, so the same bits.
 
-Why MKL and not oneDNN's packed linear (``kernels.linear``) for float32 (a 2-core Intel Xeon
-with AVX-512, SmolLM2's shapes, each product alone, 2026-12-06; not yet measured on an AMD
-host, where MKL may take slower paths: ``docs/notes.md``): it
-is as fast or faster at every row count (qkv 960x576: 1 row 16 us against 32, 256 rows 0.69
-ms against 0.85; gate/up 3072x576: 256 rows 2.55 ms against 2.79; the LM head 49152x576: 1.89
-ms against 2.05 at one row), a row's bits do not depend on how many rows share the product
-(1 .. 600 rows, any offset, 1 or 2 threads: tested at load by :func:`available` and in
-``tests/kernels/test_sgemm.py``), so one row needs no second row as oneDNN's does, and C can
-call it, so a float32 layer runs as one C call like a GGUF one.
+Why MKL and not oneDNN's packed linear (``kernels.linear``) for float32: SmolLM2's 120 layer
+products, weights streaming from memory (``python benchmarks/linear_rows.py 1 2 8 64 256`` on
+a 2-core Intel Xeon with AVX-512, 2026-12-06; not yet measured on an AMD host, where MKL may
+take slower paths): 15.2 / 17.4 / 24.0 / 61.5 / 205.6 ms at 1 / 2 / 8 / 64 / 256 rows
+against oneDNN's 20.8 / 19.1 / 24.0 / 71.8 / 186.5 (faster to 64 rows, 10% slower at 256).
+A row's bits do not depend on how many rows share the product (1 .. 700 rows, any offset, 1
+or 2 threads: probed at load by :func:`_probe` and tested in ``tests/kernels/test_sgemm.py``),
+so one row needs no second row as oneDNN's does; and C can call it, so a float32 layer runs as
+one C call like a GGUF one.
 
 Where the symbols are missing (torch builds without MKL: ARM, some source builds) or the probe
 fails, :func:`available` is False and float32 weights keep oneDNN's layout.
@@ -22,8 +22,8 @@ fails, :func:`available` is False and float32 weights keep oneDNN's layout.
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,9 +38,6 @@ _ROW_MAJOR, _NO_TRANS, _TRANS, _PACKED, _B_MATRIX = 101, 111, 112, 151, 162
 # Intel Xeon (AVX-512): 256 rows take 2.55 ms packed for 256, 3.57 ms packed for 8 (oneDNN
 # 2.79); 1 and 8 rows ~120 us either way.
 _PACK_ROWS = 256
-
-_lock = threading.Lock()
-_state: dict[str, object] = {}
 
 
 def _torch_library() -> ctypes.CDLL | None:
@@ -70,21 +67,22 @@ def _torch_library() -> ctypes.CDLL | None:
     return None
 
 
+@functools.cache
 def _library() -> ctypes.CDLL | None:
-    """The declared library once :func:`available` has said yes, else None."""
-    return _state.get("library") if available() else None  # type: ignore[return-value]
+    """torch's library where MKL's packed GEMM is exported and passes :func:`_probe`, else
+    None; settled once per process."""
+    library = _torch_library()
+    return library if library is not None and _probe(library) else None
 
 
 def available() -> bool:
-    """Whether float32 products can go through MKL's packed GEMM here: the functions are
-    exported and :func:`_probe` passes. Settled once per process."""
-    if "available" not in _state:
-        with _lock:
-            if "available" not in _state:
-                library = _torch_library()
-                _state["library"] = library
-                _state["available"] = library is not None and _probe(library)
-    return bool(_state["available"])
+    """Whether float32 products can go through MKL's packed GEMM here."""
+    return _library() is not None
+
+
+def fits(weight: torch.Tensor) -> bool:
+    """Whether ``weight`` is held in MKL's packed layout here (float32, where available)."""
+    return weight.dtype == torch.float32 and available()
 
 
 def _probe(library: ctypes.CDLL) -> bool:

@@ -5,7 +5,7 @@ float32 in MKL's packed layout (``kernels.sgemm``), or all bfloat16 AMX tiles
 ``cpu_ops.decoder_layer`` runs a layer (norms, quantized projections, rotary, K/V write,
 attention, residuals) without returning to Python; it calls the very kernels the per-op path
 calls (by address) and the same C norm, rotary and SiLU-gate, so both paths give the same bits
-(``tests/models/test_gguf_quantized.py``, ``tests/models/test_fused_float32.py``). On SmolLM2 a
+(``tests/models/test_gguf_quantized.py``, ``tests/models/test_fused_float_layers.py``). On SmolLM2 a
 batch-1 decode forward takes 4.9 ms fused against 7.7 ms per op (``python
 benchmarks/verify_cost.py --modes gguf gguf-per-op --batch-sizes 1``): ~90 us per layer had
 gone to torch dispatch and Python around the linears.
@@ -51,7 +51,7 @@ class FusedLayers:
         whose layers' linears are all GGUF blocks or all MKL-packed, or a bfloat16 one whose
         layers' linears are all AMX tiles."""
         if self._applies is None:
-            kind = self._linear_kind() if self._model_fits() else None
+            kind = self.linear_kind() if self._model_fits() else None
             self._kernels = self._kernel_addresses(kind) if kind is not None else ()
             self._applies = bool(self._kernels)
         return self._applies
@@ -65,15 +65,15 @@ class FusedLayers:
             and model.config.head_dim <= cpu_ops.MAX_ROTARY_DIM
         )
 
-    def _linear_kind(self) -> str | None:
-        """What every layer linear multiplies with: "gguf", "sgemm", "tiles", or None (mixed,
-        plain, oneDNN)."""
-        model = self.model
+    def linear_kind(self) -> str | None:
+        """What every layer linear multiplies with: "gguf" (GGUF blocks), "sgemm" (float32,
+        MKL's packed layout), "tiles" (bfloat16 AMX tiles), or None (mixed, plain, oneDNN)."""
+        model, linears = self.model, self.model.layer_linears()
         if model.dtype == torch.bfloat16:
-            return "tiles" if model.multiplies_tiles() else None
+            return "tiles" if all(m.tiles is not None for m in linears) else None
         if model.dtype != torch.float32:
             return None
-        if model.multiplies_sgemm():
+        if all(m.sgemm is not None for m in linears):
             return "sgemm"
         return "gguf" if model.multiplies_blocks() else None
 
@@ -172,23 +172,21 @@ def _step_spec(
 
 
 def _layer_spec(layer: LlamaDecoderLayer) -> cpu_ops.LayerSpec:
-    """The fused layer's arguments for ``layer`` (its linears GGUF blocks or MKL-packed, its
-    cache bound)."""
+    """The fused layer's arguments for ``layer`` (its linears GGUF blocks, MKL-packed or AMX
+    tiles, its cache bound)."""
     attn = layer.self_attn
     assert attn.kv_cache is not None
     specs = []
     for linear in _linears(layer):
-        if linear.sgemm is not None or linear.tiles is not None:
-            held = linear.sgemm if linear.sgemm is not None else linear.tiles
-            assert held is not None
-            specs.append(cpu_ops.QuantLinearSpec(0, held.data.data_ptr()))
-            continue
-        assert linear.quantized is not None
-        specs.append(
-            cpu_ops.QuantLinearSpec(
-                gguf_linear.kernel_kind(linear.quantized), linear.quantized.data.data_ptr()
+        if linear.quantized is not None:
+            weight = linear.quantized
+            specs.append(
+                cpu_ops.QuantLinearSpec(gguf_linear.kernel_kind(weight), weight.data.data_ptr())
             )
-        )
+            continue
+        held = linear.sgemm or linear.tiles
+        assert held is not None
+        specs.append(cpu_ops.QuantLinearSpec(0, held.data.data_ptr()))
     bias = attn.qkv_proj.bias
     return cpu_ops.LayerSpec(
         norm1=layer.input_layernorm.weight.data_ptr(),

@@ -265,7 +265,6 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 held += [module.sgemm, module.tiles]
-        for module in self.modules():
             if isinstance(module, Linear | QuantizedEmbedding):
                 quantized.append(module.quantized)
         return (
@@ -313,7 +312,7 @@ class LlamaForCausalLM(nn.Module):
         tied = self.lm_head is None and self._quantized_tied_head is None
         if tied and self._sgemm_tied_head is None and self._packed_tied_head is None:
             embedding = self.model.embed_tokens.weight.detach()
-            if self.dtype == torch.float32 and sgemm.available():
+            if sgemm.fits(embedding):
                 self._sgemm_tied_head = SgemmWeight.from_dense(embedding)
             else:
                 self._packed_tied_head = pack_weight(embedding)
@@ -351,29 +350,13 @@ class LlamaForCausalLM(nn.Module):
                 digest.update(weight.data.numpy().tobytes())
         return digest.hexdigest()
 
+    def layer_linears(self) -> list[Linear]:
+        """Every linear of every decoder layer."""
+        return [m for m in self.model.layers.modules() if isinstance(m, Linear)]
+
     def multiplies_blocks(self) -> bool:
         """Whether every linear of every decoder layer multiplies GGUF blocks."""
-        return all(
-            module.quantized is not None
-            for module in self.model.layers.modules()
-            if isinstance(module, Linear)
-        )
-
-    def multiplies_sgemm(self) -> bool:
-        """Whether every linear of every decoder layer is in MKL's packed layout."""
-        return all(
-            module.sgemm is not None
-            for module in self.model.layers.modules()
-            if isinstance(module, Linear)
-        )
-
-    def multiplies_tiles(self) -> bool:
-        """Whether every linear of every decoder layer is bfloat16 AMX tiles."""
-        return all(
-            module.tiles is not None
-            for module in self.model.layers.modules()
-            if isinstance(module, Linear)
-        )
+        return all(m.quantized is not None for m in self.layer_linears())
 
     def _measure_row_padding(self) -> None:
         """Give every packed product the row padding measured on this model's own layers."""

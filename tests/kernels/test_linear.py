@@ -27,18 +27,13 @@ LAYOUTS = [
 
 
 def _pack(layer: Linear, layout: str) -> None:
-    """``layer`` packed in ``layout`` (``Linear.pack`` picks MKL's for float32 where it can)."""
-    if layout == "sgemm":
-        if not sgemm.available():
-            pytest.skip("MKL's packed GEMM is not exported by this torch")
+    """``layer`` packed in ``layout`` (``Linear.pack`` picks MKL's for float32 and AMX tiles for
+    bfloat16 where it can)."""
+    if layout in ("sgemm", "tiles"):
+        if not (sgemm.available() if layout == "sgemm" else amx_linear.available()):
+            pytest.skip(f"no {layout} layout on this machine")
         layer.pack()
-        assert layer.sgemm is not None
-        return
-    if layout == "tiles":
-        if not amx_linear.available():
-            pytest.skip("no AMX tiles on this CPU")
-        layer.pack()
-        assert layer.tiles is not None
+        assert getattr(layer, layout) is not None
         return
     assert layer.weight is not None
     if not cpu_packing_supported(layer.weight.dtype):

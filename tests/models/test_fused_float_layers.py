@@ -39,7 +39,7 @@ def test_smollm2_float32_layers_run_fused_with_the_per_op_bits(
 ) -> None:
     """Prefills of 300 and 37 tokens in one step, decodes and a 5-token verify-like step."""
     model = packed_smollm2
-    assert model.multiplies_sgemm()
+    assert model.fused.linear_kind() == "sgemm"
     assert model.fused.applies()
     assert_fused_equals_per_op(model, lambda: mixed_workload_logits(model))
 
@@ -85,7 +85,7 @@ def test_fused_layers_match_the_unpacked_model(
 def test_without_mkl_float32_keeps_onednn(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """Where MKL's packed GEMM is missing or fails its probe, float32 weights take oneDNN's
     layout and the layers run per op, with the plain product's values."""
-    monkeypatch.setitem(sgemm._state, "available", False)
+    monkeypatch.setattr(sgemm, "_library", lambda: None)
     config = tiny_config(hidden_size=64, intermediate_size=128)
     write_hf_checkpoint(tmp_path / "hf", config)
     plain = load_model(tmp_path / "hf", dtype=torch.float32)
@@ -126,6 +126,6 @@ def test_smollm2_bfloat16_layers_run_fused_with_the_per_op_bits(default_gguf: Pa
     SiLU-gate, attention output) made in the same place by the fused layer."""
     model = load_model(default_gguf, dtype=torch.bfloat16)
     assert model.pack_for_cpu()
-    assert model.multiplies_tiles()
+    assert model.fused.linear_kind() == "tiles"
     assert model.fused.applies()
     assert_fused_equals_per_op(model, lambda: mixed_workload_logits(model))
