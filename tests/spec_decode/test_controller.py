@@ -72,6 +72,11 @@ def trained(
         tokens = seqs + rng.choice([0, 0, rng.randint(0, 4 * seqs), rng.randint(0, 2000)])
         pairs = rng.uniform(0, 200) * tokens
         controller.observe_step(tokens, seqs, pairs, clock(tokens, seqs, pairs))
+    for _ in range(60):  # small batches with a prompt's chunk: shapes the tests plan at
+        seqs = rng.randint(1, 8)
+        tokens = seqs + rng.randint(0, 48)
+        pairs = rng.uniform(0, 200) * tokens
+        controller.observe_step(tokens, seqs, pairs, clock(tokens, seqs, pairs))
     return controller
 
 
@@ -226,6 +231,45 @@ def test_far_steps_do_not_price_a_decode_step_at_nothing() -> None:
     fit = times.fit(1, 1)
     assert fit.fixed >= 0
     assert fit.seconds(1, 1, 246) > 0.002
+
+
+def test_a_batch_steps_plain_time_is_what_its_decodes_took() -> None:
+    """The steps a batch-64 run of the gguf mode timed (two prefills, then decodes of 64
+    sequences at ~100 ms as their contexts grow): the plain step is predicted at what those
+    decodes took, by the plan too. Fitted unconstrained, the per-pair slope came out negative
+    and, clamped to 0 with the level left where it was, put the decode at 165-490 ms: every
+    draft looked cheap against it, and coding at batch 64 ran at 0.86x of speculation off."""
+    rng = np.random.default_rng(0)
+    times = [(2048, 37, 58587, 5.246), (1604, 64, 47451, 4.221)]
+    times += [(64, 64, 3716 + 64 * i, 0.1 + 0.004 * rng.standard_normal()) for i in range(14)]
+    controller = GoodputController((DRAFT, *LOOKUP_WAYS))
+    for tokens, seqs, pairs, seconds in times:
+        controller.observe_step(tokens, seqs, pairs, seconds)
+    pairs = 3716 + 64 * 14
+    assert controller.times.fit(64, 64).seconds(64, 64, pairs) == pytest.approx(0.1, rel=0.1)
+    plan = controller.plan(candidates([4] * 64, context=60), 64, 64, pairs, budget=256)
+    assert plan.report.step_seconds == pytest.approx(0.1, rel=0.1)
+
+
+def test_a_new_batch_shape_runs_plain_before_drafts_are_weighed_against_it() -> None:
+    """compare_peers.py's batch 64 after a warm-up of two prompts: the only step timed with 64
+    sequences was their prefill (2,705 tokens, 4.3 s), and a fit put the decode of those 64 at
+    1.9 s against 130 ms (16 steps drafted at 350-500 ms each, 0.79x of speculation off). The
+    plain step is run first; once it is timed, drafts that pay are planned again."""
+    controller = GoodputController(LOOKUP_WAYS, SpeculationTuning(hurdle=0.0))
+    for tokens, seqs, seconds in [(60, 2, 0.03), (2, 2, 0.012), (6, 2, 0.014), (2, 2, 0.012)]:
+        controller.observe_step(tokens, seqs, tokens * 30.0, seconds)
+    controller.observe_step(2705, 64, 2705 * 21.0, 4.3)
+    with_rates(controller, dict.fromkeys(range(64), 1.0))
+    cands = [Candidate(i, 4, 42, [7] * 4, 3) for i in range(64)]
+    plan = controller.plan(cands, 64, 64, 64 * 42.0, budget=256)
+    assert all(c.drafts == 0 for c in plan.choices)
+    for step in range(4):  # plain decodes, then drafted ones, at 0.8 ms a row
+        for drafts in (0, 64, 128) if step else (0,):
+            controller.observe_step(64 + drafts, 64, (64 + drafts) * 43.0, 0.1 + 0.0008 * drafts)
+    plan = controller.plan(cands, 64, 64, 64 * 42.0, budget=256)
+    assert plan.report.step_seconds == pytest.approx(0.1, rel=0.1)
+    assert sum(c.drafts for c in plan.choices) > 0
 
 
 def test_a_free_row_at_a_long_context_is_priced_free() -> None:

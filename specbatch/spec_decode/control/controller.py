@@ -25,8 +25,10 @@ which no plan can beat the plain step's goodput raised by the hurdle, whose solv
 Times come from :mod:`step_times` (measured as the engine runs), chances from
 :mod:`acceptance` (measured from verifies, and for prompt lookup also from steps where the
 lookup was not used: what it would have drafted is compared with what the target emitted, which
-judges a point-mass draft exactly as a verify would). Until the step-time model has a few
-steps it drafts every slot, so that it sees what drafts cost. The step-time model learns a
+judges a point-mass draft exactly as a verify would). A step whose plain shape was never
+timed (a new batch size) runs plain, so that drafts are weighed against its measured time, not
+an extrapolation from other shapes; until the step-time model has a few steps it drafts every
+slot, so that it sees what drafts cost. The step-time model learns a
 drafted step's shape only from drafted steps, so every ``probe_every`` plans one draft more
 than the plan chose is run (the exception to "never planned slower": one row in so many
 steps), and a shape measured slow once is measured again. A probe is that row, not a draft
@@ -93,7 +95,10 @@ class GoodputController:
         ``base_seqs`` sequences attending ``base_pairs`` (row, key) pairs before drafts, with
         at most ``budget`` draft rows in all."""
         self.acceptance.step += 1
-        if not candidates or not max(c.slots for c in candidates):
+        # no drafts either where the plain step's shape was never timed (a new batch size):
+        # what every draft is weighed against is measured first, by running it
+        unmeasured = not self.times.timed_near(base_tokens, base_seqs)
+        if not candidates or not max(c.slots for c in candidates) or unmeasured:
             nothing = [Choice(None, 0) for _ in candidates]
             return ControllerPlan(nothing, report=PlanReport(candidates=len(candidates)))
         if len(candidates) == 1 and base_seqs == 1 and self.times.ready:
@@ -263,14 +268,16 @@ class GoodputController:
         sizes themselves and badly as a slope. Larger steps are priced by the local slope
         around the step with half the slots drafted (their time grows smoothly with rows,
         and sizes several times the measured ones are extrapolations), the plain step by the
-        same fit."""
+        fit around itself (where its own recent decodes are: extrapolated from half the slots
+        with a slope clamped dear, a batch-64 decode came out at 5x its time)."""
         count = len(context)
         positions = np.arange(most)
         if base_seqs > 1:
-            fit = self.times.fit(base_tokens + count * most / 2, base_seqs)
+            half = base_tokens + count * most / 2
+            plain, fit = self.times.fits([float(base_tokens), half], base_seqs)
             prices = Prices(fit.row(0.0), fit.per_pair, 0.0)
             rows = fit.per_token + fit.per_pair * (context[:, None] + positions[None, :])
-            return rows, fit, prices
+            return rows, plain, prices
         mean_context = float(context.sum()) / count
         step, per_pair, base_fit = self.batch_one_rows(
             base_tokens, base_pairs, mean_context, count, most

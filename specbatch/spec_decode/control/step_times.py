@@ -115,6 +115,17 @@ class StepTimes:
         self._log[slot] = (math.log(tokens), math.log(seqs))
         self._y[slot] = seconds
 
+    def timed_near(self, tokens: float, seqs: float) -> bool:
+        """Whether a step within one kernel width of ``tokens`` tokens and ``seqs`` sequences
+        (in each, about 2x) was timed: else a fit there is an extrapolation from other shapes
+        (after a batch of 64 prompts' prefill, a decode of those 64 was predicted at 1.9 s,
+        its prefill's time, against 130 ms measured next)."""
+        if not self._ring.count:
+            return False
+        stored = self._ring.stored
+        near = np.abs(self._log[stored] - (math.log(max(tokens, 1.0)), math.log(max(seqs, 1.0))))
+        return bool((near.max(axis=1) <= self.tuning.bandwidth).any())
+
     def fit(self, tokens: float, seqs: float) -> StepCost:
         """The local linear model around a step of ``tokens`` tokens and ``seqs`` sequences."""
         return self.fits([tokens], seqs)[0]
@@ -140,14 +151,14 @@ class StepTimes:
         prior = self._ring.weights()  # 0 where no step is stored yet
         design, y = self._design, self._y
         if seqs > 1:
-            # larger steps keep the clamp: its bias prices rows on the dear side, where an
-            # unbiased fit starts the draft model at a loss (its catch-up on whole histories)
+            # every slope and the intercept >= 0 in the fit (see _weighted_fit); a fit's
+            # negative slopes clamped after it took the fit off its own samples (pairs nearly
+            # a multiple of tokens traded slopes as at batch 1): a batch-64 decode of 100 ms
+            # predicted at 490 ms, every draft cheap against it (coding b=64 0.86x of off)
             weights = prior * (self._kernel(sizes, seqs, self.tuning.bandwidth) + FAR)
             return [
-                StepCost(
-                    fixed, max(per_token, 0.0), max(per_seq, 0.0), max(per_pair, 0.0) * PAIR_SCALE
-                )
-                for fixed, per_token, per_seq, per_pair in _weighted_fits(design, y, weights, False)
+                StepCost(fixed, per_token, per_seq, per_pair * PAIR_SCALE)
+                for fixed, per_token, per_seq, per_pair in _weighted_fits(design, y, weights, True)
             ]
         # One sequence: the narrow kernel in tokens leaves few close steps (those of one
         # size), whose attention pairs barely vary: a per-pair slope fitted on them is their
