@@ -61,11 +61,13 @@ def oracle_engine(
     continuations: dict[str, list[int]],
     acceptance: float,
     k: int = 4,
+    adaptive_k: bool = True,
     **kwargs: Any,
 ) -> LLMEngine:
+    spec = {"method": "external", "num_speculative_tokens": k, "adaptive_k": adaptive_k}
     config = EngineConfig(
         model=str(model_dir),
-        speculative_config={"method": "external", "num_speculative_tokens": k},
+        speculative_config=spec,
         **engine_kwargs(**kwargs),
     )
     return LLMEngine(config, proposer=OracleProposer(continuations, acceptance, 300, seed=3))
@@ -176,7 +178,8 @@ def test_ngram_batches_mix_matches_and_misses(tiny_model_dir: Path) -> None:
 
 def test_metrics_are_consistent(tiny_model_dir: Path, reference: list[list[int]]) -> None:
     truth = {f"r{i}": tokens for i, tokens in enumerate(reference)}
-    engine = oracle_engine(tiny_model_dir, truth, 0.7, k=4)
+    # fixed k (the rate below is of k drafts a step; the controller's counts follow timing)
+    engine = oracle_engine(tiny_model_dir, truth, 0.7, k=4, adaptive_k=False)
     done = run_all(engine, prompts_with_repeats(30), GREEDY)
     totals = {"drafts": 0, "draft_tokens": 0, "accepted": 0}
     for out in done.values():
