@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from specbatch.errors import ConfigError
+from specbatch.models import shm_collectives as shm
 from specbatch.models.config import ModelConfig
 from specbatch.utils import ceil_div
 
@@ -142,6 +143,9 @@ class TensorParallel:
         self.plan = plan
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        local = shm.local_group()
+        if local is not None:  # CPU ranks of one host: through shared memory
+            return local.all_reduce(tensor)
         dist.all_reduce(tensor)
         return tensor
 
@@ -156,8 +160,12 @@ class TensorParallel:
 
     def gather_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """Each rank's vocabulary columns of the same rows, joined (padding dropped)."""
-        parts = [torch.empty_like(logits) for _ in range(self.plan.world_size)]
-        dist.all_gather(parts, logits.contiguous())
+        local = shm.local_group()
+        if local is not None:
+            parts = local.all_gather(logits)
+        else:
+            parts = [torch.empty_like(logits) for _ in range(self.plan.world_size)]
+            dist.all_gather(parts, logits.contiguous())
         return torch.cat(parts, dim=-1)[..., : self.plan.config.vocab_size]
 
     def install(self, model: torch.nn.Module) -> None:

@@ -9,9 +9,13 @@ logits rows) join them, and rank 0 keeps the logits. Block tables are decided on
 so prefix caching, chunked prefill, preemption and rollback need nothing else: every rank's
 cache holds its heads' K/V at the same block ids.
 
+Collectives: on the CPU the model's all-reduces and all-gathers go through a shared-memory
+segment every rank maps (``models/shm_collectives.py``), the step's inputs through gloo.
+
 Failure: a worker that exits is seen before the next step's broadcast (its process is
-checked), or by the collective it was in (gloo reports the closed connection); either way the
-step raises :class:`TensorParallelError` and the engine is down, never hung. Workers die with
+checked), or by the collective it was in (gloo reports the closed connection; the shared-memory
+wait checks its peers' processes); either way the step raises :class:`TensorParallelError`
+naming it and the engine is down, never hung. Workers die with
 their parent (``PR_SET_PDEATHSIG`` on Linux) and on :meth:`TensorParallelGroup.shutdown`.
 """
 
@@ -42,6 +46,7 @@ from specbatch.cache.kv_tensors import allocate_kv_caches
 from specbatch.config import EngineConfig
 from specbatch.errors import ConfigError, TensorParallelError
 from specbatch.models import load_model, resolve_model_path
+from specbatch.models import shm_collectives as shm
 from specbatch.runner.flat_batch import LogitRows, TokenRun
 from specbatch.runner.model_runner import ModelRunner
 
@@ -49,6 +54,10 @@ logger = logging.getLogger("specbatch")
 
 START_TIMEOUT_S = 600.0  # loading a shard
 COLLECTIVE_TIMEOUT = timedelta(minutes=10)  # a step; a dead peer is reported at once anyway
+COLLECTIVE_SECONDS = COLLECTIVE_TIMEOUT.total_seconds()
+# bytes of a rank's shared-memory slot: larger tensors (a long prefill's hidden rows) go in
+# chunks of it
+SHM_CAPACITY = 4 << 20
 # after a failed collective: the longest wait to see a killed worker exit (its address space
 # torn down first); 1.0 s missed it once in three suite runs on a loaded 2-core host
 # (2026-12-05), and the wait is paid only when a collective has already failed
@@ -125,6 +134,7 @@ class TensorParallelGroup:
             backend, init_method=init_method, rank=0, world_size=world, timeout=COLLECTIVE_TIMEOUT
         )
         _active = weakref.ref(self)
+        join_shared_memory(0, world, device)
 
     # ------------------------------------------------------------------ start-up
 
@@ -209,11 +219,34 @@ class TensorParallelGroup:
             _stop(self._processes, self._store_path)
         for process in self._processes:
             process.join(timeout=5)
+        shm.set_local(None)
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
         self._finalizer()
         if _active is not None and _active() is self:
             _active = None
+
+
+def join_shared_memory(rank: int, world: int, device: torch.device) -> None:
+    """Every rank of a CPU group maps one shared-memory segment for the model's collectives
+    (``parallel/shm.py``; gloo's TCP round trips otherwise): rank 0 creates it and names it
+    to the others, and removes the name once every rank has mapped it."""
+    if device.type != "cpu" or not shm.available():
+        return
+    group = None
+    if rank == 0:
+        group = shm.SharedMemoryGroup(
+            shm.new_name(), 0, world, SHM_CAPACITY, create=True, timeout=COLLECTIVE_SECONDS
+        )
+    box: list[Any] = [group.name if group is not None else None]
+    dist.broadcast_object_list(box, src=0)
+    if group is None:
+        group = shm.SharedMemoryGroup(
+            box[0], rank, world, SHM_CAPACITY, create=False, timeout=COLLECTIVE_SECONDS
+        )
+    dist.barrier()
+    group.unlink()
+    shm.set_local(group)
 
 
 def _stop(processes: list[Any], store_path: str) -> None:
@@ -252,20 +285,24 @@ class TensorParallelRunner:
         try:
             self.group.execute(runs, rows)
             return self.local.execute(runs, rows)
-        except TensorParallelError:
+        except (TensorParallelError, RuntimeError, OSError) as exc:
+            self._failed(exc)
             raise
-        except (RuntimeError, OSError) as exc:  # a collective that lost a peer
-            self.group.check_after_failure()  # names the dead worker when it is one
-            raise TensorParallelError(f"a tensor-parallel collective failed: {exc}") from exc
 
     def move_slots(self, sources: Sequence[int], targets: Sequence[int]) -> None:
         try:
             self.group.move_slots(sources, targets)
             self.local.move_slots(sources, targets)
-        except TensorParallelError:
+        except (TensorParallelError, RuntimeError, OSError) as exc:
+            self._failed(exc)
             raise
-        except (RuntimeError, OSError) as exc:
-            self.group.check_after_failure()
+
+    def _failed(self, exc: BaseException) -> None:
+        """After a failed step: raise a dead worker named with its exit code when it is one
+        (gloo saw a closed connection, or the shared-memory wait saw the worker's process
+        gone), else a collective's error as a ``TensorParallelError`` (one of those returns)."""
+        self.group.check_after_failure()
+        if not isinstance(exc, TensorParallelError):
             raise TensorParallelError(f"a tensor-parallel collective failed: {exc}") from exc
 
 
@@ -296,6 +333,7 @@ def _worker_main(rank: int, config: EngineConfig, init_method: str, pipe: Connec
         timeout=COLLECTIVE_TIMEOUT,
     )
     try:
+        join_shared_memory(rank, config.tensor_parallel_size, device)
         dtype = config.resolved_dtype(device)
         model = load_model(
             resolve_model_path(config.model),
@@ -330,5 +368,6 @@ def _worker_main(rank: int, config: EngineConfig, init_method: str, pipe: Connec
         elif command[0] == "move":
             assert runner is not None
             runner.move_slots(command[1], command[2])
+    shm.set_local(None)
     with contextlib.suppress(Exception):
         dist.destroy_process_group()
