@@ -24,8 +24,8 @@ import torch
 import torch.distributed as dist
 
 from specbatch.errors import ConfigError
-from specbatch.models import shm_collectives as shm
 from specbatch.models.config import ModelConfig
+from specbatch.models.shm_collectives import local_group
 from specbatch.utils import ceil_div
 
 
@@ -143,7 +143,7 @@ class TensorParallel:
         self.plan = plan
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        local = shm.local_group()
+        local = local_group()
         if local is not None:  # CPU ranks of one host: through shared memory
             return local.all_reduce(tensor)
         dist.all_reduce(tensor)
@@ -160,7 +160,7 @@ class TensorParallel:
 
     def gather_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """Each rank's vocabulary columns of the same rows, joined (padding dropped)."""
-        local = shm.local_group()
+        local = local_group()
         if local is not None:
             parts = local.all_gather(logits)
         else:
