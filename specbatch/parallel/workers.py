@@ -349,13 +349,27 @@ def _worker_main(rank: int, config: EngineConfig, init_method: str, pipe: Connec
         traceback.print_exc()
         return
     pipe.send(("loaded", ""))
+    try:
+        _serve_steps(model, config, dtype, device)
+    except (TensorParallelError, RuntimeError, OSError) as exc:
+        # a peer is gone (rank 0 names it to the user): one line, not a traceback per worker
+        print(f"specbatch tensor-parallel worker {rank} stopped: {exc}", file=sys.stderr)
+    shm.set_local(None)
+    with contextlib.suppress(Exception):
+        dist.destroy_process_group()
+
+
+def _serve_steps(
+    model: Any, config: EngineConfig, dtype: torch.dtype, device: torch.device
+) -> None:
+    """A worker's loop: what rank 0 broadcasts, until it says stop."""
     runner: ModelRunner | None = None
     while True:
         box: list[Any] = [None]
         dist.broadcast_object_list(box, src=0)
         command = box[0]
         if command[0] == "stop":
-            break
+            return
         if command[0] == "cache":
             model.bind_kv_caches(
                 allocate_kv_caches(model.local_config, command[1], config.block_size, dtype, device)
@@ -368,6 +382,3 @@ def _worker_main(rank: int, config: EngineConfig, init_method: str, pipe: Connec
         elif command[0] == "move":
             assert runner is not None
             runner.move_slots(command[1], command[2])
-    shm.set_local(None)
-    with contextlib.suppress(Exception):
-        dist.destroy_process_group()
