@@ -227,7 +227,7 @@ class LLMEngine:
             return self._run(out, clock)
         except TensorParallelError as exc:  # a rank is gone: nothing more can run
             self.dead = f"the engine is down: {exc}"
-            self._fail(set(self.requests), exc)
+            self._fail(set(self.requests), exc, "the engine is down")
             self.shutdown()
             raise TensorParallelError(self.dead) from exc
         except Exception as exc:
@@ -354,11 +354,14 @@ class LLMEngine:
                 self.stats.num_requests_finished += 1
         return outputs
 
-    def _fail(self, request_ids: set[str], exc: Exception) -> list[RequestOutput]:
+    def _fail(
+        self, request_ids: set[str], exc: Exception, after: str = "the engine goes on"
+    ) -> list[RequestOutput]:
         """End the requests of a step that raised, free what they held, report them."""
         logger.error(
-            "an engine step failed; its %d request(s) end with an error, the engine goes on",
+            "an engine step failed; its %d request(s) end with an error, %s",
             len(request_ids),
+            after,
             exc_info=exc,
         )
         self.stats.num_failed_steps += 1

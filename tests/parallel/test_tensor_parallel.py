@@ -191,7 +191,9 @@ def test_splits_that_cannot_be_made_are_refused(tmp_path: Path) -> None:
 
 
 @pytest.mark.engine_errors
-def test_a_killed_worker_is_an_error_not_a_hang(tiny_model_dir: Path) -> None:
+def test_a_killed_worker_is_an_error_not_a_hang(
+    tiny_model_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     engine = make_engine(tiny_model_dir, 2)
     assert engine._tp is not None
     (pid,) = engine._tp.pids
@@ -216,6 +218,8 @@ def test_a_killed_worker_is_an_error_not_a_hang(tiny_model_dir: Path) -> None:
     assert raised
     assert isinstance(raised[0], TensorParallelError)
     assert "worker 1 exited" in str(raised[0])
+    logged = [r.getMessage() for r in caplog.records if r.name.startswith("specbatch")]
+    assert any(m.endswith("end with an error, the engine is down") for m in logged), logged
     assert not engine.has_unfinished_requests()
     assert engine.cache.num_free_blocks == engine.cache.num_blocks
     with pytest.raises(TensorParallelError, match="engine is down"):
