@@ -31,6 +31,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from benchmarks.common import print_conditions
+from benchmarks.lockstep import run
 from specbatch import LLMEngine, SamplingParams
 from specbatch.config import EngineConfig
 from specbatch.models import shm_collectives as shm
@@ -128,10 +129,9 @@ def step(tp: int, batch_sizes: list[int], output_len: int) -> None:
             )
         )
         for batch in batch_sizes:
-            _generate(engine, prompts[:1], params)  # warm-up
-            start = time.perf_counter()
-            texts[(ranks, batch)] = _generate(engine, prompts[:batch], params)
-            rates[(ranks, batch)] = batch * output_len / (time.perf_counter() - start)
+            run(engine, prompts[:1], output_len, 1, [params])  # warm-up
+            result = run(engine, prompts[:batch], output_len, batch, [params] * batch)
+            texts[(ranks, batch)], rates[(ranks, batch)] = result["outputs"], result["tok_s"]
         engine.shutdown()
         del engine
     for batch in batch_sizes:
@@ -142,19 +142,6 @@ def step(tp: int, batch_sizes: list[int], output_len: int) -> None:
             f"({many / one:.2f}x){'' if same else '  TEXT DIFFERS'}",
             flush=True,
         )
-
-
-def _generate(
-    engine: LLMEngine, prompts: list[list[int]], params: SamplingParams
-) -> list[list[int]]:
-    for i, ids in enumerate(prompts):
-        engine.add_request(f"s{time.monotonic_ns()}-{i}", prompt_token_ids=ids, params=params)
-    done: dict[int, list[int]] = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[int(out.request_id.rsplit("-", 1)[1])] = list(out.outputs[0].token_ids)
-    return [done[i] for i in range(len(prompts))]
 
 
 def main() -> None:

@@ -34,12 +34,12 @@ import os
 import platform
 import secrets
 import time
-from collections.abc import Sequence
 
 import numpy as np
 import torch
 
 from specbatch.errors import TensorParallelError
+from specbatch.utils import ceil_div
 
 LINE = 64  # bytes: each rank's flag and pid on its own cache line
 LIVENESS_SECONDS = 0.1  # how often a waiting rank checks that its peers are alive
@@ -92,7 +92,7 @@ class SharedMemoryGroup:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not one of {world_size}")
         self.name, self.rank, self.world_size = name, rank, world_size
-        self.capacity = _round_up(max(capacity, LINE), LINE)
+        self.capacity = ceil_div(max(capacity, LINE), LINE) * LINE
         self.timeout = timeout
         header = world_size * LINE
         size = header + 2 * world_size * self.capacity
@@ -143,12 +143,12 @@ class SharedMemoryGroup:
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` over the ranks, in place (every rank gets the same bits)."""
-        flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
-        for part in self._chunks(flat):
-            slots = self._exchange(part)
-            part.copy_(slots[0])
+        flat = tensor.contiguous().view(-1)  # ``tensor`` itself when contiguous
+        for piece in self._pieces(flat):
+            slots = self._exchange(piece)
+            piece.copy_(slots[0])
             for other in slots[1:]:
-                part.add_(other)
+                piece.add_(other)
         if flat.data_ptr() != tensor.data_ptr():
             tensor.copy_(flat.view_as(tensor))
         return tensor
@@ -157,19 +157,15 @@ class SharedMemoryGroup:
         """Every rank's ``tensor`` (the same shape on every rank), in rank order."""
         flat = tensor.contiguous().view(-1)
         parts = [torch.empty_like(flat) for _ in range(self.world_size)]
-        step = self._chunk_elements(flat)
-        for start in range(0, flat.numel(), step):
-            piece = flat[start : start + step]
-            for part, slot in zip(parts, self._exchange(piece), strict=True):
-                part[start : start + piece.numel()].copy_(slot)
+        for piece, *into in zip(self._pieces(flat), *map(self._pieces, parts), strict=True):
+            for target, slot in zip(into, self._exchange(piece), strict=True):
+                target.copy_(slot)
         return [part.view_as(tensor) for part in parts]
 
-    def _chunk_elements(self, flat: torch.Tensor) -> int:
-        return max(self.capacity // flat.element_size(), 1)
-
-    def _chunks(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        step = self._chunk_elements(flat)
-        return [flat[i : i + step] for i in range(0, flat.numel(), step)]
+    def _pieces(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """``flat`` in views of at most a slot's bytes."""
+        step = max(self.capacity // flat.element_size(), 1)
+        return list(flat.split(step))
 
     def _exchange(self, part: torch.Tensor) -> list[torch.Tensor]:
         """Write ``part`` into this rank's slot, wait for every rank's, and view them all
@@ -233,15 +229,3 @@ def _not_zombie(pid: int) -> bool:
             return stat.read().rsplit(")", 1)[-1].split()[0] != "Z"
     except OSError:
         return True  # no /proc: trust kill
-
-
-def _round_up(value: int, multiple: int) -> int:
-    return (value + multiple - 1) // multiple * multiple
-
-
-def sum_in_rank_order(parts: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The slow, obvious reference of :meth:`SharedMemoryGroup.all_reduce`."""
-    total = parts[0].clone()
-    for part in parts[1:]:
-        total = total + part
-    return total

@@ -229,8 +229,8 @@ class TensorParallelGroup:
 
 def join_shared_memory(rank: int, world: int, device: torch.device) -> None:
     """Every rank of a CPU group maps one shared-memory segment for the model's collectives
-    (``parallel/shm.py``; gloo's TCP round trips otherwise): rank 0 creates it and names it
-    to the others, and removes the name once every rank has mapped it."""
+    (``models/shm_collectives.py``; gloo's TCP round trips otherwise): rank 0 creates it and
+    names it to the others, and removes the name once every rank has mapped it."""
     if device.type != "cpu" or not shm.available():
         return
     group = None

@@ -29,6 +29,14 @@ SHAPES = [(1, HIDDEN), (7, HIDDEN), (300, HIDDEN), (5, VOCAB_SLICE), (1,)]
 DTYPES = [torch.float32, torch.bfloat16]
 
 
+def sum_in_rank_order(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The slow, obvious reference of ``SharedMemoryGroup.all_reduce``."""
+    total = parts[0].clone()
+    for part in parts[1:]:
+        total = total + part
+    return total
+
+
 def _inputs(rank: int) -> list[torch.Tensor]:
     generator = torch.Generator().manual_seed(1000 + rank)
     return [
@@ -134,7 +142,7 @@ def test_three_ranks_sum_in_rank_order_on_every_rank(tmp_path: Path) -> None:
         result = results[rank]
         assert "error" not in result, result.get("error")
         for i, (ours, theirs) in enumerate(zip(result["reduced"], result["gloo"], strict=True)):
-            reference = shm.sum_in_rank_order([inputs[r][i] for r in range(3)])
+            reference = sum_in_rank_order([inputs[r][i] for r in range(3)])
             assert torch.equal(ours, reference)
             assert torch.equal(ours, results[0]["reduced"][i])
             # two sums of three terms in other orders: each a couple of roundings apart

@@ -97,8 +97,11 @@ class GoodputController:
         self.acceptance.step += 1
         # no drafts either where the plain step's shape was never timed (a new batch size):
         # what every draft is weighed against is measured first, by running it
-        unmeasured = not self.times.timed_near(base_tokens, base_seqs)
-        if not candidates or not max(c.slots for c in candidates) or unmeasured:
+        if (
+            not candidates
+            or not max(c.slots for c in candidates)
+            or not self.times.timed_near(base_tokens, base_seqs)
+        ):
             nothing = [Choice(None, 0) for _ in candidates]
             return ControllerPlan(nothing, report=PlanReport(candidates=len(candidates)))
         if len(candidates) == 1 and base_seqs == 1 and self.times.ready:
@@ -268,8 +271,8 @@ class GoodputController:
         sizes themselves and badly as a slope. Larger steps are priced by the local slope
         around the step with half the slots drafted (their time grows smoothly with rows,
         and sizes several times the measured ones are extrapolations), the plain step by the
-        fit around itself (where its own recent decodes are: extrapolated from half the slots
-        with a slope clamped dear, a batch-64 decode came out at 5x its time)."""
+        fit around itself, where its own decodes are (read off the fit at half the slots, a
+        batch-64 decode once came out at 5x its time)."""
         count = len(context)
         positions = np.arange(most)
         if base_seqs > 1:

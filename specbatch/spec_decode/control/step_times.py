@@ -120,11 +120,15 @@ class StepTimes:
         (in each, about 2x) was timed: else a fit there is an extrapolation from other shapes
         (after a batch of 64 prompts' prefill, a decode of those 64 was predicted at 1.9 s,
         its prefill's time, against 130 ms measured next)."""
-        if not self._ring.count:
+        count = self._ring.count
+        if not count:
             return False
-        stored = self._ring.stored
-        near = np.abs(self._log[stored] - (math.log(max(tokens, 1.0)), math.log(max(seqs, 1.0))))
-        return bool((near.max(axis=1) <= self.tuning.bandwidth).any())
+        shape = ("near", tokens, seqs)  # a yes is kept as fits are (the scan: ~30 us)
+        if self._cache.get(shape, count):
+            return True
+        point = (math.log(max(tokens, 1.0)), math.log(max(seqs, 1.0)))
+        near = np.abs(self._log[self._ring.stored] - point).max(axis=1) <= self.tuning.bandwidth
+        return bool(near.any()) and self._cache.put(shape, count, True)
 
     def fit(self, tokens: float, seqs: float) -> StepCost:
         """The local linear model around a step of ``tokens`` tokens and ``seqs`` sequences."""
