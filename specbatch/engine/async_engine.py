@@ -354,6 +354,7 @@ class AsyncEngine:
                 else:
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
+                    self.engine.check_ranks()  # a rank lost while idle: down now, not later
             self._fail_pending(EngineDeadError("the engine is shut down"))
         except BaseException as exc:  # interpreter shutdown: deliver, never hang a request
             self._error = exc

@@ -29,6 +29,7 @@ from specbatch.engine.setup import allocate_cache, capture_draft_graphs, capture
 from specbatch.engine.stats import EngineStats
 from specbatch.errors import InvalidRequestError, TensorParallelError
 from specbatch.outputs import RequestOutput
+from specbatch.parallel.world import check_world, launched_world
 from specbatch.runner.flat_batch import LogitRows, TokenRun
 from specbatch.runner.model_runner import ModelRunner
 from specbatch.sampling_params import SamplingParams
@@ -58,10 +59,16 @@ class LLMEngine:
         self.config = config
         self.dead: str | None = None  # why the engine cannot go on (a tensor-parallel worker died)
         self._tp: TensorParallelGroup | None = None
+        world = launched_world()  # torchrun's: rank 0 is this engine, the others its workers
+        check_world(config.tensor_parallel_size, world)
+        if world is not None and world.rank != 0:
+            from specbatch.parallel.workers import run_launched_worker
+
+            run_launched_worker(config, world)  # ends the process with rank 0's engine
         if config.tensor_parallel_size > 1:  # the workers load their slices meanwhile
             from specbatch.parallel.workers import TensorParallelGroup
 
-            self._tp = TensorParallelGroup(config)
+            self._tp = TensorParallelGroup(config, world)
             weakref.finalize(self, self._tp.shutdown)
         try:
             self._build(config, proposer)
@@ -232,6 +239,19 @@ class LLMEngine:
             raise TensorParallelError(self.dead) from exc
         except Exception as exc:
             return self._fail({s.seq.request_id for s in out.scheduled}, exc)
+
+    def check_ranks(self) -> None:
+        """Between steps: raise ``TensorParallelError`` (and the engine is down) once a
+        tensor-parallel rank is known to be gone, so an idle engine's owner hears of it
+        without waiting for a request."""
+        if self._tp is None or self.dead is not None:
+            return
+        try:
+            self._tp.check()
+        except TensorParallelError as exc:
+            self.dead = f"the engine is down: {exc}"
+            self.shutdown()
+            raise TensorParallelError(self.dead) from exc
 
     def shutdown(self) -> None:
         """Stop a tensor-parallel engine's worker processes (garbage collection does it too);

@@ -20,6 +20,7 @@ from specbatch.engine.kv_sizing import (
 from specbatch.models import load_model, resolve_model_path
 from specbatch.models.llama import LlamaForCausalLM
 from specbatch.models.weight_mode import WeightMode
+from specbatch.parallel.world import ranks_on_this_host
 from specbatch.spec_decode.config import SpeculativeConfig
 from specbatch.spec_decode.factory import load_draft_model
 from specbatch.spec_decode.proposers.head import EagleHead, feature_bytes_per_block
@@ -57,8 +58,8 @@ def load_models(config: EngineConfig) -> Models:
     world = config.tensor_parallel_size
     if config.num_threads is not None:
         torch.set_num_threads(config.num_threads)
-    elif world > 1:  # the ranks share the machine's cores
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    elif world > 1:  # the ranks on this host share its cores
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks_on_this_host(world)))
     device = config.resolved_device()
     path = resolve_model_path(config.model)
     mode = config.weight_mode(path, device)

@@ -31,11 +31,11 @@ import tempfile
 import time
 import traceback
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from multiprocessing import connection
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import torch
@@ -47,6 +47,13 @@ from specbatch.config import EngineConfig
 from specbatch.errors import ConfigError, TensorParallelError
 from specbatch.models import load_model, resolve_model_path
 from specbatch.models import shm_collectives as shm
+from specbatch.parallel.world import (
+    BEAT_SECONDS,
+    STALE_SECONDS,
+    LaunchedWorld,
+    RankWatch,
+    join,
+)
 from specbatch.runner.flat_batch import LogitRows, TokenRun
 from specbatch.runner.model_runner import ModelRunner
 
@@ -73,10 +80,10 @@ def rank_device(config: EngineConfig, rank: int) -> torch.device:
     return device
 
 
-def threads_per_rank(config: EngineConfig) -> int:
+def threads_per_rank(config: EngineConfig, ranks_on_host: int | None = None) -> int:
     if config.num_threads is not None:
         return config.num_threads
-    return max(1, (os.cpu_count() or 1) // config.tensor_parallel_size)
+    return max(1, (os.cpu_count() or 1) // (ranks_on_host or config.tensor_parallel_size))
 
 
 class TensorParallelGroup:
@@ -84,7 +91,9 @@ class TensorParallelGroup:
 
     closed: bool
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, world: LaunchedWorld | None = None) -> None:
+        """Start the workers (``world`` None), or join the world a launcher started as its
+        rank 0 (its workers are the other ranks' processes)."""
         global _active
         running = _active() if _active is not None else None
         if running is not None and not running.closed:
@@ -97,24 +106,44 @@ class TensorParallelGroup:
                 "torch.distributed is already initialised in this process; a tensor-parallel "
                 "engine starts its own process group"
             )
-        world = config.tensor_parallel_size
+        size = config.tensor_parallel_size
         device = rank_device(config, 0)
-        if device.type == "cuda" and torch.cuda.device_count() < world:
+        if device.type == "cuda" and world is None and torch.cuda.device_count() < size:
             raise ConfigError(
-                f"tensor_parallel_size {world} needs {world} GPUs, found "
-                f"{torch.cuda.device_count()}"
+                f"tensor_parallel_size {size} needs {size} GPUs, found {torch.cuda.device_count()}"
             )
-        self.world_size = world
+        self.world_size = size
         self.closed = False
         self.running = False  # every worker loaded and bound its cache: in the step loop
+        self._processes: list[Any] = []
+        self._pipes: list[Connection] = []
+        self._watch: RankWatch | None = None
+        self._store_path = ""
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        if world is None:
+            init = self._spawn(config)
+        else:
+            store = join(world)
+            self._watch = RankWatch(store, world)
+            init = {"store": store}
+        self._finalizer = weakref.finalize(
+            self, _stop, self._processes, self._store_path, self._watch
+        )
+        dist.init_process_group(
+            _backend(device), rank=0, world_size=size, timeout=COLLECTIVE_TIMEOUT, **init
+        )
+        _active = weakref.ref(self)
+        if world is None or world.single_host:
+            join_shared_memory(0, size, device)
+
+    def _spawn(self, config: EngineConfig) -> dict[str, Any]:
         handle, self._store_path = tempfile.mkstemp(prefix="specbatch-tp-")
         os.close(handle)
         os.unlink(self._store_path)  # the FileStore creates it
         init_method = f"file://{self._store_path}"
         context = mp.get_context("spawn")
-        self._processes: list[Any] = []
-        self._pipes: list[Connection] = []
-        for rank in range(1, world):
+        for rank in range(1, config.tensor_parallel_size):
             parent, child = context.Pipe()
             process = context.Process(
                 target=_worker_main,
@@ -126,20 +155,18 @@ class TensorParallelGroup:
             child.close()
             self._processes.append(process)
             self._pipes.append(parent)
-        self._finalizer = weakref.finalize(self, _stop, self._processes, self._store_path)
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        dist.init_process_group(
-            backend, init_method=init_method, rank=0, world_size=world, timeout=COLLECTIVE_TIMEOUT
-        )
-        _active = weakref.ref(self)
-        join_shared_memory(0, world, device)
+        return {"init_method": init_method}
 
     # ------------------------------------------------------------------ start-up
 
     def wait_loaded(self) -> None:
         """Wait for every worker's shard; a worker's load error is raised here as its own."""
+        if self._watch is not None:
+            for rank, (status, message) in enumerate(_gather_status(("loaded", ""))):
+                if status != "loaded":
+                    self.shutdown()
+                    raise TensorParallelError(f"tensor-parallel rank {rank}: {message}")
+            return
         deadline = time.monotonic() + START_TIMEOUT_S
         for rank, (process, pipe) in enumerate(zip(self._processes, self._pipes, strict=True), 1):
             while not pipe.poll(0.1):
@@ -176,6 +203,11 @@ class TensorParallelGroup:
     def check(self) -> None:
         if self.closed:
             raise TensorParallelError("the tensor-parallel engine is shut down")
+        if self._watch is not None and self._watch.lost is not None:
+            raise TensorParallelError(
+                f"tensor-parallel {self._watch.lost}; the engine cannot go on without its "
+                "slice of the model"
+            )
         for rank, process in enumerate(self._processes, 1):
             if not process.is_alive():
                 raise TensorParallelError(
@@ -188,8 +220,10 @@ class TensorParallelGroup:
         can be seen, so wait up to ``REAP_SECONDS`` for one to exit, to name it. A worker whose
         sentinel is ready has closed its files but may not be a zombie yet (``is_alive`` then
         still says alive: CI saw it once a loaded suite run), so it is joined, which waits for
-        the exit itself."""
-        if not self.closed:
+        the exit itself. In a launched world, wait for the watch to name the rank it lost."""
+        if self._watch is not None and not self.closed:
+            self._watch.wait_lost(STALE_SECONDS + 2 * BEAT_SECONDS)
+        elif not self.closed:
             deadline = time.monotonic() + REAP_SECONDS
             by_sentinel = {p.sentinel: p for p in self._processes}
             for sentinel in connection.wait(list(by_sentinel), timeout=REAP_SECONDS):
@@ -212,11 +246,14 @@ class TensorParallelGroup:
         if self.closed:
             return
         self.closed = True
-        if self.running and all(p.is_alive() for p in self._processes):
+        if self._watch is not None:
+            self._watch.stop()  # the workers stop beating as they stop
+        lost = self._watch is not None and self._watch.lost is not None
+        if self.running and not lost and all(p.is_alive() for p in self._processes):
             with contextlib.suppress(Exception):
                 dist.broadcast_object_list([("stop",)], src=0)
         else:  # not (or no longer) in the step loop: nothing to say to them
-            _stop(self._processes, self._store_path)
+            _stop(self._processes, self._store_path, None)
         for process in self._processes:
             process.join(timeout=5)
         shm.set_local(None)
@@ -249,13 +286,27 @@ def join_shared_memory(rank: int, world: int, device: torch.device) -> None:
     shm.set_local(group)
 
 
-def _stop(processes: list[Any], store_path: str) -> None:
+def _stop(processes: list[Any], store_path: str, watch: RankWatch | None) -> None:
+    if watch is not None:
+        watch.stop()
     for process in processes:
         if process.is_alive():
             process.kill()
             process.join(timeout=5)
-    with contextlib.suppress(OSError):
-        os.unlink(store_path)
+    if store_path:
+        with contextlib.suppress(OSError):
+            os.unlink(store_path)
+
+
+def _backend(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def _gather_status(status: tuple[str, str]) -> list[tuple[str, str]]:
+    """Every rank's ("loaded" | "error", message) after loading its shard."""
+    statuses: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(statuses, status)
+    return statuses
 
 
 class TensorParallelRunner:
@@ -324,9 +375,8 @@ def _worker_main(rank: int, config: EngineConfig, init_method: str, pipe: Connec
     device = rank_device(config, rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(
-        backend,
+        _backend(device),
         init_method=init_method,
         rank=rank,
         world_size=config.tensor_parallel_size,
@@ -334,16 +384,7 @@ def _worker_main(rank: int, config: EngineConfig, init_method: str, pipe: Connec
     )
     try:
         join_shared_memory(rank, config.tensor_parallel_size, device)
-        dtype = config.resolved_dtype(device)
-        model = load_model(
-            resolve_model_path(config.model),
-            dtype,
-            device,
-            config.attention_backend,
-            shard=(rank, config.tensor_parallel_size),
-        )
-        if config.cpu_weight_packing:
-            model.pack_for_cpu()
+        model, dtype = _load_shard(config, rank, device)
     except Exception as exc:
         pipe.send(("error", f"{type(exc).__name__}: {exc}"))
         traceback.print_exc()
@@ -359,8 +400,79 @@ def _worker_main(rank: int, config: EngineConfig, init_method: str, pipe: Connec
         dist.destroy_process_group()
 
 
+def run_launched_worker(config: EngineConfig, world: LaunchedWorld) -> NoReturn:
+    """Rank ``world.rank`` (not 0) of a world a launcher started: join it, load this rank's
+    slice, run what rank 0 broadcasts until it says stop, then end the process (``SystemExit``
+    0; 1 after a lost peer, named on one line of stderr)."""
+    torch.set_num_threads(threads_per_rank(config, world.local_size))
+    device = rank_device(config, world.local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    store = join(world)
+    watch = RankWatch(store, world, on_lost=_exit_lost(world.rank))
+    dist.init_process_group(
+        _backend(device),
+        store=store,
+        rank=world.rank,
+        world_size=world.size,
+        timeout=COLLECTIVE_TIMEOUT,
+    )
+    code = 1
+    try:
+        if world.single_host:
+            join_shared_memory(world.rank, world.size, device)
+        try:
+            model, dtype = _load_shard(config, world.rank, device)
+        except Exception as exc:
+            _gather_status(("error", f"{type(exc).__name__}: {exc}"))
+            raise
+        _gather_status(("loaded", ""))
+        _serve_steps(model, config, dtype, device, on_stop=watch.stop)
+        code = 0
+    except (TensorParallelError, RuntimeError, OSError) as exc:
+        lost = watch.wait_lost(STALE_SECONDS + 2 * BEAT_SECONDS)
+        print(
+            f"specbatch tensor-parallel rank {world.rank} stopped: {lost or exc}", file=sys.stderr
+        )
+    finally:
+        watch.stop()
+        shm.set_local(None)
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+    raise SystemExit(code)
+
+
+def _exit_lost(rank: int) -> Callable[[str], None]:
+    """A worker whose peer is lost while it waits inside a collective: nothing else would end
+    the wait before the collective's timeout."""
+
+    def lost(why: str) -> None:
+        print(f"specbatch tensor-parallel rank {rank} stopped: {why}", file=sys.stderr, flush=True)
+        os._exit(1)
+
+    return lost
+
+
+def _load_shard(config: EngineConfig, rank: int, device: torch.device) -> tuple[Any, torch.dtype]:
+    dtype = config.resolved_dtype(device)
+    model = load_model(
+        resolve_model_path(config.model),
+        dtype,
+        device,
+        config.attention_backend,
+        shard=(rank, config.tensor_parallel_size),
+    )
+    if config.cpu_weight_packing:
+        model.pack_for_cpu()
+    return model, dtype
+
+
 def _serve_steps(
-    model: Any, config: EngineConfig, dtype: torch.dtype, device: torch.device
+    model: Any,
+    config: EngineConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    on_stop: Callable[[], None] | None = None,
 ) -> None:
     """A worker's loop: what rank 0 broadcasts, until it says stop."""
     runner: ModelRunner | None = None
@@ -369,6 +481,8 @@ def _serve_steps(
         dist.broadcast_object_list(box, src=0)
         command = box[0]
         if command[0] == "stop":
+            if on_stop is not None:
+                on_stop()
             return
         if command[0] == "cache":
             model.bind_kv_caches(

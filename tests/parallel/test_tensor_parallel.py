@@ -325,6 +325,39 @@ def test_a_killed_worker_ends_an_async_engine(tiny_model_dir: Path) -> None:
     asyncio.run(asyncio.wait_for(main(), 60))
 
 
+@pytest.mark.engine_errors
+def test_a_worker_killed_while_the_engine_is_idle_is_seen_without_a_request(
+    tiny_model_dir: Path,
+) -> None:
+    """An idle server hears of a lost rank from its loop's idle check: it reports itself
+    errored (``/health`` answers 503) within a second or two, before any request comes."""
+    import asyncio
+
+    from specbatch.engine.async_engine import AsyncEngine, EngineDeadError
+
+    engine = make_engine(tiny_model_dir, 2)
+    assert engine._tp is not None
+    (pid,) = engine._tp.pids
+
+    async def main() -> None:
+        served = AsyncEngine(engine=engine)
+        served.start()
+        await asyncio.sleep(0.2)
+        assert not served.errored
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while not served.errored and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        assert served.errored
+        assert engine.dead is not None
+        assert "worker 1 exited" in engine.dead
+        with pytest.raises(EngineDeadError):
+            await served.add_request(PROMPTS[1], SamplingParams(max_tokens=2))
+        await served.shutdown(1.0)
+
+    asyncio.run(asyncio.wait_for(main(), 60))
+
+
 class _ExitingWorker:
     """A worker caught between closing its files and becoming a zombie: its sentinel is
     ready, ``is_alive`` says alive until it has been joined (waited for)."""
@@ -349,7 +382,7 @@ def test_a_worker_seen_exiting_is_waited_for_and_named() -> None:
 
     group = object.__new__(TensorParallelGroup)
     worker = _ExitingWorker()
-    group.closed, group._processes = False, [worker]
+    group.closed, group._processes, group._watch = False, [worker], None
     try:
         with pytest.raises(TensorParallelError, match=r"worker 1 exited \(exit code -9\)"):
             group.check_after_failure()
