@@ -281,3 +281,75 @@ def test_a_peer_that_stops_beating_is_named() -> None:
     assert lost == [named]
     assert time.monotonic() - started < 3.0
     watch0.stop()
+
+
+def test_run_batch_and_serve_under_torchrun_answer_what_one_process_answers(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """``run-batch`` writes the one-process result lines on rank 0 (the other rank writes
+    nothing); ``serve`` answers on rank 0's port with the same text, and a SIGTERM to rank 0's
+    node ends both nodes."""
+    import urllib.request
+
+    from tests.batch.test_run_batch import completion, read_results, write_lines
+
+    requests = write_lines(
+        tmp_path / "in.jsonl",
+        [completion(f"c{i}", f"Tell me about {word}") for i, word in enumerate("abcde")],
+    )
+    model = ["--model", str(tiny_model_dir), "--no-progress"]
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    subprocess.run(
+        [sys.executable, "-m", "specbatch.cli", "run-batch", "-i", str(requests)]
+        + ["-o", str(tmp_path / "one.jsonl"), *model],
+        check=True,
+        timeout=BOUND_S,
+        env=env,
+        capture_output=True,
+    )
+    nodes = torchrun(
+        tmp_path,
+        ["-m", "specbatch.cli", "run-batch", "-i", str(requests), "-o", "tp.jsonl", *model]
+        + ["-tp", "2"],
+        free_port(),
+    )
+    for code, _, err in finish(nodes):
+        assert code == 0, err
+
+    def texts(path: Path) -> dict[str, str]:
+        return {
+            r["custom_id"]: r["response"]["body"]["choices"][0]["text"] for r in read_results(path)
+        }
+
+    one = texts(tmp_path / "one.jsonl")
+    assert len(one) == 5
+    assert texts(tmp_path / "tp.jsonl") == one
+
+    port = free_port()
+    nodes = torchrun(
+        tmp_path,
+        ["-m", "specbatch.cli", "serve", "--model", str(tiny_model_dir), "-tp", "2"]
+        + ["--port", str(port), "--log-level", "warning"],
+        free_port(),
+    )
+    try:
+        deadline = time.monotonic() + BOUND_S
+        while True:
+            assert time.monotonic() < deadline, [n.poll() for n in nodes]
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
+                    break
+            except OSError:
+                time.sleep(0.3)
+        body = json.dumps(completion("x", "Tell me about c")["body"]).encode()
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{port}/v1/completions",
+            data=body,
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=30) as response:
+            answer = json.loads(response.read())
+        assert answer["choices"][0]["text"] == one["c2"]
+    finally:
+        nodes[0].send_signal(signal.SIGTERM)
+    finish(nodes)  # both nodes end within the bound
