@@ -251,6 +251,15 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
         help="waiting requests beyond which new ones get HTTP 429",
     )
     p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument(
+        "--data-parallel-size",
+        "-dp",
+        type=int,
+        default=1,
+        help="engine replicas, each its own process with its share of the cores (or its own "
+        "GPU), behind this one server; each request goes to the least-loaded replica, the one "
+        "holding its prompt's prefix among equals; a replica that dies is restarted",
+    )
     p.add_argument("--served-model-name", default=None)
     p.add_argument(
         "--shutdown-timeout",

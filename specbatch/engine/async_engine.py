@@ -24,10 +24,11 @@ import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from specbatch.config import EngineConfig
 from specbatch.engine.llm_engine import LLMEngine
+from specbatch.engine.stats import EngineStats
 from specbatch.errors import InvalidRequestError, SpecbatchError
 from specbatch.outputs import RequestOutput
 from specbatch.sampling_params import OutputKind, SamplingParams, StructuredOutputsParams
@@ -56,6 +57,9 @@ class _Add:
     params: SamplingParams
     priority: int
     done: Future[None]
+    # [True] while counted in AsyncEngine._adding: the engine thread uncounts it as it adds
+    # it (from then on the scheduler's waiting queue counts it), else add_request does
+    counted: list[bool]
 
 
 @dataclass
@@ -76,10 +80,18 @@ class _Stream:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
 
+class _StreamOwner(Protocol):
+    """What a :class:`RequestStream` tells the engine it came from."""
+
+    def _forget_stream(self, request_id: str) -> None: ...
+
+    def _send(self, command: _Abort) -> None: ...
+
+
 class RequestStream:
     """The outputs of one accepted request. Iterate it; ``close()`` aborts it if unfinished."""
 
-    def __init__(self, owner: AsyncEngine, request_id: str, stream: _Stream) -> None:
+    def __init__(self, owner: _StreamOwner, request_id: str, stream: _Stream) -> None:
         self.owner = owner
         self.request_id = request_id
         self._stream = stream
@@ -157,6 +169,10 @@ class AsyncEngine:
         with self._lock:
             return self.engine.stats.num_waiting + self._adding
 
+    def stats_by_replica(self) -> list[tuple[str | None, EngineStats, int]]:
+        """The engine's stats and waiting count (one row: no replica label)."""
+        return [(None, self.engine.stats, self.num_waiting())]
+
     def start(self) -> None:
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="specbatch-engine", daemon=True)
@@ -178,12 +194,18 @@ class AsyncEngine:
         """
         self._check_alive()
         self.start()
+        counted = [True]
         with self._lock:
             self._adding += 1  # counted as waiting from now on (no await before this line)
         try:
-            return await self._add(request_id, prompt, params, prompt_token_ids, priority)
+            return await self._add(request_id, prompt, params, prompt_token_ids, priority, counted)
         finally:
-            with self._lock:
+            self._uncount(counted)
+
+    def _uncount(self, counted: list[bool]) -> None:
+        with self._lock:
+            if counted[0]:
+                counted[0] = False
                 self._adding -= 1
 
     async def _add(
@@ -193,6 +215,7 @@ class AsyncEngine:
         params: SamplingParams | None,
         prompt_token_ids: Sequence[int] | None,
         priority: int,
+        counted: list[bool],
     ) -> RequestStream:
         request_id = request_id or f"req-{next(self._ids)}"
         params = params or SamplingParams()
@@ -214,7 +237,7 @@ class AsyncEngine:
                     f"request_id {request_id!r} is already in use", "request_id"
                 )
             self._streams[request_id] = stream
-            self._commands.put(_Add(request_id, prompt, ids, params, priority, done))
+            self._commands.put(_Add(request_id, prompt, ids, params, priority, done, counted))
         self._wake.set()
         try:
             await asyncio.wrap_future(done)  # raises the engine's error for bad input
@@ -398,6 +421,7 @@ class AsyncEngine:
                 logger.exception("an engine command failed")
 
     def _apply_add(self, command: _Add) -> None:
+        self._uncount(command.counted)  # in the engine's queue (or refused) from here on
         if not command.done.set_running_or_notify_cancel():
             self._forget_stream(command.request_id)  # its caller gave up while it was queued
             return
@@ -464,3 +488,46 @@ class AsyncEngine:
                 self._forget_stream(command.request_id)
                 error = exc if isinstance(exc, EngineDeadError) else EngineDeadError(repr(exc))
                 command.done.set_exception(error)
+
+
+class ServedEngine(Protocol):
+    """What the server needs of an engine: :class:`AsyncEngine`, or
+    ``DataParallelEngine`` (replicas behind one front)."""
+
+    on_finished: list[Callable[[RequestOutput], None]]
+
+    @property
+    def tokenizer(self) -> Any: ...
+
+    @property
+    def errored(self) -> bool: ...
+
+    @property
+    def accepting(self) -> bool: ...
+
+    def start(self) -> None: ...
+
+    def num_waiting(self) -> int: ...
+
+    def stats_by_replica(self) -> list[tuple[str | None, EngineStats, int]]: ...
+
+    async def add_request(
+        self,
+        prompt: str | Sequence[int] | None,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        *,
+        prompt_token_ids: Sequence[int] | None = None,
+        priority: int = 0,
+    ) -> RequestStream: ...
+
+    async def encode_chat(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        options: dict[str, Any] | None = None,
+    ) -> list[int]: ...
+
+    async def drain(self, timeout: float) -> None: ...
+
+    async def shutdown(self, timeout: float = 5.0) -> None: ...

@@ -71,3 +71,25 @@ class EngineStats:
                 counts.extend([0] * (depth - len(counts)))
             for d in range(upto):
                 counts[d] += 1
+
+    @classmethod
+    def combined(cls, parts: list[EngineStats]) -> EngineStats:
+        """Several engines' stats as one (data-parallel replicas): counts and queue lengths
+        add up, per-depth counts add position by position, the cache's usage is the mean; the
+        last plan is the busiest replica's (most candidates)."""
+        total = cls()
+        for part in parts:
+            for name, value in vars(part).items():
+                if isinstance(value, int):
+                    setattr(total, name, getattr(total, name) + value)
+            for mine, theirs in (
+                (total.num_drafts_per_pos, part.num_drafts_per_pos),
+                (total.num_accepted_tokens_per_pos, part.num_accepted_tokens_per_pos),
+            ):
+                mine.extend([0] * (len(theirs) - len(mine)))
+                for depth, count in enumerate(theirs):
+                    mine[depth] += count
+        if parts:
+            total.kv_cache_usage = sum(p.kv_cache_usage for p in parts) / len(parts)
+            total.last_plan = max(parts, key=lambda p: p.last_plan.candidates).last_plan
+        return total

@@ -360,7 +360,7 @@ class TensorParallelRunner:
 # ---------------------------------------------------------------------- the worker
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     if sys.platform.startswith("linux"):
         with contextlib.suppress(Exception):
             libc = ctypes.CDLL("libc.so.6", use_errno=True)
@@ -370,7 +370,7 @@ def _die_with_parent() -> None:
 
 
 def _worker_main(rank: int, config: EngineConfig, init_method: str, pipe: Connection) -> None:
-    _die_with_parent()
+    die_with_parent()
     torch.set_num_threads(threads_per_rank(config))
     device = rank_device(config, rank)
     if device.type == "cuda":

@@ -20,16 +20,17 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from specbatch.engine.async_engine import (
-    AsyncEngine,
     EngineDeadError,
     RequestFailedError,
     RequestStream,
+    ServedEngine,
 )
 from specbatch.errors import ChatTemplateError, ConfigError, InvalidRequestError
 from specbatch.outputs import RequestOutput
 from specbatch.sampling_params import SamplingParams
 from specbatch.server.errors import APIError, error_body, install_handlers
 from specbatch.server.formatting import (
+    cached_tokens,
     chat_chunk,
     chat_response,
     completion_chunk,
@@ -74,7 +75,7 @@ class ServerSettings:
             raise ConfigError(f"shutdown_timeout must be >= 0 seconds, got {self.shutdown_timeout}")
 
 
-def build_app(engine: AsyncEngine, settings: ServerSettings) -> RequestGuard:
+def build_app(engine: ServedEngine, settings: ServerSettings) -> RequestGuard:
     """The ASGI application serving ``engine``: FastAPI behind the key and body-size guard."""
     metrics = ServerMetrics(engine, settings.served_model_name)
 
@@ -237,7 +238,7 @@ def _request_errors(renames: dict[str, str]) -> Iterator[None]:
 
 
 async def _add_all(
-    engine: AsyncEngine,
+    engine: ServedEngine,
     settings: ServerSettings,
     metrics: ServerMetrics,
     prefix: str,
@@ -325,7 +326,7 @@ def _sse_response(
     object_name: str,
 ) -> StreamingResponse:
     async def events() -> AsyncIterator[str]:
-        prompt_tokens = completion_tokens = 0
+        prompt_tokens = completion_tokens = cached = 0
         try:
             async for index, output in _merge(streams):
                 for chunk in chunks(index, output):
@@ -333,6 +334,7 @@ def _sse_response(
                 completion_tokens += sum(len(c.token_ids) for c in output.outputs)
                 if output.finished:
                     prompt_tokens += len(output.prompt_token_ids)
+                    cached += cached_tokens([output])
             if include_usage:
                 yield sse(
                     {
@@ -341,7 +343,7 @@ def _sse_response(
                         "created": created,
                         "model": model,
                         "choices": [],
-                        "usage": usage(prompt_tokens, completion_tokens),
+                        "usage": usage(prompt_tokens, completion_tokens, cached),
                     }
                 )
         except EngineDeadError as exc:

@@ -38,12 +38,19 @@ def sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, ensure_ascii='error' in payload)}\n\n"
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI's usage object; ``prompt_tokens_details.cached_tokens``: prompt tokens whose K/V
+    the prefix cache held."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
+
+
+def cached_tokens(finals: list[RequestOutput]) -> int:
+    return sum(o.metrics.num_cached_tokens for o in finals if o.metrics is not None)
 
 
 def _token_text(tokenizer: Tokenizer, token: int, entry: PositionLogprobs) -> str:
@@ -136,6 +143,7 @@ def completion_response(
         "usage": usage(
             sum(len(o.prompt_token_ids) for o in finals),
             sum(len(c.token_ids) for o in finals for c in o.outputs),
+            cached_tokens(finals),
         ),
     }
 
@@ -204,7 +212,11 @@ def chat_response(
         "created": created,
         "model": model,
         "choices": choices,
-        "usage": usage(len(final.prompt_token_ids), sum(len(c.token_ids) for c in final.outputs)),
+        "usage": usage(
+            len(final.prompt_token_ids),
+            sum(len(c.token_ids) for c in final.outputs),
+            cached_tokens([final]),
+        ),
     }
 
 

@@ -11,7 +11,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from specbatch.engine.async_engine import AsyncEngine
+from specbatch.engine.async_engine import ServedEngine
+from specbatch.engine.stats import EngineStats
 from specbatch.outputs import RequestOutput
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -19,15 +20,29 @@ _TOKEN_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5,
 
 
 class _EngineCollector(Collector):
-    """Reads the engine's monotonic counters and current gauges on every scrape."""
+    """Reads the engine's monotonic counters and current gauges on every scrape: one row per
+    data-parallel replica (label ``replica``, and ``replica="all"`` their sum) or, for one
+    engine, one row without that label."""
 
-    def __init__(self, engine: AsyncEngine, model: str) -> None:
+    def __init__(self, engine: ServedEngine, model: str) -> None:
         self.engine = engine
         self.model = model
 
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
-        stats = self.engine.engine.stats
-        labels = ["model_name"]
+        rows = self.engine.stats_by_replica()
+        labels = ["model_name"] if rows[0][0] is None else ["model_name", "replica"]
+        families: dict[str, CounterMetricFamily | GaugeMetricFamily] = {}
+        for replica, stats, waiting in rows:
+            values = [self.model] if replica is None else [self.model, replica]
+            for family in self._rows(stats, waiting, labels, values):
+                kept = families.setdefault(family.name, family)
+                if kept is not family:
+                    kept.samples.extend(family.samples)
+        yield from families.values()
+
+    def _rows(
+        self, stats: EngineStats, waiting: int, labels: list[str], values: list[str]
+    ) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
         for name, doc, value in [
             ("specbatch_prompt_tokens", "Prefill tokens computed.", stats.num_prompt_tokens),
             ("specbatch_generation_tokens", "Tokens generated.", stats.num_generation_tokens),
@@ -80,7 +95,7 @@ class _EngineCollector(Collector):
             ),
         ]:
             family = CounterMetricFamily(name, doc, labels=labels)
-            family.add_metric([self.model], value)
+            family.add_metric(values, value)
             yield family
         for name, doc, counts in (
             (
@@ -96,12 +111,12 @@ class _EngineCollector(Collector):
         ):
             family = CounterMetricFamily(name, doc, labels=[*labels, "position"])
             for position, count in enumerate(counts):
-                family.add_metric([self.model, str(position)], count)
+                family.add_metric([*values, str(position)], count)
             yield family
         rate = stats.num_accepted_tokens / stats.num_draft_tokens if stats.num_draft_tokens else 0.0
         gauges: list[tuple[str, str, float]] = [
             ("specbatch_num_requests_running", "Sequences running.", stats.num_running),
-            ("specbatch_num_requests_waiting", "Requests waiting.", self.engine.num_waiting()),
+            ("specbatch_num_requests_waiting", "Requests waiting.", waiting),
             (
                 "specbatch_kv_cache_usage_perc",
                 "Fraction of KV blocks in use.",
@@ -146,14 +161,14 @@ class _EngineCollector(Collector):
         ]
         for gauge_name, gauge_doc, level in gauges:
             gauge = GaugeMetricFamily(gauge_name, gauge_doc, labels=labels)
-            gauge.add_metric([self.model], level)
+            gauge.add_metric(values, level)
             yield gauge
 
 
 class ServerMetrics:
     """Every metric of one server, in its own registry (several servers may share a process)."""
 
-    def __init__(self, engine: AsyncEngine, model: str) -> None:
+    def __init__(self, engine: ServedEngine, model: str) -> None:
         self.model = model
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(engine, model))

@@ -7,12 +7,14 @@ import asyncio
 import importlib.util
 import logging
 import socket
+from pathlib import Path
 from typing import Any
 
 import uvicorn
 
 from specbatch.config import EngineConfig
-from specbatch.engine.async_engine import AsyncEngine
+from specbatch.engine.async_engine import AsyncEngine, ServedEngine
+from specbatch.engine.data_parallel import DataParallelEngine
 from specbatch.engine.llm_engine import LLMEngine
 from specbatch.errors import ChatTemplateError
 from specbatch.models.default_model import served_model_name
@@ -30,7 +32,7 @@ class DrainingServer(uvicorn.Server):
     stream) before uvicorn's own grace period (``drain_seconds`` + 5 s) would cancel it.
     """
 
-    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, drain_seconds: float) -> None:
+    def __init__(self, config: uvicorn.Config, engine: ServedEngine, drain_seconds: float) -> None:
         super().__init__(config)
         self.engine = engine
         self.drain_seconds = drain_seconds
@@ -44,7 +46,7 @@ class DrainingServer(uvicorn.Server):
 
 
 def server_for(
-    engine: AsyncEngine, settings: ServerSettings, **uvicorn_options: Any
+    engine: ServedEngine, settings: ServerSettings, **uvicorn_options: Any
 ) -> DrainingServer:
     """A ready-to-run server for ``engine`` (``uvicorn_options``: host, port, log level...)."""
     loop = "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"
@@ -62,12 +64,22 @@ def serve(args: argparse.Namespace, config: EngineConfig) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    engine = LLMEngine(config)
+    served: ServedEngine
+    if args.data_parallel_size != 1:  # replicas in their own processes behind this one
+        replicas = DataParallelEngine(config, args.data_parallel_size)
+        tokenizer, model_path, served = replicas.tokenizer, Path(replicas.info.model_path), replicas
+    else:
+        engine = LLMEngine(config)
+        tokenizer, model_path, served = (
+            engine.tokenizer,
+            engine.model_path,
+            AsyncEngine(engine=engine),
+        )
     try:
-        engine.tokenizer.compiled_chat_template()
+        tokenizer.compiled_chat_template()
     except ChatTemplateError as exc:
         logger.warning("%s: chat requests will get HTTP 500 (completions work)", exc)
-    name = args.served_model_name or served_model_name(args.model, engine.model_path)
+    name = args.served_model_name or served_model_name(args.model, model_path)
     settings = ServerSettings(
         served_model_name=name,
         api_key=args.api_key,
@@ -78,7 +90,7 @@ def serve(args: argparse.Namespace, config: EngineConfig) -> int:
         allow_priority=args.allow_priority,
     )
     server = server_for(
-        AsyncEngine(engine=engine),
+        served,
         settings,
         host=args.host,
         port=args.port,
