@@ -10,7 +10,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from specbatch.errors import SpecbatchError
+from specbatch.errors import ConfigError, SpecbatchError
 from specbatch.spec_decode.config import DEFAULT_DRAFT_CONFIDENCE
 
 if TYPE_CHECKING:
@@ -90,8 +90,6 @@ def speculative_config(args: argparse.Namespace) -> dict[str, object]:
         if given and method not in used_by
     ]
     if unused:
-        from specbatch.errors import ConfigError
-
         raise ConfigError(f"{', '.join(unused)} has no effect with --speculative {method}")
     if method == "off":
         return {"method": "off"}
@@ -332,6 +330,15 @@ def _add_run_batch(subparsers: argparse._SubParsersAction) -> None:
         help="the name a body's model must match (default: as specbatch serve lists it)",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--ray",
+        action="store_true",
+        help="run the job over a Ray cluster (RAY_ADDRESS or --ray-address; a local one if "
+        "neither): a pool of --replicas engines, each on its share of the CPUs; needs "
+        "pip install 'specbatch[ray]'",
+    )
+    p.add_argument("--replicas", type=int, default=2, help="engines in the Ray pool (--ray)")
+    p.add_argument("--ray-address", default=None, help="a running Ray cluster's address")
     _add_speculative_args(p)
     p.set_defaults(handler=_run_batch)
 
@@ -342,12 +349,39 @@ def _run_batch(args: argparse.Namespace) -> int:
     from specbatch.models.default_model import served_model_name
 
     shard = Shard.parse(args.shard)
+    if args.ray:
+        return _run_batch_on_ray(args, shard)
+    if args.ray_address is not None or args.replicas != 2:
+        raise ConfigError("--replicas and --ray-address need --ray")
     engine = LLMEngine(engine_config(args, max_num_seqs=args.max_num_seqs))
     name = args.served_model_name or served_model_name(args.model, engine.model_path)
     job = BatchJob(engine, name, shard, progress=not args.no_progress)
     summary = job.run(args.input, args.output)
     print(
         f"run-batch: {summary.lines} requests in shard {shard.index}/{shard.count}: "
+        f"{summary.succeeded} succeeded, {summary.failed} failed, {summary.skipped} already "
+        f"done; {summary.completion_tokens} tokens in {summary.seconds:.1f} s "
+        f"({summary.completion_tokens / max(summary.seconds, 1e-9):.1f} tok/s)",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def _run_batch_on_ray(args: argparse.Namespace, shard: Any) -> int:
+    from specbatch.batch.ray_job import RayBatchSettings, run_on_ray
+    from specbatch.models import resolve_model_path
+    from specbatch.models.default_model import served_model_name
+
+    if shard.count != 1:
+        raise ConfigError("--shard and --ray: the Ray pool splits the job itself")
+    config = engine_config(args, max_num_seqs=args.max_num_seqs)
+    name = args.served_model_name or served_model_name(args.model, resolve_model_path(config.model))
+    settings = RayBatchSettings(replicas=args.replicas, address=args.ray_address)
+    summary = run_on_ray(
+        config, args.input, args.output, name, settings, progress=not args.no_progress
+    )
+    print(
+        f"run-batch --ray: {summary.lines} requests over {args.replicas} replicas: "
         f"{summary.succeeded} succeeded, {summary.failed} failed, {summary.skipped} already "
         f"done; {summary.completion_tokens} tokens in {summary.seconds:.1f} s "
         f"({summary.completion_tokens / max(summary.seconds, 1e-9):.1f} tok/s)",

@@ -22,6 +22,7 @@ OPTIONAL = (
     "accelerate",
     "httpx",
     "openai",
+    "ray",
 )
 
 SCRIPT = """
@@ -50,6 +51,7 @@ batch = ["run-batch", "-i", str(folder / "in.jsonl"), "-o", str(folder / "out.js
 assert main(batch) == 0
 result = json.loads((folder / "out.jsonl").read_text())
 assert result["response"]["status_code"] == 200, result
+assert main([*batch, "--ray"]) == 2  # says which extra it needs
 print("ok")
 """
 
@@ -63,3 +65,4 @@ def test_cpu_generation_needs_no_optional_package(tiny_model_dir: Path) -> None:
     assert result.stdout.strip().endswith("ok")
     assert "specbatch serve needs fastapi, uvicorn, prometheus_client" in result.stderr
     assert "pip install 'specbatch[server]'" in result.stderr
+    assert "run-batch --ray needs Ray: pip install 'specbatch[ray]'" in result.stderr

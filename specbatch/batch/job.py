@@ -25,7 +25,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -213,6 +213,7 @@ class BatchJob:
         self._pending: dict[str, _Pending] = {}  # request id -> its line's state
         self._sequences = 0  # in the engine
         self._fd = -1
+        self._sink: Callable[[dict[str, Any]], None] | None = None  # else the output file
 
     # ----------------------------------------------------------------- the job
 
@@ -229,7 +230,42 @@ class BatchJob:
         self._fd = os.open(output_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         bar = tqdm(total=total, unit="line", disable=not self.progress, dynamic_ncols=True)
         try:
-            lines = self._requests(input_path, done_ids, done_lines, summary)
+
+            def show() -> None:
+                bar.n = summary.skipped + summary.succeeded + summary.failed
+                elapsed = time.monotonic() - started
+                bar.set_postfix(
+                    tok_s=f"{summary.completion_tokens / max(elapsed, 1e-9):.0f}", refresh=False
+                )
+                bar.refresh()
+
+            self._drive(self._requests(input_path, done_ids, done_lines, summary), summary, show)
+        finally:
+            bar.close()
+            os.close(self._fd)
+            self._fd = -1
+        summary.seconds = time.monotonic() - started
+        return summary
+
+    def answer(self, lines: list[tuple[int, bytes]]) -> tuple[list[dict[str, Any]], BatchSummary]:
+        """The result records of these ``(line number, line)`` pairs, in the order they finish
+        (a replica of a job whose reading, resuming and writing another process does)."""
+        records: list[dict[str, Any]] = []
+        summary = BatchSummary()
+        started = time.monotonic()
+        self._sink = records.append
+        try:
+            self._drive(self._numbered_requests(lines, summary), summary, lambda: None)
+        finally:
+            self._sink = None
+        summary.seconds = time.monotonic() - started
+        return records, summary
+
+    def _drive(
+        self, lines: Iterator[None], summary: BatchSummary, show: Callable[[], None]
+    ) -> None:
+        """Keep the engine ``max_pending`` sequences ahead from ``lines`` until all finish."""
+        try:
             exhausted = False
             while True:
                 while not exhausted and self._sequences < self.max_pending:
@@ -238,12 +274,7 @@ class BatchJob:
                 for out in self.engine.step():
                     if out.finished:
                         self._finish(out, summary)
-                bar.n = summary.skipped + summary.succeeded + summary.failed
-                elapsed = time.monotonic() - started
-                bar.set_postfix(
-                    tok_s=f"{summary.completion_tokens / max(elapsed, 1e-9):.0f}", refresh=False
-                )
-                bar.refresh()
+                show()
                 if exhausted and not self._pending:
                     break
         finally:
@@ -251,11 +282,6 @@ class BatchJob:
                 self.engine.abort(request_id)
             self._pending.clear()
             self._sequences = 0
-            bar.close()
-            os.close(self._fd)
-            self._fd = -1
-        summary.seconds = time.monotonic() - started
-        return summary
 
     def _count_lines(self, path: Path) -> int:
         """Requests of this shard (non-blank lines it owns), for the progress bar."""
@@ -302,21 +328,43 @@ class BatchJob:
                 if custom_id in done_ids:
                     summary.skipped += 1
                     continue
-                try:
-                    self._submit(custom_id, line)
-                except _LineError as reject:
-                    if reject.status is None:
-                        self._write_error_line(custom_id, number, reject, summary)
-                    else:
-                        self._write_response(
-                            custom_id,
-                            f"batch_req_{uuid.uuid4().hex}",
-                            reject.status,
-                            error_body(reject.status, reject.message, reject.param, reject.code),
-                            summary,
-                        )
-                    continue
+                if self._submit_or_answer(custom_id, number, line, summary):
+                    yield None
+
+    def _numbered_requests(
+        self, lines: list[tuple[int, bytes]], summary: BatchSummary
+    ) -> Iterator[None]:
+        """``_requests`` for lines another process read, checked and deduplicated."""
+        for number, raw in lines:
+            summary.lines += 1
+            try:
+                line = _parse_line(raw)
+                custom_id = _custom_id(line)
+            except _LineError as reject:
+                self._write_error_line(None, number, reject, summary)
+                continue
+            if self._submit_or_answer(custom_id, number, line, summary):
                 yield None
+
+    def _submit_or_answer(
+        self, custom_id: str, number: int, line: dict[str, Any], summary: BatchSummary
+    ) -> bool:
+        """Put the line's requests in the engine (True), or answer it with its error."""
+        try:
+            self._submit(custom_id, line)
+        except _LineError as reject:
+            if reject.status is None:
+                self._write_error_line(custom_id, number, reject, summary)
+            else:
+                self._write_response(
+                    custom_id,
+                    f"batch_req_{uuid.uuid4().hex}",
+                    reject.status,
+                    error_body(reject.status, reject.message, reject.param, reject.code),
+                    summary,
+                )
+            return False
+        return True
 
     # ----------------------------------------------------------------- requests
 
@@ -466,10 +514,17 @@ class BatchJob:
         )
 
     def _write(self, record: dict[str, Any]) -> None:
-        """One ``write`` of the whole line (a kill cannot split it; a full disk can, and the
-        rerun cuts the partial line off)."""
-        data = (json.dumps(record, ensure_ascii=True, allow_nan=False) + "\n").encode("ascii")
-        view = memoryview(data)
-        while view:
-            written = os.write(self._fd, view)
-            view = view[written:]
+        if self._sink is not None:
+            self._sink(record)
+        else:
+            write_record(self._fd, record)
+
+
+def write_record(fd: int, record: dict[str, Any]) -> None:
+    """One ``write`` of the whole line (a kill cannot split it; a full disk can, and the rerun
+    cuts the partial line off)."""
+    data = (json.dumps(record, ensure_ascii=True, allow_nan=False) + "\n").encode("ascii")
+    view = memoryview(data)
+    while view:
+        written = os.write(fd, view)
+        view = view[written:]

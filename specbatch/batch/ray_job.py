@@ -1,0 +1,256 @@
+"""Batch jobs over a Ray cluster (``specbatch run-batch --ray``; ``pip install 'specbatch[ray]'``).
+
+The driver (this process) reads the input as ``run-batch`` does: it answers the lines that are
+not requests (not JSON, no ``custom_id``, a repeated one) itself, skips what the output already
+answers, and gives the rest to a Ray Dataset mapped through a pool of actors, each holding one
+engine (tensor-parallel inside when the config says so): ``map_batches`` with a callable class,
+``concurrency`` replicas. Each actor answers its batch with the same code as ``run-batch``
+(:meth:`BatchJob.answer`: the same request models, the same error lines) and returns the result
+lines; the driver appends each to the output as its batch comes back, one ``write`` per line,
+and never writes a ``custom_id`` twice. So the output is resumable exactly as ``run-batch``'s: a
+killed driver's rerun cuts a partial last line and skips what is there.
+
+A replica that dies is replaced by Ray Data (actors restart, ``max_restarts=-1``) and its batch
+is run again on a live one (``max_task_retries=-1``); its lines were not written, so nothing
+appears twice. A batch that raises inside the engine answers its unanswered lines with a 500
+line, so one bad line never stops the job.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from specbatch.batch.job import (
+    BatchJob,
+    BatchSummary,
+    _custom_id,
+    _LineError,
+    _parse_line,
+    _read_done,
+    write_record,
+)
+from specbatch.config import EngineConfig
+from specbatch.errors import ConfigError
+from specbatch.server.formatting import error_body
+
+logger = logging.getLogger("specbatch")
+
+
+@dataclass(frozen=True)
+class RayBatchSettings:
+    """``replicas`` engines (actors) of ``cpus_per_replica`` CPUs each (default: the cluster's
+    CPUs shared out); ``batch_size`` lines per actor call (default: twice the engine's
+    ``max_num_seqs``, what ``run-batch`` keeps queued); ``address``: a running cluster's (else
+    ``RAY_ADDRESS``, else a local one is started)."""
+
+    replicas: int = 2
+    cpus_per_replica: float | None = None
+    batch_size: int | None = None
+    address: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.replicas, int) or self.replicas < 1:
+            raise ConfigError(f"replicas must be a positive integer, got {self.replicas!r}")
+        if self.batch_size is not None and self.batch_size < 1:
+            raise ConfigError(f"batch_size must be at least 1, got {self.batch_size}")
+        if self.cpus_per_replica is not None and self.cpus_per_replica <= 0:
+            raise ConfigError(f"cpus_per_replica must be positive, got {self.cpus_per_replica}")
+
+
+def import_ray() -> Any:
+    try:
+        import ray
+        import ray.data
+    except ImportError:
+        raise ConfigError("run-batch --ray needs Ray: pip install 'specbatch[ray]'") from None
+    return ray
+
+
+class EngineReplica:
+    """A Ray Data actor: one engine answering batches of ``(number, line)`` rows."""
+
+    def __init__(self, config: EngineConfig, model_name: str) -> None:
+        from specbatch.engine.llm_engine import LLMEngine
+
+        self.engine = LLMEngine(config)
+        self.job = BatchJob(self.engine, model_name, progress=False)
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        lines = [
+            (int(number), str(text).encode())
+            for number, text in zip(batch["number"], batch["line"], strict=True)
+        ]
+        try:
+            records, _ = self.job.answer(lines)
+        except Exception as exc:  # the engine failed outside its own handling: answer anyway
+            logger.exception("a batch failed")
+            records = [_failed_record(number, text, exc) for number, text in lines]
+        return {"record": np.array([json.dumps(r) for r in records], dtype=object)}
+
+
+def _failed_record(number: int, raw: bytes, exc: Exception) -> dict[str, Any]:
+    custom_id = json.loads(raw).get("custom_id")
+    body = error_body(500, f"generation failed: {exc!r}", None, "engine_step_failed")
+    return {
+        "id": f"batch_req_{uuid.uuid4().hex}",
+        "custom_id": custom_id,
+        "response": {"status_code": 500, "request_id": f"line-{number}", "body": body},
+        "error": None,
+    }
+
+
+def run_on_ray(
+    config: EngineConfig,
+    input_path: Path | str,
+    output_path: Path | str,
+    model_name: str,
+    settings: RayBatchSettings | None = None,
+    progress: bool = True,
+) -> BatchSummary:
+    """Run the input file through ``settings.replicas`` engines on Ray into the output file
+    (resumable), as ``specbatch run-batch --ray`` does."""
+    settings = settings or RayBatchSettings()
+    ray = import_ray()
+    input_path, output_path = Path(input_path), Path(output_path)
+    if not input_path.is_file():
+        raise ConfigError(f"input file {input_path} does not exist")
+    if output_path.resolve() == input_path.resolve():
+        raise ConfigError("the output file must not be the input file")
+    done_ids, done_lines, _ = _read_done(output_path)
+    summary = BatchSummary()
+    started = time.monotonic()
+    fd = os.open(output_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    written: set[str | None] = set()
+    try:
+        rows = list(_rows(input_path, done_ids, done_lines, summary, fd))
+        bar = tqdm(total=summary.lines, unit="line", disable=not progress, dynamic_ncols=True)
+        bar.update(summary.skipped + summary.failed)
+        try:
+            for records in _mapped(ray, config, model_name, settings, rows):
+                for record in records:
+                    custom_id = record.get("custom_id")
+                    if custom_id in written:  # a retried batch's twin: never twice
+                        continue
+                    written.add(custom_id)
+                    write_record(fd, record)
+                    _count(record, summary)
+                elapsed = time.monotonic() - started
+                bar.n = summary.skipped + summary.succeeded + summary.failed
+                bar.set_postfix(
+                    tok_s=f"{summary.completion_tokens / max(elapsed, 1e-9):.0f}", refresh=False
+                )
+                bar.refresh()
+        finally:
+            bar.close()
+    finally:
+        os.close(fd)
+    summary.seconds = time.monotonic() - started
+    return summary
+
+
+def _rows(
+    path: Path, done_ids: set[str], done_lines: set[int], summary: BatchSummary, fd: int
+) -> Iterator[dict[str, Any]]:
+    """The lines for the replicas; the lines that are not requests answered here."""
+    seen: set[str] = set()
+    with path.open("rb") as f:
+        for number, raw in enumerate(f, 1):
+            if not raw.strip():
+                continue
+            summary.lines += 1
+            custom_id: str | None = None
+            try:
+                line = _parse_line(raw)
+                custom_id = _custom_id(line)
+                if custom_id in seen:
+                    raise _LineError(
+                        f"custom_id {custom_id!r} repeats an earlier line's",
+                        None,
+                        code="duplicate_custom_id",
+                    )
+                seen.add(custom_id)
+            except _LineError as reject:
+                if number in done_lines:
+                    summary.skipped += 1
+                else:
+                    summary.failed += 1
+                    write_record(
+                        fd,
+                        {
+                            "id": f"batch_req_{uuid.uuid4().hex}",
+                            "custom_id": custom_id,
+                            "response": None,
+                            "error": {
+                                "code": reject.code,
+                                "message": reject.message,
+                                "line": number,
+                            },
+                        },
+                    )
+                continue
+            if custom_id in done_ids:
+                summary.skipped += 1
+                continue
+            yield {"number": number, "line": raw.decode("utf-8").rstrip("\n")}
+
+
+def _mapped(
+    ray: Any,
+    config: EngineConfig,
+    model_name: str,
+    settings: RayBatchSettings,
+    rows: list[dict[str, Any]],
+) -> Iterator[list[dict[str, Any]]]:
+    """The replicas' result records, batch by batch as they finish."""
+    if not rows:
+        return
+    if not ray.is_initialized():
+        address = settings.address or os.environ.get("RAY_ADDRESS")
+        ray.init(
+            address=address,
+            include_dashboard=False,
+            log_to_driver=False,
+            logging_level=logging.WARNING,
+            configure_logging=False,
+        )
+    for name in ("ray.data", "ray"):  # its progress notes and warnings about them
+        logging.getLogger(name).setLevel(logging.ERROR)
+    context = ray.data.DataContext.get_current()
+    context.enable_progress_bars = False  # the job's own bar counts lines
+    cpus = settings.cpus_per_replica
+    if cpus is None:
+        cpus = max(1.0, float(ray.cluster_resources().get("CPU", 1)) // settings.replicas)
+    threads = config.num_threads or max(1, int(cpus) // config.tensor_parallel_size)
+    replica = replace(config, num_threads=threads)
+    dataset = ray.data.from_items(rows).map_batches(
+        EngineReplica,
+        fn_constructor_args=(replica, model_name),
+        batch_size=settings.batch_size or 2 * config.max_num_seqs,
+        concurrency=settings.replicas,
+        num_cpus=cpus,
+        batch_format="numpy",
+    )
+    for batch in dataset.iter_batches(batch_size=None, batch_format="numpy"):
+        yield [json.loads(text) for text in batch["record"]]
+
+
+def _count(record: dict[str, Any], summary: BatchSummary) -> None:
+    response = record.get("response")
+    if response is None or response.get("status_code") != 200:
+        summary.failed += 1
+        return
+    summary.succeeded += 1
+    usage = response["body"].get("usage") or {}
+    summary.prompt_tokens += usage.get("prompt_tokens", 0)
+    summary.completion_tokens += usage.get("completion_tokens", 0)
