@@ -87,9 +87,10 @@ class EngineReplica:
         self.job = BatchJob(self.engine, model_name, progress=False)
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        numbers = batch["number"] if "number" in batch else np.zeros(len(batch["line"]), int)
         lines = [
             (int(number), str(text).encode())
-            for number, text in zip(batch["number"], batch["line"], strict=True)
+            for number, text in zip(numbers, batch["line"], strict=True)
         ]
         try:
             records, _ = self.job.answer(lines)
@@ -205,16 +206,21 @@ def _rows(
             yield {"number": number, "line": raw.decode("utf-8").rstrip("\n")}
 
 
-def _mapped(
-    ray: Any,
+def map_requests(
+    dataset: Any,
     config: EngineConfig,
     model_name: str,
-    settings: RayBatchSettings,
-    rows: list[dict[str, Any]],
-) -> Iterator[list[dict[str, Any]]]:
-    """The replicas' result records, batch by batch as they finish."""
-    if not rows:
-        return
+    settings: RayBatchSettings | None = None,
+) -> Any:
+    """A Ray Dataset of result lines for a Ray Dataset of request lines: each input row has
+    ``line`` (the JSON text of one batch request line, as in a ``run-batch`` file) and
+    optionally ``number`` (its line number, for error lines; else 0); each output row has
+    ``record``, the JSON text of its result line, exactly as ``run-batch`` writes it. The rows
+    go through an actor pool of ``settings.replicas`` engines (Ray Data ``map_batches``); the
+    caller decides what to do with the results (``run_on_ray`` writes them to a file). Repeated
+    ``custom_id``s and resuming are the caller's: every row is answered."""
+    ray = import_ray()
+    settings = settings or RayBatchSettings()
     if not ray.is_initialized():
         address = settings.address or os.environ.get("RAY_ADDRESS")
         ray.init(
@@ -227,20 +233,32 @@ def _mapped(
     for name in ("ray.data", "ray"):  # its progress notes and warnings about them
         logging.getLogger(name).setLevel(logging.ERROR)
     context = ray.data.DataContext.get_current()
-    context.enable_progress_bars = False  # the job's own bar counts lines
+    context.enable_progress_bars = False  # run_on_ray's own bar counts lines
     cpus = settings.cpus_per_replica
     if cpus is None:
         cpus = max(1.0, float(ray.cluster_resources().get("CPU", 1)) // settings.replicas)
     threads = config.num_threads or max(1, int(cpus) // config.tensor_parallel_size)
-    replica = replace(config, num_threads=threads)
-    dataset = ray.data.from_items(rows).map_batches(
+    return dataset.map_batches(
         EngineReplica,
-        fn_constructor_args=(replica, model_name),
+        fn_constructor_args=(replace(config, num_threads=threads), model_name),
         batch_size=settings.batch_size or 2 * config.max_num_seqs,
         concurrency=settings.replicas,
         num_cpus=cpus,
         batch_format="numpy",
     )
+
+
+def _mapped(
+    ray: Any,
+    config: EngineConfig,
+    model_name: str,
+    settings: RayBatchSettings,
+    rows: list[dict[str, Any]],
+) -> Iterator[list[dict[str, Any]]]:
+    """The replicas' result records, batch by batch as they finish."""
+    if not rows:
+        return
+    dataset = map_requests(ray.data.from_items(rows), config, model_name, settings)
     for batch in dataset.iter_batches(batch_size=None, batch_format="numpy"):
         yield [json.loads(text) for text in batch["record"]]
 

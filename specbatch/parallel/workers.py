@@ -268,15 +268,17 @@ def join_shared_memory(rank: int, world: int, device: torch.device) -> None:
     """Every rank of a CPU group maps one shared-memory segment for the model's collectives
     (``models/shm_collectives.py``; gloo's TCP round trips otherwise): rank 0 creates it and
     names it to the others, and removes the name once every rank has mapped it."""
-    if device.type != "cpu" or not shm.available():
+    if device.type != "cpu":
         return
     group = None
-    if rank == 0:
+    if rank == 0 and shm.available():  # rank 0 decides: no name, every rank stays on gloo
         group = shm.SharedMemoryGroup(
             shm.new_name(), 0, world, SHM_CAPACITY, create=True, timeout=COLLECTIVE_SECONDS
         )
     box: list[Any] = [group.name if group is not None else None]
     dist.broadcast_object_list(box, src=0)
+    if box[0] is None:
+        return
     if group is None:
         group = shm.SharedMemoryGroup(
             box[0], rank, world, SHM_CAPACITY, create=False, timeout=COLLECTIVE_SECONDS

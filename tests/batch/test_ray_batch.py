@@ -116,6 +116,25 @@ def test_two_replicas_write_what_one_engine_writes(
     assert out.read_bytes() == before
 
 
+def test_the_library_maps_a_dataset_of_request_lines(
+    local_ray: None, reference: Path, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """``map_requests`` on a Dataset the caller made: a record per row, each the one run-batch
+    writes for that line (bad ones included)."""
+    from specbatch.batch.ray_job import map_requests
+
+    lines = request_file(tmp_path / "in.jsonl", lines=40).read_text().splitlines()
+    rows = [{"line": line, "number": n} for n, line in enumerate(lines, 1)]
+    # what run_on_ray answers itself (not JSON, a repeated custom_id) is not a request
+    rows = [r for r in rows if r["line"] != "{not json" and "a repeated id" not in r["line"]]
+    mapped = map_requests(ray.data.from_items(rows), config(tiny_model_dir), "tiny")
+    records = [json.loads(row["record"]) for row in mapped.iter_rows()]
+    ids = {json.loads(r["line"])["custom_id"] for r in rows}
+    expected = [key(json.loads(line)) for line in reference.read_text().splitlines()]
+    assert sorted(key(r) for r in records) == sorted(k for k in expected if k[1] in ids)
+    assert sum(r["response"]["status_code"] == 400 for r in records) == 2  # max_tokens -1
+
+
 def test_a_killed_replica_is_replaced_and_its_batch_run_again(
     local_ray: None, reference: Path, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
