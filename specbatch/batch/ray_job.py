@@ -221,17 +221,17 @@ def map_requests(
     ``custom_id``s and resuming are the caller's: every row is answered."""
     ray = import_ray()
     settings = settings or RayBatchSettings()
+    for name in ("ray.data", "ray"):  # its start-up and progress notes
+        logging.getLogger(name).setLevel(logging.ERROR)
     if not ray.is_initialized():
         address = settings.address or os.environ.get("RAY_ADDRESS")
         ray.init(
             address=address,
             include_dashboard=False,
             log_to_driver=False,
-            logging_level=logging.WARNING,
+            logging_level=logging.ERROR,
             configure_logging=False,
         )
-    for name in ("ray.data", "ray"):  # its progress notes and warnings about them
-        logging.getLogger(name).setLevel(logging.ERROR)
     context = ray.data.DataContext.get_current()
     context.enable_progress_bars = False  # run_on_ray's own bar counts lines
     cpus = settings.cpus_per_replica

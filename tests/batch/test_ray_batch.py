@@ -135,6 +135,27 @@ def test_the_library_maps_a_dataset_of_request_lines(
     assert sum(r["response"]["status_code"] == 400 for r in records) == 2  # max_tokens -1
 
 
+def test_a_replica_can_be_tensor_parallel_inside(
+    local_ray: None, reference: Path, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """One replica of two ranks (its workers spawned inside the actor) writes the same lines."""
+    out = tmp_path / "out.jsonl"
+    lines = request_file(tmp_path / "all.jsonl").read_text().splitlines()[:40]
+    requests = write_lines(tmp_path / "in.jsonl", lines)
+    tp = EngineConfig(model=str(tiny_model_dir), max_num_seqs=8, tensor_parallel_size=2, **CONFIG)
+    run_on_ray(tp, requests, out, "tiny", RayBatchSettings(replicas=1), progress=False)
+    numbers = set(range(1, 41))
+    expected = [
+        k
+        for k in results(reference)
+        if (k[0] == "line" and k[1] in numbers)
+        or (k[0] == "id" and int(k[1][1:]) < 40 and k[1] != "c0")
+    ]
+    got = [k for k in results(out) if k[1] != "c0"]
+    assert got == expected
+    once_each(out)
+
+
 def test_a_killed_replica_is_replaced_and_its_batch_run_again(
     local_ray: None, reference: Path, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
