@@ -49,7 +49,7 @@ from specbatch.models import load_model, resolve_model_path
 from specbatch.models import shm_collectives as shm
 from specbatch.parallel.world import (
     BEAT_SECONDS,
-    STALE_SECONDS,
+    SUSPECT_SECONDS,
     LaunchedWorld,
     RankWatch,
     join,
@@ -222,7 +222,7 @@ class TensorParallelGroup:
         still says alive: CI saw it once a loaded suite run), so it is joined, which waits for
         the exit itself. In a launched world, wait for the watch to name the rank it lost."""
         if self._watch is not None and not self.closed:
-            self._watch.wait_lost(STALE_SECONDS + 2 * BEAT_SECONDS)
+            self._watch.wait_lost(SUSPECT_SECONDS + 4 * BEAT_SECONDS)
         elif not self.closed:
             deadline = time.monotonic() + REAP_SECONDS
             by_sentinel = {p.sentinel: p for p in self._processes}
@@ -432,7 +432,7 @@ def run_launched_worker(config: EngineConfig, world: LaunchedWorld) -> NoReturn:
         _serve_steps(model, config, dtype, device, on_stop=watch.stop)
         code = 0
     except (TensorParallelError, RuntimeError, OSError) as exc:
-        lost = watch.wait_lost(STALE_SECONDS + 2 * BEAT_SECONDS)
+        lost = watch.wait_lost(SUSPECT_SECONDS + 4 * BEAT_SECONDS)
         print(
             f"specbatch tensor-parallel rank {world.rank} stopped: {lost or exc}", file=sys.stderr
         )

@@ -39,6 +39,8 @@ BEAT_SECONDS = 0.5
 # host has not missed 1 s of beats in the suite, so 10 s leaves room, and the wait is paid only
 # by a rank that already failed a collective (to name the peer) or a peer that really stopped
 STALE_SECONDS = 10.0
+# once a collective has failed, some peer is gone: four missed beats name it
+SUSPECT_SECONDS = 4 * BEAT_SECONDS
 
 
 @dataclass(frozen=True)
@@ -188,7 +190,10 @@ class RankWatch:
             return f"rank {rank}"
 
     def wait_lost(self, timeout: float) -> str | None:
-        """After a failed collective: the lost peer once the watch has seen it, or None."""
+        """After a failed collective: the lost peer once the watch has seen it, or None. A
+        peer is gone (the collective says so), so the one whose beat stops first is it: from
+        now on ``SUSPECT_SECONDS`` of silence name a peer, not ``stale_seconds``."""
+        self.stale_seconds = min(self.stale_seconds, SUSPECT_SECONDS)
         self._lost_event.wait(timeout)
         return self.lost
 
@@ -221,7 +226,7 @@ class RankWatch:
                 elif now - last[1] > self.stale_seconds and not self._stop.is_set():
                     self._lose(
                         f"{self.who(rank)} stopped answering (no heartbeat for "
-                        f"{self.stale_seconds:.0f} s)"
+                        f"{self.stale_seconds:g} s)"
                     )
                     return
 

@@ -194,7 +194,7 @@ def test_a_killed_rank_ends_every_rank_with_a_named_error(
     os.kill(int((tmp_path / "pids" / str(victim)).read_text()), signal.SIGKILL)
     killed = time.monotonic()
     results = finish(nodes)
-    assert time.monotonic() - killed < 40  # the watch's 10 s and the launcher's teardown
+    assert time.monotonic() - killed < 30  # the watch's 2 s after a failed collective
     survivor = 1 - victim
     code, _, err = results[survivor]
     assert code != 0
@@ -277,7 +277,7 @@ def test_a_peer_that_stops_beating_is_named() -> None:
     watch1.stop()
     started = time.monotonic()
     named = watch0.wait_lost(5.0)
-    assert named == "rank 1 (node-1 pid 101) stopped answering (no heartbeat for 2 s)"
+    assert named == "rank 1 (node-1 pid 101) stopped answering (no heartbeat for 1.5 s)"
     assert lost == [named]
     assert time.monotonic() - started < 3.0
     watch0.stop()
