@@ -247,10 +247,13 @@ class BatchJob:
         summary.seconds = time.monotonic() - started
         return summary
 
-    def answer(self, lines: list[tuple[int, bytes]]) -> tuple[list[dict[str, Any]], BatchSummary]:
+    def answer(
+        self, lines: list[tuple[int, bytes]], records: list[dict[str, Any]] | None = None
+    ) -> tuple[list[dict[str, Any]], BatchSummary]:
         """The result records of these ``(line number, line)`` pairs, in the order they finish
-        (a replica of a job whose reading, resuming and writing another process does)."""
-        records: list[dict[str, Any]] = []
+        (a replica of a job whose reading, resuming and writing another process does),
+        appended to ``records`` as they come (what was answered before an exception)."""
+        records = [] if records is None else records
         summary = BatchSummary()
         started = time.monotonic()
         self._sink = records.append

@@ -101,6 +101,8 @@ class Replica:
         self.index = index
         self.config = config
         self.owner = weakref.proxy(owner)  # the engine's finalizer must not wait on its replicas
+        self.owner_lock = owner._lock
+        self.gpu: str | None = None  # the CUDA device it gets (an entry of the front's list)
         self.info: ReplicaInfo | None = None
         self.up = False  # loaded, taking requests
         self.failed: str | None = None  # could not be (re)started: stays down
@@ -122,7 +124,7 @@ class Replica:
         parent, child = context.Pipe()
         self.process = context.Process(
             target=_replica_main,
-            args=(self.index, self.config, child),
+            args=(self.config, self.gpu, child),
             name=f"specbatch-dp-{self.index}",
             daemon=True,
         )
@@ -140,8 +142,8 @@ class Replica:
     def wait_ready(self, timeout: float = LOAD_SECONDS) -> None:
         if not self._ready.wait(timeout):
             self.failed = f"replica {self.index} did not load within {timeout:.0f} s"
-        if self.failed is not None:
-            raise ConfigError(self.failed)
+        if self.failed is not None or not self.up:
+            raise ConfigError(self.failed or f"replica {self.index} exited while loading")
 
     @property
     def pid(self) -> int | None:
@@ -164,8 +166,10 @@ class Replica:
                 self._handle(message)
             except Exception:
                 logger.exception("replica %d: a message could not be handled", self.index)
+        with self.owner_lock:  # no request is routed here from now on
+            was_up, self.up = self.up, False
         process.join(timeout=5)
-        self._died(process.exitcode)
+        self._died(process.exitcode, was_up)
 
     def _handle(self, message: tuple[Any, ...]) -> None:
         kind = message[0]
@@ -202,9 +206,10 @@ class Replica:
         else:
             future.set_exception(error)
 
-    def _died(self, exit_code: int | None) -> None:
+    def _died(self, exit_code: int | None, was_up: bool) -> None:
         """The process is gone: fail what it held, start it again unless stopping."""
-        was_up, self.up = self.up, False
+        if not was_up and self.failed is None:
+            self.failed = f"replica {self.index} exited while loading (exit code {exit_code})"
         self._ready.set()
         if _exiting:
             return
@@ -212,21 +217,20 @@ class Replica:
             f"data-parallel replica {self.index} died (exit code {exit_code}); its requests "
             "were lost: retry"
         )
-        for future in list(self._adds.values()):
+        with self.owner_lock:  # what _add registered before `up` went down, all of it
+            adds, self._adds = list(self._adds.values()), {}
+            lost, self.in_flight = list(self.in_flight), set()
+            self.prefixes.clear()
+        for future in adds:
             if not future.done():
                 future.set_exception(error)
-        self._adds.clear()
-        for request_id in list(self.in_flight):
+        for request_id in lost:
             self.owner._deliver(request_id, error)
-        self.in_flight.clear()
-        self.prefixes.clear()
         try:
             ending = _exiting or self.stopping or self.owner.stopping or self.owner._draining
         except ReferenceError:  # the engine was collected: its finalizer ends the replicas
             ending = True
-        if ending or self.failed is not None or not was_up:
-            if self.failed is None and not ending:
-                self.failed = f"replica {self.index} exited while loading (exit code {exit_code})"
+        if ending or self.failed is not None:
             return
         logger.error("%s; starting it again", error)
         self.restarts += 1
@@ -251,6 +255,15 @@ class Replica:
             self.prefixes.move_to_end(h)
         while len(self.prefixes) > capacity:
             self.prefixes.popitem(last=False)
+
+
+def _report(error: BaseException) -> tuple[str, str, str | None]:
+    """A replica's exception as it crosses the pipe (``_error`` rebuilds it): a ValueError is
+    the request's fault, a 400 as on one engine."""
+    kind = type(error).__name__
+    if isinstance(error, ValueError):
+        kind = "InvalidRequestError"
+    return kind, str(error), getattr(error, "param", None)
 
 
 def _error(kind: str, message: str, param: str | None) -> BaseException:
@@ -287,6 +300,21 @@ class DataParallelEngine:
         self._adding = 0
         self._ids = itertools.count()
         self.replicas = [Replica(i, replica_config(config, size), self) for i in range(size)]
+        if config.resolved_device().type == "cuda":
+            import torch
+
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+            gpus = (
+                visible.split(",")
+                if visible
+                else [str(i) for i in range(torch.cuda.device_count())]
+            )
+            if len(gpus) < size:
+                raise ConfigError(
+                    f"data_parallel_size {size} needs {size} GPUs, {len(gpus)} visible"
+                )
+            for replica, gpu in zip(self.replicas, gpus, strict=False):
+                replica.gpu = gpu
         for replica in self.replicas:
             replica.start()
         self._finalizer = weakref.finalize(self, _stop_processes, self.replicas)
@@ -349,13 +377,15 @@ class DataParallelEngine:
     ) -> RequestStream:
         """As :meth:`AsyncEngine.add_request`, on the replica the request is routed to."""
         self._check_alive()
+        counted = [True]  # in _adding until it is in a replica's in_flight (counted there)
         with self._lock:
             self._adding += 1
         try:
-            return await self._add(request_id, prompt, params, prompt_token_ids, priority)
+            return await self._add(request_id, prompt, params, prompt_token_ids, priority, counted)
         finally:
             with self._lock:
-                self._adding -= 1
+                if counted[0]:
+                    self._adding -= 1
 
     async def _add(
         self,
@@ -364,6 +394,7 @@ class DataParallelEngine:
         params: SamplingParams | None,
         prompt_token_ids: Sequence[int] | None,
         priority: int,
+        counted: list[bool],
     ) -> RequestStream:
         request_id = request_id or f"req-{next(self._ids)}"
         params = params or SamplingParams()
@@ -388,6 +419,8 @@ class DataParallelEngine:
             replica.in_flight.add(request_id)
             replica._adds[request_id] = done
             replica.remember(hashes)
+            counted[0] = False
+            self._adding -= 1
         try:
             replica.send(("add", request_id, ids, params, priority))
         except (OSError, ValueError) as exc:  # the pipe is gone: the replica is dying
@@ -419,7 +452,9 @@ class DataParallelEngine:
         """As :meth:`AsyncEngine.encode_chat` (the front holds the tokenizer)."""
 
         def encode() -> list[int]:
-            self.intake.check_length(sum(len(str(m.get("content") or "")) for m in messages))
+            self.intake.check_length(
+                sum(len(str(m.get("content") or "")) for m in messages), "messages"
+            )
             _, ids = self.tokenizer.encode_chat(messages, add_generation_prompt, **(options or {}))
             return ids
 
@@ -524,14 +559,14 @@ def _at_exit() -> None:
 # ---------------------------------------------------------------------- the replica process
 
 
-def _replica_main(index: int, config: EngineConfig, conn: Connection) -> None:
+def _replica_main(config: EngineConfig, gpu: str | None, conn: Connection) -> None:
     from specbatch.parallel.workers import die_with_parent
 
     die_with_parent()
     # a terminal's Ctrl-C reaches the whole process group: the front ends the replicas
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if config.resolved_device().type == "cuda":
-        os.environ["CUDA_VISIBLE_DEVICES"] = str(index)  # before CUDA starts in this process
+    if gpu is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = gpu  # before CUDA starts in this process
     from specbatch.engine.llm_engine import LLMEngine
 
     try:
@@ -562,6 +597,8 @@ async def _serve_replica(served: AsyncEngine, conn: Connection) -> None:
     loop = asyncio.get_running_loop()
     commands: asyncio.Queue[tuple[Any, ...] | None] = asyncio.Queue()
     streams: dict[str, RequestStream] = {}
+    adding: set[str] = set()  # adds received, not yet taken or refused by the engine
+    aborted: set[str] = set()  # ... of which the front aborted these meanwhile
     tasks: set[asyncio.Task[None]] = set()
 
     def read() -> None:
@@ -575,24 +612,27 @@ async def _serve_replica(served: AsyncEngine, conn: Connection) -> None:
 
     threading.Thread(target=read, name="specbatch-dp-commands", daemon=True).start()
 
-    def report(error: BaseException) -> tuple[str, str, str | None]:
-        return type(error).__name__, str(error), getattr(error, "param", None)
-
     async def run(request_id: str, ids: list[int], params: SamplingParams, priority: int) -> None:
         try:
             stream = await served.add_request(
                 None, params, request_id, prompt_token_ids=ids, priority=priority
             )
         except Exception as exc:
-            conn.send(("refused", request_id, *report(exc)))
+            adding.discard(request_id)
+            aborted.discard(request_id)
+            conn.send(("refused", request_id, *_report(exc)))
             return
+        adding.discard(request_id)
         streams[request_id] = stream
         conn.send(("accepted", request_id))
+        if request_id in aborted:
+            aborted.discard(request_id)
+            await served.abort(request_id)
         try:
             async for output in stream:
                 conn.send(("out", request_id, output))
         except Exception as exc:
-            conn.send(("error", request_id, *report(exc)))
+            conn.send(("error", request_id, *_report(exc)))
         finally:
             streams.pop(request_id, None)
 
@@ -608,15 +648,17 @@ async def _serve_replica(served: AsyncEngine, conn: Connection) -> None:
             if message is None or message[0] == "stop":
                 break
             if message[0] == "add":
+                adding.add(message[1])
                 task = asyncio.ensure_future(run(*message[1:]))
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)
             elif message[0] == "abort":
-                stream = streams.get(message[1])
-                if stream is not None:
-                    stream.close()
-                else:
+                # the engine ends it with a final output, which goes back as its last "out"
+                # (the front counts it done); one not yet added is aborted once it is
+                if message[1] in streams:
                     await served.abort(message[1])
+                elif message[1] in adding:
+                    aborted.add(message[1])
             if served.errored:  # the engine's loop is dead: this replica is no use
                 break
     finally:

@@ -162,7 +162,17 @@ class TensorParallelGroup:
     def wait_loaded(self) -> None:
         """Wait for every worker's shard; a worker's load error is raised here as its own."""
         if self._watch is not None:
-            for rank, (status, message) in enumerate(_gather_status(("loaded", ""))):
+            try:
+                statuses = _gather_status(("loaded", ""))
+            except (RuntimeError, OSError) as exc:  # a rank died while loading
+                try:
+                    self.check_after_failure()  # names it, when the watch sees which
+                finally:
+                    self.shutdown()
+                raise TensorParallelError(
+                    f"a tensor-parallel rank was lost while loading: {exc}"
+                ) from exc
+            for rank, (status, message) in enumerate(statuses):
                 if status != "loaded":
                     self.shutdown()
                     raise TensorParallelError(f"tensor-parallel rank {rank}: {message}")
@@ -405,7 +415,8 @@ def _worker_main(rank: int, config: EngineConfig, init_method: str, pipe: Connec
 def run_launched_worker(config: EngineConfig, world: LaunchedWorld) -> NoReturn:
     """Rank ``world.rank`` (not 0) of a world a launcher started: join it, load this rank's
     slice, run what rank 0 broadcasts until it says stop, then end the process (``SystemExit``
-    0; 1 after a lost peer, named on one line of stderr)."""
+    0; 1 after a lost peer, named on one line of stderr). A load error is told to rank 0 (which
+    raises it as this rank's) and raised here too."""
     torch.set_num_threads(threads_per_rank(config, world.local_size))
     device = rank_device(config, world.local_rank)
     if device.type == "cuda":

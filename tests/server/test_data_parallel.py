@@ -271,6 +271,21 @@ def test_a_replica_that_cannot_load_is_a_named_error(tmp_path: Path) -> None:
         DataParallelEngine(EngineConfig(model=str(tmp_path)), 2)
 
 
+def test_errors_cross_the_pipe_as_the_front_own_classes() -> None:
+    """A replica's refusal is rebuilt by name: a ValueError (a schema a backend rejects, a
+    library check) is the request's fault, a 400 as on one engine, never a 500."""
+    from specbatch.engine.async_engine import EngineDeadError, RequestFailedError
+    from specbatch.engine.data_parallel import _error, _report
+    from specbatch.errors import InvalidRequestError
+
+    refused = _error(*_report(InvalidRequestError("bad top_k", "top_k")))
+    assert isinstance(refused, InvalidRequestError)
+    assert refused.param == "top_k"
+    assert isinstance(_error(*_report(ValueError("schema is not valid"))), InvalidRequestError)
+    assert isinstance(_error(*_report(EngineDeadError("gone"))), EngineDeadError)
+    assert isinstance(_error(*_report(RuntimeError("step"))), RequestFailedError)
+
+
 def test_asyncio_api_without_a_server(tiny_model_dir: Path) -> None:
     """The library entry point: generate through the engine directly; bad input is the
     engine's own InvalidRequestError."""
@@ -292,6 +307,18 @@ def test_asyncio_api_without_a_server(tiny_model_dir: Path) -> None:
         with pytest.raises(InvalidRequestError, match="token id") as refused:
             await engine.add_request([10**9], SamplingParams(max_tokens=2))
         assert refused.value.param == "prompt"
+        # streams closed early (one after an output, one at once): the replicas end them
+        # and the front counts nothing in flight or waiting
+        long = SamplingParams(max_tokens=200, ignore_eos=True)
+        stream = await engine.add_request(PROMPTS[3], long)
+        await stream.__anext__()
+        stream.close()
+        (await engine.add_request(PROMPTS[4], long)).close()
+        deadline = time.monotonic() + 20
+        while any(r.in_flight for r in engine.replicas):
+            assert time.monotonic() < deadline, [r.in_flight for r in engine.replicas]
+            await asyncio.sleep(0.05)
+        assert engine.num_waiting() == 0
         await engine.shutdown(1.0)
         return texts
 
