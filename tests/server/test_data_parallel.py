@@ -193,6 +193,57 @@ def test_a_killed_replica_ends_its_streams_with_an_error_and_comes_back(
     ]
 
 
+def test_streams_dropped_at_random_leave_nothing_in_flight(
+    served: DataParallelServer, tiny_model_dir: Path
+) -> None:
+    """100 concurrent streams over HTTP, a third dropped mid-stream: the finished ones are one
+    engine's text, and once all are done no replica holds a request nor counts one waiting."""
+    import random
+
+    rng = random.Random(3)
+    prompts = [f"stream {i} {'y' * rng.randrange(9)}" for i in range(100)]
+    drop_after = {i: rng.randrange(1, 10) for i in range(100) if rng.random() < 0.33}
+
+    async def one(client: httpx.AsyncClient, i: int) -> str | None:
+        body = {"model": "tiny", "prompt": prompts[i], "max_tokens": 16, "temperature": 0}
+        body.update(stream=True, ignore_eos=True)
+        text, chunks = "", 0
+        async with client.stream("POST", f"{served.url}/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                text += json.loads(line[6:])["choices"][0]["text"]
+                chunks += 1
+                if chunks == drop_after.get(i):
+                    return None  # disconnect mid-stream
+        return text
+
+    async def run_all() -> list[str | None]:
+        limits = httpx.Limits(max_connections=100)
+        async with httpx.AsyncClient(timeout=120, limits=limits) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(100)))
+
+    texts = asyncio.run(run_all())
+    kept = [i for i in range(100) if i not in drop_after]
+    engine = tiny_engine(tiny_model_dir, num_threads=1)
+    from specbatch import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    for i in kept:
+        engine.add_request(str(i), prompts[i], params)
+    solo = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                solo[int(out.request_id)] = out.outputs[0].text
+    assert [texts[i] for i in kept] == [solo[i] for i in kept]
+    deadline = time.monotonic() + 20
+    while any(r.in_flight for r in served.engine.replicas) or served.engine.num_waiting():
+        assert time.monotonic() < deadline, [len(r.in_flight) for r in served.engine.replicas]
+        time.sleep(0.05)
+
+
 class _Fake(Replica):
     def __init__(self, index: int, in_flight: int, held: list[int]) -> None:
         self.index, self.up = index, True
