@@ -28,7 +28,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from pydantic import ValidationError
 from tqdm.auto import tqdm
@@ -155,6 +155,52 @@ def _custom_id(line: dict[str, Any]) -> str:
             "custom_id is not valid unicode (a lone surrogate)", None, code="invalid_custom_id"
         ) from None
     return custom_id
+
+
+class InputLine(NamedTuple):
+    """A non-blank input line: a request (``line`` parsed, ``reject`` None), or not one
+    (``reject`` says why; ``custom_id`` when it had a valid one)."""
+
+    number: int  # from 1, blank lines counted
+    raw: bytes
+    line: dict[str, Any] | None
+    custom_id: str | None
+    reject: _LineError | None
+
+
+def read_lines(path: Path) -> Iterator[InputLine]:
+    """The input's non-blank lines, each parsed and its ``custom_id`` checked (a repeat of an
+    earlier line's is not a request)."""
+    seen: set[str] = set()
+    with path.open("rb") as f:
+        for number, raw in enumerate(f, 1):
+            if not raw.strip():
+                continue
+            custom_id: str | None = None
+            try:
+                line = _parse_line(raw)
+                custom_id = _custom_id(line)
+                if custom_id in seen:
+                    raise _LineError(
+                        f"custom_id {custom_id!r} repeats an earlier line's",
+                        None,
+                        code="duplicate_custom_id",
+                    )
+            except _LineError as reject:
+                yield InputLine(number, raw, None, custom_id, reject)
+                continue
+            seen.add(custom_id)
+            yield InputLine(number, raw, line, custom_id, None)
+
+
+def error_record(custom_id: str | None, number: int, reject: _LineError) -> dict[str, Any]:
+    """The result line of an input line that is not a request."""
+    return {
+        "id": f"batch_req_{uuid.uuid4().hex}",
+        "custom_id": custom_id,
+        "response": None,
+        "error": {"code": reject.code, "message": reject.message, "line": number},
+    }
 
 
 def _read_done(path: Path) -> tuple[set[str], set[int], int]:
@@ -300,39 +346,23 @@ class BatchJob:
     ) -> Iterator[None]:
         """Reads the input, answering bad lines at once and putting the others in the engine;
         yields after each line that added sequences (the caller decides when to read on)."""
-        seen: set[str] = set()  # custom ids of earlier lines, every shard's
-        with path.open("rb") as f:
-            for number, raw in enumerate(f, 1):
-                if not raw.strip():
-                    continue
-                mine = self.shard.owns(number)
-                custom_id: str | None = None
-                try:
-                    line = _parse_line(raw)
-                    custom_id = _custom_id(line)
-                    if custom_id in seen:
-                        raise _LineError(
-                            f"custom_id {custom_id!r} repeats an earlier line's",
-                            None,
-                            code="duplicate_custom_id",
-                        )
-                    seen.add(custom_id)
-                except _LineError as reject:
-                    if mine:
-                        summary.lines += 1
-                        if number in done_lines:
-                            summary.skipped += 1
-                        else:
-                            self._write_error_line(custom_id, number, reject, summary)
-                    continue
-                if not mine:
-                    continue
-                summary.lines += 1
-                if custom_id in done_ids:
+        for item in read_lines(path):  # every shard reads every line: repeats are global
+            if not self.shard.owns(item.number):
+                continue
+            summary.lines += 1
+            if item.reject is not None:
+                if item.number in done_lines:
                     summary.skipped += 1
-                    continue
-                if self._submit_or_answer(custom_id, number, line, summary):
-                    yield None
+                else:
+                    self._write_error_line(item.custom_id, item.number, item.reject, summary)
+                continue
+            assert item.line is not None
+            assert item.custom_id is not None
+            if item.custom_id in done_ids:
+                summary.skipped += 1
+                continue
+            if self._submit_or_answer(item.custom_id, item.number, item.line, summary):
+                yield None
 
     def _numbered_requests(
         self, lines: list[tuple[int, bytes]], summary: BatchSummary
@@ -507,14 +537,7 @@ class BatchJob:
         self, custom_id: str | None, number: int, reject: _LineError, summary: BatchSummary
     ) -> None:
         summary.failed += 1
-        self._write(
-            {
-                "id": f"batch_req_{uuid.uuid4().hex}",
-                "custom_id": custom_id,
-                "response": None,
-                "error": {"code": reject.code, "message": reject.message, "line": number},
-            }
-        )
+        self._write(error_record(custom_id, number, reject))
 
     def _write(self, record: dict[str, Any]) -> None:
         if self._sink is not None:

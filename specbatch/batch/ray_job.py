@@ -34,10 +34,9 @@ from tqdm.auto import tqdm
 from specbatch.batch.job import (
     BatchJob,
     BatchSummary,
-    _custom_id,
-    _LineError,
-    _parse_line,
     _read_done,
+    error_record,
+    read_lines,
     write_record,
 )
 from specbatch.config import EngineConfig
@@ -176,46 +175,18 @@ def _rows(
     path: Path, done_ids: set[str], done_lines: set[int], summary: BatchSummary, fd: int
 ) -> Iterator[dict[str, Any]]:
     """The lines for the replicas; the lines that are not requests answered here."""
-    seen: set[str] = set()
-    with path.open("rb") as f:
-        for number, raw in enumerate(f, 1):
-            if not raw.strip():
-                continue
-            summary.lines += 1
-            custom_id: str | None = None
-            try:
-                line = _parse_line(raw)
-                custom_id = _custom_id(line)
-                if custom_id in seen:
-                    raise _LineError(
-                        f"custom_id {custom_id!r} repeats an earlier line's",
-                        None,
-                        code="duplicate_custom_id",
-                    )
-                seen.add(custom_id)
-            except _LineError as reject:
-                if number in done_lines:
-                    summary.skipped += 1
-                else:
-                    summary.failed += 1
-                    write_record(
-                        fd,
-                        {
-                            "id": f"batch_req_{uuid.uuid4().hex}",
-                            "custom_id": custom_id,
-                            "response": None,
-                            "error": {
-                                "code": reject.code,
-                                "message": reject.message,
-                                "line": number,
-                            },
-                        },
-                    )
-                continue
-            if custom_id in done_ids:
+    for item in read_lines(path):
+        summary.lines += 1
+        if item.reject is not None:
+            if item.number in done_lines:
                 summary.skipped += 1
-                continue
-            yield {"number": number, "line": raw.decode("utf-8").rstrip("\n")}
+            else:
+                summary.failed += 1
+                write_record(fd, error_record(item.custom_id, item.number, item.reject))
+        elif item.custom_id in done_ids:
+            summary.skipped += 1
+        else:
+            yield {"number": item.number, "line": item.raw.decode("utf-8").rstrip("\n")}
 
 
 def map_requests(

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from specbatch.config import EngineConfig
+from specbatch.engine.intake import RequestIntake
 from specbatch.engine.llm_engine import LLMEngine
 from specbatch.engine.stats import EngineStats
 from specbatch.errors import InvalidRequestError, SpecbatchError
@@ -78,6 +79,18 @@ class _Stream:
     def put(self, item: RequestOutput | BaseException) -> None:
         with contextlib.suppress(RuntimeError):  # the caller's loop closed: nobody listens
             self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+async def prompt_ids(
+    intake: RequestIntake, prompt: str | Sequence[int] | None, token_ids: Sequence[int] | None
+) -> tuple[str | None, Sequence[int] | None]:
+    """The prompt as (text, token ids): a list given as ``prompt`` is token ids, and text is
+    tokenized in a worker thread (off the event loop)."""
+    if prompt is not None and not isinstance(prompt, str):
+        return None, prompt
+    if token_ids is None and isinstance(prompt, str):
+        token_ids = await asyncio.to_thread(intake.tokenize, prompt)
+    return prompt, token_ids
 
 
 class _StreamOwner(Protocol):
@@ -219,10 +232,7 @@ class AsyncEngine:
     ) -> RequestStream:
         request_id = request_id or f"req-{next(self._ids)}"
         params = params or SamplingParams()
-        if prompt is not None and not isinstance(prompt, str):
-            prompt_token_ids, prompt = prompt, None
-        if prompt_token_ids is None and isinstance(prompt, str):
-            prompt_token_ids = await asyncio.to_thread(self.engine.intake.tokenize, prompt)
+        prompt, prompt_token_ids = await prompt_ids(self.engine.intake, prompt, prompt_token_ids)
         if params.structured_outputs is not None:
             await self._compile(params.structured_outputs)
         stream = _Stream(asyncio.get_running_loop())

@@ -50,6 +50,7 @@ from specbatch.engine.async_engine import (
     RequestStream,
     _Abort,
     _Stream,
+    prompt_ids,
 )
 from specbatch.engine.intake import RequestIntake
 from specbatch.engine.stats import EngineStats
@@ -237,6 +238,11 @@ class Replica:
         self.stats = EngineStats()
         self.start()
 
+    @property
+    def waiting(self) -> int:
+        """Its requests not running yet (as of its last stats report)."""
+        return max(0, len(self.in_flight) - self.stats.num_running)
+
     # ------------------------------------------------------------------ routing
 
     def held_prefix(self, hashes: list[int]) -> int:
@@ -353,15 +359,12 @@ class DataParallelEngine:
         those being added."""
         with self._lock:
             adding = self._adding
-        return adding + sum(
-            max(0, len(r.in_flight) - r.stats.num_running) for r in self.replicas if r.up
-        )
+        return adding + sum(r.waiting for r in self.replicas if r.up)
 
     def stats_by_replica(self) -> list[tuple[str | None, EngineStats, int]]:
         """Each replica's stats and waiting count, then their sum (``replica="all"``)."""
         rows: list[tuple[str | None, EngineStats, int]] = [
-            (str(r.index), r.stats, max(0, len(r.in_flight) - r.stats.num_running))
-            for r in self.replicas
+            (str(r.index), r.stats, r.waiting) for r in self.replicas
         ]
         total = EngineStats.combined([s for _, s, _ in rows])
         return [*rows, ("all", total, sum(w for _, _, w in rows))]
@@ -398,13 +401,10 @@ class DataParallelEngine:
     ) -> RequestStream:
         request_id = request_id or f"req-{next(self._ids)}"
         params = params or SamplingParams()
-        if prompt is not None and not isinstance(prompt, str):
-            prompt_token_ids, prompt = prompt, None
-        if prompt_token_ids is None and isinstance(prompt, str):
-            prompt_token_ids = await asyncio.to_thread(self.intake.tokenize, prompt)
-        if prompt_token_ids is None:
+        _, token_ids = await prompt_ids(self.intake, prompt, prompt_token_ids)
+        if token_ids is None:
             raise InvalidRequestError("a prompt (text or token ids) is required", "prompt")
-        ids = list(prompt_token_ids)
+        ids = list(token_ids)
         stream = _Stream(asyncio.get_running_loop())
         done: Future[None] = Future()
         with self._lock:
