@@ -252,7 +252,8 @@ def linear_floor(engine: LLMEngine, repeats: int = 20) -> float:
     """Tokens per second if a batch-1 decode step cost only its linear layers (every layer's
     projections and the LM head on one row, as the engine holds them), timed here."""
     model = engine.model
-    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    # the LM head (a Linear, tied or not) through compute_logits
+    linears = [m for m in model.modules() if isinstance(m, Linear) and m is not model.lm_head]
     hidden = torch.randn(1, model.config.hidden_size, dtype=model.dtype)
     inputs = {id(m): torch.randn(1, m.in_features, dtype=model.dtype) for m in linears}
 

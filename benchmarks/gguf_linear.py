@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import median_seconds, print_conditions, write_json
 from specbatch.kernels.gguf_linear import BLOCK_BYTES, QuantizedWeight, quantized_linear
-from specbatch.kernels.linear import cpu_packing_supported, pack_weight, packed_linear
+from specbatch.kernels.onednn import cpu_packing_supported, pack_weight, packed_linear
 
 SHAPES = [  # (kind, in_features, out_features, what)
     ("q4_1", 576, 576, "q/o proj"),

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import median_seconds, print_conditions
 from specbatch.kernels import sgemm
-from specbatch.kernels.linear import cpu_packing_supported, pack_weight, packed_linear
+from specbatch.kernels.onednn import cpu_packing_supported, pack_weight, packed_linear
 from specbatch.kernels.sgemm import SgemmWeight, sgemm_linear
 
 SHAPES = [(960, 576), (3072, 576), (576, 576), (576, 1536)]  # (out, in)

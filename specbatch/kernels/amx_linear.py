@@ -1,6 +1,6 @@
 """bfloat16 linears on AMX tiles (``amx_linear.c``), where the CPU has them and Linux grants them.
 
-The bfloat16 mode's layers run as one C call (``models/fused_layers.py``) only if C can call
+The bfloat16 mode's layers run as one C call (``kernels/fused_layers.py``) only if C can call
 its products, and a row's bits must not depend on its batch: torch exports neither oneDNN's C
 API nor a row-invariant bfloat16 GEMM (MKL's ``cblas_gemm_bf16bf16f32`` is not). This kernel
 is both: TDPBF16PS over tiles, every output summed over K in the same order at any row count,
@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from specbatch.kernels.cbuild import NATIVE_FLAGS, NativeLibrary
+from specbatch.kernels.weight_forms import FusedPart, add_bias
 
 SOURCE = Path(__file__).with_name("amx_linear.c")
 TILE_K = 32  # bfloat16 values of K per tile: in_features must be a multiple
@@ -57,6 +58,16 @@ class TileWeight:
     out_features: int
     in_features: int
 
+    @staticmethod
+    def fits(weight: torch.Tensor) -> bool:
+        """Whether ``weight`` can be held as AMX tiles here."""
+        return (
+            weight.dtype == torch.bfloat16
+            and weight.dim() == 2
+            and weight.shape[1] % TILE_K == 0
+            and available()
+        )
+
     @classmethod
     def from_dense(cls, weight: torch.Tensor) -> TileWeight:
         n, k = weight.shape if weight.dim() == 2 else (0, 0)
@@ -82,15 +93,14 @@ class TileWeight:
     def nbytes(self) -> int:
         return self.data.numel() * self.data.element_size()
 
+    def multiply(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return add_bias(amx_linear(x, self), bias)
 
-def fits(weight: torch.Tensor) -> bool:
-    """Whether ``weight`` can be held as AMX tiles here."""
-    return (
-        weight.dtype == torch.bfloat16
-        and weight.dim() == 2
-        and weight.shape[1] % TILE_K == 0
-        and available()
-    )
+    def fused_part(self) -> FusedPart | None:
+        """``amx_linear_bf16`` (bfloat16 rows in and out), the function :func:`amx_linear`
+        calls."""
+        linear = linear_address()
+        return FusedPart(linear, 0, self.data.data_ptr(), torch.bfloat16) if linear else None
 
 
 def amx_linear(x: torch.Tensor, weight: TileWeight) -> torch.Tensor:

@@ -162,10 +162,18 @@ int sgemm_linear(int kind, const float *x, int64_t rows, int64_t k, const void *
     return 0;
 }
 
+/* One linear's weight form as the layer multiplies it: its kernel (a bf16_linear_fn, below,
+ * in a bfloat16 layer), the kind code that kernel takes, and the form's bytes. */
 typedef struct {
-    int kind;         /* gguf_linear's kind (sgemm_linear ignores it) */
-    const void *data; /* its repacked blocks, or MKL's packed matrix */
+    linear_fn fn;
+    int kind;         /* e.g. gguf_linear's block kind (sgemm_linear ignores it) */
+    const void *data; /* repacked blocks, MKL's packed matrix, AMX tiles */
 } QuantLinear;
+
+static inline int run_linear(const QuantLinear *linear, const float *x, int64_t rows, int64_t k,
+                             int64_t n, float *out, int threads) {
+    return linear->fn(linear->kind, x, rows, k, linear->data, n, out, threads);
+}
 
 /* What a layer holds (built once per layer and cache binding). */
 typedef struct {
@@ -187,7 +195,6 @@ typedef struct {
     const uint8_t *tree;
     int64_t tree_stride, num_seqs, chunk;
     int threads;
-    linear_fn linear;
     attention_fn attention;
     write_fn write;
 } LayerStep;
@@ -213,7 +220,7 @@ int decoder_layer(const Layer *L, const LayerStep *S, float *x) {
     float *o = memory + offsets[3], *gate_up = memory + offsets[4], *act = memory + offsets[5];
     int status = 0;
     rms_norm(x, T, H, H, L->norm1, L->eps, h, 0, S->threads);
-    status |= S->linear(L->qkv.kind, h, T, H, L->qkv.data, qkv_n, qkv, S->threads);
+    status |= run_linear(&L->qkv, h, T, H, qkv_n, qkv, S->threads);
     if (L->qkv_bias != NULL)
         for (int64_t t = 0; t < T; t++)
             for (int64_t i = 0; i < qkv_n; i++) qkv[t * qkv_n + i] += L->qkv_bias[i];
@@ -224,12 +231,12 @@ int decoder_layer(const Layer *L, const LayerStep *S, float *x) {
                            S->q_start, S->q_len, S->seq_len, S->block_tables, S->bt_stride,
                            S->tree, S->tree_stride, S->num_seqs, L->heads, L->kv_heads, hd,
                            L->block_size, S->chunk, L->scale, S->threads);
-    status |= S->linear(L->o.kind, attn, T, q_size, L->o.data, H, o, S->threads);
+    status |= run_linear(&L->o, attn, T, q_size, H, o, S->threads);
     for (int64_t i = 0; i < T * H; i++) x[i] += o[i];
     rms_norm(x, T, H, H, L->norm2, L->eps, h, 0, S->threads);
-    status |= S->linear(L->gate_up.kind, h, T, H, L->gate_up.data, 2 * inter, gate_up, S->threads);
+    status |= run_linear(&L->gate_up, h, T, H, 2 * inter, gate_up, S->threads);
     silu_mul(gate_up, T, inter, act, 0, S->threads);
-    status |= S->linear(L->down.kind, act, T, inter, L->down.data, H, o, S->threads);
+    status |= run_linear(&L->down, act, T, inter, H, o, S->threads);
     for (int64_t i = 0; i < T * H; i++) x[i] += o[i];
     free(memory);
     return status != 0 ? -1 : 0;
@@ -237,10 +244,16 @@ int decoder_layer(const Layer *L, const LayerStep *S, float *x) {
 
 /* ---------------- a whole bfloat16 decoder layer in one call (AMX linears) ---------------- */
 
-/* amx_linear.c's amx_linear_bf16 (by address, as LayerStep.linear): bfloat16 rows times AMX
+/* amx_linear.c's amx_linear_bf16 (by address, as a QuantLinear's fn): bfloat16 rows times AMX
  * tiles, each output rounded to bfloat16. */
 typedef int (*bf16_linear_fn)(const uint16_t *x, int64_t rows, int64_t k, const void *tiles,
                               int64_t n, uint16_t *out, int threads);
+
+/* A bfloat16 layer's linear: its QuantLinear's kernel is a bf16_linear_fn. */
+static inline int bf16_linear(const QuantLinear *linear, const uint16_t *x, int64_t rows,
+                              int64_t k, int64_t n, uint16_t *out, int threads) {
+    return ((bf16_linear_fn)(void *)linear->fn)(x, rows, k, linear->data, n, out, threads);
+}
 
 /* a + b rounded to bfloat16, as torch adds two bfloat16 tensors */
 static inline uint16_t add_bf16(uint16_t a, uint16_t b) {
@@ -248,14 +261,14 @@ static inline uint16_t add_bf16(uint16_t a, uint16_t b) {
 }
 
 /* decoder_layer for a bfloat16 model (Layer's pointers are to bfloat16 weights, bias, caches;
- * LayerStep's cos/sin bfloat16), rounding to bfloat16 wherever its per-op path does: each
- * product's output, the bias and residual adds, the norms' and SiLU-gate's outputs, the
- * attention output (the queries widened to float32 for the kernel, as the backend does). */
+ * LayerStep's cos/sin bfloat16, each QuantLinear's kernel a bf16_linear_fn), rounding to
+ * bfloat16 wherever its per-op path does: each product's output, the bias and residual adds,
+ * the norms' and SiLU-gate's outputs, the attention output (the queries widened to float32 for
+ * the kernel, as the backend does). */
 int decoder_layer_bf16(const Layer *L, const LayerStep *S, uint16_t *x) {
     const int64_t T = S->tokens, H = L->hidden, hd = L->head_dim;
     const int64_t q_size = L->heads * hd, kv = L->kv_heads * hd, qkv_n = q_size + 2 * kv;
     const int64_t inter = L->intermediate;
-    const bf16_linear_fn linear = (bf16_linear_fn)(void *)S->linear;
     /* bfloat16: h, qkv, attention out, o, gate/up, act; float32: queries, attention out */
     const int64_t halves[6] = {H, qkv_n, q_size, H, 2 * inter, inter};
     size_t offsets[8], bytes = 0;
@@ -273,7 +286,7 @@ int decoder_layer_bf16(const Layer *L, const LayerStep *S, uint16_t *x) {
     float *q32 = (float *)(memory + offsets[6]), *attn32 = (float *)(memory + offsets[7]);
     int status = 0;
     rms_norm(x, T, H, H, L->norm1, L->eps, h, 1, S->threads);
-    status |= linear(h, T, H, L->qkv.data, qkv_n, qkv, S->threads);
+    status |= bf16_linear(&L->qkv, h, T, H, qkv_n, qkv, S->threads);
     if (L->qkv_bias != NULL) {
         const uint16_t *bias = (const uint16_t *)(const void *)L->qkv_bias;
         for (int64_t t = 0; t < T; t++)
@@ -290,12 +303,12 @@ int decoder_layer_bf16(const Layer *L, const LayerStep *S, uint16_t *x) {
                            S->tree, S->tree_stride, S->num_seqs, L->heads, L->kv_heads, hd,
                            L->block_size, S->chunk, L->scale, S->threads);
     for (int64_t i = 0; i < T * q_size; i++) attn[i] = to_bf16(attn32[i]);
-    status |= linear(attn, T, q_size, L->o.data, H, o, S->threads);
+    status |= bf16_linear(&L->o, attn, T, q_size, H, o, S->threads);
     for (int64_t i = 0; i < T * H; i++) x[i] = add_bf16(x[i], o[i]);
     rms_norm(x, T, H, H, L->norm2, L->eps, h, 1, S->threads);
-    status |= linear(h, T, H, L->gate_up.data, 2 * inter, gate_up, S->threads);
+    status |= bf16_linear(&L->gate_up, h, T, H, 2 * inter, gate_up, S->threads);
     silu_mul(gate_up, T, inter, act, 1, S->threads);
-    status |= linear(act, T, inter, L->down.data, H, o, S->threads);
+    status |= bf16_linear(&L->down, act, T, inter, H, o, S->threads);
     for (int64_t i = 0; i < T * H; i++) x[i] = add_bf16(x[i], o[i]);
     free(memory);
     return status != 0 ? -1 : 0;

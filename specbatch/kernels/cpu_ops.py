@@ -1,11 +1,11 @@
 """Per-layer CPU operations in C (``cpu_ops.c``) for float32 and bfloat16 rows: RMSNorm, rotary,
-SiLU-gate, and a whole decoder layer in one call when its linears are GGUF blocks.
+SiLU-gate, and a whole decoder layer in one call when every linear's form has a C kernel.
 
 At decode sizes torch spends more on dispatching a layer's small ops than on their work; one
 ctypes call does each, and ``decoder_layer`` runs a whole layer (norms, quantized linears,
-rotary, K/V write, attention, residuals) without returning to Python (``models/fused_layers.py``
-has what that saves). The layer calls the very kernels the per-op path calls (by address:
-``gguf_linear``, ``paged_attention``, ``write_kv``) and this file's own RMSNorm, rotary and
+rotary, K/V write, attention, residuals) without returning to Python (``kernels/fused_layers.py``
+has what that saves). The layer calls the very kernels the per-op path calls (by address: each
+weight form's, ``paged_attention``, ``write_kv``) and this file's own RMSNorm, rotary and
 SiLU-gate, which the per-op path also uses on CPU rows, so the two give the same bits (tested).
 Where no compiler works, callers keep torch's implementations (these functions return
 None/False).
@@ -147,7 +147,9 @@ def silu_mul(gate_up: torch.Tensor, width: int) -> torch.Tensor | None:
 
 
 class QuantLinearSpec(ctypes.Structure):
-    _fields_ = [("kind", ctypes.c_int), ("data", ctypes.c_void_p)]
+    """``QuantLinear`` of ``cpu_ops.c``: a weight form's kernel, its kind code, its bytes."""
+
+    _fields_ = [("fn", ctypes.c_void_p), ("kind", ctypes.c_int), ("data", ctypes.c_void_p)]
 
 
 class LayerSpec(ctypes.Structure):
@@ -192,7 +194,6 @@ class LayerStepSpec(ctypes.Structure):
         ("num_seqs", ctypes.c_int64),
         ("chunk", ctypes.c_int64),
         ("threads", ctypes.c_int),
-        ("linear", ctypes.c_void_p),
         ("attention", ctypes.c_void_p),
         ("write", ctypes.c_void_p),
     ]

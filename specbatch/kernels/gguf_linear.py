@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from specbatch.kernels.cbuild import NATIVE_FLAGS, NativeLibrary
+from specbatch.kernels.weight_forms import FusedPart, add_bias
 
 SOURCE = Path(__file__).with_name("gguf_linear.c")
 FLAGS = (*NATIVE_FLAGS, "-ffp-contract=off")
@@ -92,6 +93,12 @@ class QuantizedWeight:
         data = torch.from_numpy(np.ascontiguousarray(panels).reshape(panels.shape[0], -1))
         return cls(kind, in_features, n, data)
 
+    @staticmethod
+    def fits(weight: torch.Tensor) -> bool:
+        """Whether ``weight`` can be quantized to Q8_0 (:meth:`from_dense`): a 2-D matrix
+        whose rows are whole blocks of 32."""
+        return weight.dim() == 2 and weight.shape[1] > 0 and weight.shape[1] % BLOCK == 0
+
     @classmethod
     def from_dense(cls, weight: torch.Tensor) -> QuantizedWeight:
         """``weight`` [N, K] (K a multiple of 32) quantized to Q8_0 as ggml does
@@ -103,6 +110,17 @@ class QuantizedWeight:
     def nbytes(self) -> int:
         """Resident bytes."""
         return self.data.numel()
+
+    def multiply(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return add_bias(quantized_linear(x, self), bias)
+
+    def fused_part(self) -> FusedPart | None:
+        """``gguf_linear``, the function :func:`quantized_linear` calls."""
+        library = load_library()
+        if library is None:
+            return None
+        linear = ctypes.cast(library.gguf_linear, ctypes.c_void_p).value or 0
+        return FusedPart(linear, _KERNEL_KIND[self.kind], self.data.data_ptr(), torch.float32)
 
     def dequantize(self) -> torch.Tensor:
         """The float32 [N, K] weight, equal bit for bit to gguf's dequantisation."""
@@ -267,8 +285,3 @@ def run_kernel(library: ctypes.CDLL, x: torch.Tensor, weight: QuantizedWeight) -
     if status != 0:
         raise MemoryError("the GGUF linear kernel could not allocate its scratch memory")
     return out
-
-
-def kernel_kind(weight: QuantizedWeight) -> int:
-    """``gguf_linear``'s code for the weight's kind (for callers of the C function)."""
-    return _KERNEL_KIND[weight.kind]

@@ -3,7 +3,7 @@
 A float32 weight is packed once (``cblas_sgemm_pack``, MKL's own layout of ``W^T``) and every
 product is one ``cblas_sgemm_compute`` call, reached through ctypes from Python (the per-op
 path) or by address from C (``cpu_ops.sgemm_linear``, the fused layers of
-``models/fused_layers.py``): the same function with the same arguments, so the same bits.
+``kernels/fused_layers.py``): the same function with the same arguments, so the same bits.
 
 Why MKL and not oneDNN's packed linear (``kernels.linear``) for float32: SmolLM2's 120 layer
 products, weights streaming from memory (``python benchmarks/linear_rows.py 1 2 8 64 256`` on
@@ -28,6 +28,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from specbatch.kernels import cpu_ops
+from specbatch.kernels.weight_forms import FusedPart, add_bias
 
 logger = logging.getLogger("specbatch")
 
@@ -80,11 +83,6 @@ def available() -> bool:
     return _library() is not None
 
 
-def fits(weight: torch.Tensor) -> bool:
-    """Whether ``weight`` is held in MKL's packed layout here (float32, where available)."""
-    return weight.dtype == torch.float32 and available()
-
-
 def _probe(library: ctypes.CDLL) -> bool:
     """Products of 260 rows against float64, and their first rows alone in the counts of
     decoding and verifying (1 .. 17) and a small prefill (64): each row's bits the same at
@@ -120,6 +118,11 @@ class SgemmWeight:
     out_features: int
     in_features: int
 
+    @staticmethod
+    def fits(weight: torch.Tensor) -> bool:
+        """Whether ``weight`` is held in MKL's packed layout here (float32, where available)."""
+        return weight.dtype == torch.float32 and weight.dim() == 2 and available()
+
     @classmethod
     def from_dense(cls, weight: torch.Tensor) -> SgemmWeight:
         library = _library()
@@ -135,6 +138,28 @@ class SgemmWeight:
     @property
     def nbytes(self) -> int:
         return self.data.numel()
+
+    def multiply(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return add_bias(sgemm_linear(x, self), bias)
+
+    def fused_part(self) -> FusedPart | None:
+        """``cpu_ops.sgemm_linear``, which calls ``cblas_sgemm_compute`` with the arguments
+        :func:`sgemm_linear` passes it (so the same bits)."""
+        linear = _fused_linear()
+        if not linear:
+            return None
+        return FusedPart(linear, 0, self.data.data_ptr(), torch.float32)
+
+
+@functools.cache
+def _fused_linear() -> int:
+    """``cpu_ops.sgemm_linear``'s address, its MKL function handed over; 0 where either
+    library is missing."""
+    library, compute = cpu_ops.load_library(), compute_address()
+    if library is None or not compute:
+        return 0
+    library.set_sgemm_compute(compute)
+    return ctypes.cast(library.sgemm_linear, ctypes.c_void_p).value or 0
 
 
 def _pack(library: ctypes.CDLL, weight: torch.Tensor) -> torch.Tensor:

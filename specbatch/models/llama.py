@@ -17,20 +17,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from specbatch.errors import ModelLoadError
-from specbatch.kernels import cpu_ops, sgemm
-from specbatch.kernels.amx_linear import TileWeight
+from specbatch.kernels import cpu_ops
 from specbatch.kernels.attention import AttentionBackend, LayerKVCache
-from specbatch.kernels.gguf_linear import QuantizedWeight, quantized_linear
-from specbatch.kernels.linear import (
-    Linear,
-    measure_row_padding,
-    pack_weight,
-    packed_linear,
-    packing_supported,
-)
-from specbatch.kernels.sgemm import SgemmWeight, sgemm_linear
+from specbatch.kernels.fused_layers import FusedLayer, FusedLayers
+from specbatch.kernels.gguf_linear import QuantizedWeight
+from specbatch.kernels.linear import Linear, packed_form, packing_supported
+from specbatch.kernels.onednn import OneDnnWeight, measure_row_padding
+from specbatch.kernels.sgemm import SgemmWeight
+from specbatch.kernels.weight_forms import DenseForm, WeightForm
 from specbatch.models.config import ModelConfig
-from specbatch.models.fused_layers import FusedLayers
 from specbatch.models.rotary import RotaryEmbedding, apply_rotary
 
 if TYPE_CHECKING:
@@ -124,16 +119,36 @@ class LlamaDecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, metadata)
         return x + self.mlp(self.post_attention_layernorm(x))
 
+    def fused_layer(self) -> FusedLayer:
+        """This layer as the fused CPU call takes it."""
+        attn, mlp = self.self_attn, self.mlp
+        return FusedLayer(
+            norm1=self.input_layernorm.weight,
+            norm2=self.post_attention_layernorm.weight,
+            eps=self.input_layernorm.eps,
+            scale=attn.backend.scale,
+            qkv=attn.qkv_proj.form,
+            o=attn.o_proj.form,
+            gate_up=mlp.gate_up_proj.form,
+            down=mlp.down_proj.form,
+            qkv_bias=attn.qkv_proj.bias,
+            heads=attn.num_heads,
+            kv_heads=attn.num_kv_heads,
+            head_dim=attn.head_dim,
+            intermediate=mlp.intermediate_size,
+            kv_cache=attn.kv_cache,
+        )
+
 
 class QuantizedEmbedding(nn.Module):
     """A token embedding kept as GGUF blocks: a lookup dequantises only the rows it takes."""
 
-    def __init__(self, weight: QuantizedWeight) -> None:
+    def __init__(self, form: QuantizedWeight) -> None:
         super().__init__()
-        self.quantized = weight
+        self.form = form
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.quantized.rows(input_ids)
+        return self.form.rows(input_ids)
 
 
 class LlamaModel(nn.Module):
@@ -150,6 +165,10 @@ class LlamaModel(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
+
+# A tied head's packed forms: MKL's (float32) or oneDNN's, never AMX tiles (TileWeight was
+# 0.34x of oneDNN on the LM head at 256 rows, kernels/amx_linear.py).
+_TIED_HEAD_FORMS = (SgemmWeight, OneDnnWeight)
 
 # HF checkpoint shard name -> (fused parameter name, shard index among its parts)
 _FUSED_SHARDS = {
@@ -171,13 +190,9 @@ class LlamaForCausalLM(nn.Module):
         self.backend = backend
         self.model = LlamaModel(config, backend)
         self.rotary = RotaryEmbedding(config)
-        self.lm_head: Linear | None = None
-        if not config.tie_word_embeddings:
-            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
-        self._packed_tied_head: torch.Tensor | None = None
-        self._sgemm_tied_head: SgemmWeight | None = None
-        self._row_padding: tuple[int, ...] = ()  # of the packed products (pack_for_cpu)
-        self._quantized_tied_head: QuantizedWeight | None = None
+        # A tied LM head is a Linear sharing the embedding's form (dense: its very parameter).
+        tied = DenseForm(self.model.embed_tokens) if config.tie_word_embeddings else None
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False, form=tied)
         self.fused = FusedLayers(self)
         self._token_maps: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         # Under tensor parallelism (``specbatch.parallel``): the shapes this rank holds (``config``
@@ -240,39 +255,26 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Vocabulary logits for the given hidden-state rows only."""
-        logits = self._local_logits(hidden)
+        logits = self.lm_head(hidden)
         return logits if self.tp is None else self.tp.gather_vocab(logits)
 
-    def _local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.lm_head is not None:
-            return self.lm_head(hidden)
-        if self._quantized_tied_head is not None:
-            return quantized_linear(hidden, self._quantized_tied_head)
-        if self._sgemm_tied_head is not None:
-            return sgemm_linear(hidden, self._sgemm_tied_head)
-        if self._packed_tied_head is not None:
-            vocab = self.local_config.vocab_size
-            return packed_linear(hidden, self._packed_tied_head, None, vocab, self._row_padding)
-        return F.linear(hidden, self.model.embed_tokens.weight)
+    def fused_layers(self) -> list[FusedLayer]:
+        """Every decoder layer as the fused CPU call takes it (``kernels.fused_layers``)."""
+        return [cast(LlamaDecoderLayer, layer).fused_layer() for layer in self.model.layers]
+
+    def weight_forms(self) -> list[WeightForm]:
+        """Every weight form held, in module order, each once (a tied head shares the
+        embedding's)."""
+        forms = {
+            id(m.form): m.form for m in self.modules() if isinstance(m, Linear | QuantizedEmbedding)
+        }
+        return list(forms.values())
 
     def weight_bytes(self) -> int:
-        """Bytes of weights held, plain and packed."""
+        """Bytes of weights held: parameters (dense forms' weights among them) and every other
+        form's own bytes."""
         total = sum(p.numel() * p.element_size() for p in self.parameters())
-        packed = [m.packed for m in self.modules() if isinstance(m, Linear)]
-        packed.append(self._packed_tied_head)
-        quantized: list[QuantizedWeight | None] = [self._quantized_tied_head]  # shared: once
-        held: list[SgemmWeight | TileWeight | None] = [self._sgemm_tied_head]
-        for module in self.modules():
-            if isinstance(module, Linear):
-                held += [module.sgemm, module.tiles]
-            if isinstance(module, Linear | QuantizedEmbedding):
-                quantized.append(module.quantized)
-        return (
-            total
-            + sum(w.nbytes for w in held if w is not None)
-            + sum(t.numel() * t.element_size() for t in packed if t is not None)
-            + sum(q.nbytes for q in {id(q): q for q in quantized if q is not None}.values())
-        )
+        return total + sum(form.nbytes for form in self.weight_forms())
 
     def logits_in_output_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """Logits over the target vocabulary: a reduced-vocabulary draft's rows scattered to their
@@ -298,9 +300,9 @@ class LlamaForCausalLM(nn.Module):
         return self._token_maps[device]
 
     def pack_for_cpu(self) -> bool:
-        """Re-lay every linear weight out for MKL's packed GEMM (float32) or oneDNN (inference
-        only; see ``kernels.linear``); a model whose layers all end up in MKL's layout runs
-        them fused (``fused_layers``).
+        """Re-lay every dense linear weight out in its packed form (inference only; see
+        ``kernels.linear``); a model whose layer forms all have C kernels runs them fused
+        (``kernels.fused_layers``).
 
         Returns False, changing nothing, where packing is unsupported (float16, no oneDNN).
         """
@@ -309,13 +311,9 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack()
-        tied = self.lm_head is None and self._quantized_tied_head is None
-        if tied and self._sgemm_tied_head is None and self._packed_tied_head is None:
-            embedding = self.model.embed_tokens.weight.detach()
-            if sgemm.fits(embedding):
-                self._sgemm_tied_head = SgemmWeight.from_dense(embedding)
-            else:
-                self._packed_tied_head = pack_weight(embedding)
+        head = self.lm_head.form
+        if isinstance(head, DenseForm) and head.owner is self.model.embed_tokens:
+            self.lm_head.use_form(packed_form(head.weight.detach(), _TIED_HEAD_FORMS))
         self._measure_row_padding()
         self.fused.reconsider()
         return True
@@ -331,23 +329,20 @@ class LlamaForCausalLM(nn.Module):
             )
         for module in self.modules():
             if isinstance(module, Linear) and module.weight is not None:
-                module.use_quantized(QuantizedWeight.from_dense(module.weight))
-        if self.lm_head is None and self._quantized_tied_head is None:
-            weight = QuantizedWeight.from_dense(self.model.embed_tokens.weight)
+                module.use_form(QuantizedWeight.from_dense(module.weight))
+        embedding = self.model.embed_tokens
+        if self.config.tie_word_embeddings and isinstance(embedding, nn.Embedding):
+            weight = QuantizedWeight.from_dense(embedding.weight)
             self.model.embed_tokens = QuantizedEmbedding(weight)  # type: ignore[assignment]
-            self._quantized_tied_head, self._packed_tied_head = weight, None
-            self._sgemm_tied_head = None
+            self.lm_head.use_form(weight)
         self.fused.reconsider()
 
     def quantized_digest(self) -> str:
         """sha256 over every block-held weight's bytes, in module order (the tied head once)."""
         digest = hashlib.sha256()
-        seen: set[int] = set()
-        for module in self.modules():
-            weight = getattr(module, "quantized", None)
-            if isinstance(weight, QuantizedWeight) and id(weight) not in seen:
-                seen.add(id(weight))
-                digest.update(weight.data.numpy().tobytes())
+        for form in self.weight_forms():
+            if isinstance(form, QuantizedWeight):
+                digest.update(form.data.numpy().tobytes())
         return digest.hexdigest()
 
     def layer_linears(self) -> list[Linear]:
@@ -356,22 +351,22 @@ class LlamaForCausalLM(nn.Module):
 
     def multiplies_blocks(self) -> bool:
         """Whether every linear of every decoder layer multiplies GGUF blocks."""
-        return all(m.quantized is not None for m in self.layer_linears())
+        return all(isinstance(m.form, QuantizedWeight) for m in self.layer_linears())
 
     def _measure_row_padding(self) -> None:
-        """Give every packed product the row padding measured on this model's own layers."""
-        linears = [m for m in self.modules() if isinstance(m, Linear) and m.packed is not None]
-        if not linears:
+        """Give every oneDNN-packed product the row padding measured on this model's own
+        products."""
+        forms = [f for f in self.weight_forms() if isinstance(f, OneDnnWeight)]
+        if not forms:
             return
-        for module in linears:  # measured as they are, unpadded
-            module.row_padding = ()
+        for form in forms:  # measured as they are, unpadded
+            form.padding = ()
         with torch.no_grad():
             padding = measure_row_padding(
-                [m.forward for m in linears], [m.in_features for m in linears], self.dtype
+                [f.multiply for f in forms], [f.in_features for f in forms], self.dtype
             )
-        for module in linears:
-            module.row_padding = padding
-        self._row_padding = padding
+        for form in forms:
+            form.padding = padding
 
     def use_quantized_weights(self, weights: Iterable[tuple[str, str, np.ndarray]]) -> set[str]:
         """Keep the matrices given as GGUF blocks (``(hf_name, kind, raw rows)``, see
@@ -394,14 +389,11 @@ class LlamaForCausalLM(nn.Module):
             if target == "model.embed_tokens.weight":
                 weight = QuantizedWeight.from_blocks(raw, kinds.pop(), self.config.hidden_size)
                 self.model.embed_tokens = QuantizedEmbedding(weight)  # type: ignore[assignment]
-                if self.lm_head is None:
-                    self._quantized_tied_head = weight
-                    self._packed_tied_head = self._sgemm_tied_head = None
+                if self.config.tie_word_embeddings:
+                    self.lm_head.use_form(weight)
             elif isinstance(modules.get(module_name), Linear):
                 linear = cast(Linear, modules[module_name])
-                linear.use_quantized(
-                    QuantizedWeight.from_blocks(raw, kinds.pop(), linear.in_features)
-                )
+                linear.use_form(QuantizedWeight.from_blocks(raw, kinds.pop(), linear.in_features))
             else:
                 continue
             replaced.update(name for name, _, _ in parts.values())
@@ -419,7 +411,7 @@ class LlamaForCausalLM(nn.Module):
         for name, tensor, origin in weights:
             if name.endswith(IGNORED_SUFFIXES):
                 continue
-            if name == "lm_head.weight" and self.lm_head is None:
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue  # tied checkpoints sometimes store the copy anyway
             target, shard = self._target_of(name)
             if target not in params:

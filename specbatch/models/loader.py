@@ -143,7 +143,7 @@ def _report_quantized(net: LlamaForCausalLM, gguf_file: GGUFFile) -> None:
     """One log line on what ``quantization="gguf"`` kept as blocks, and a warning naming the
     storage types it had to dequantise instead (a Q4_K_M file keeps little)."""
     linears = [m for m in net.modules() if isinstance(m, Linear)]
-    kept = sum(m.quantized is not None for m in linears)
+    kept = sum(not m.dense for m in linears)
     other = sorted(
         {
             t.type_name

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from specbatch.errors import ConfigError, ModelLoadError
-from specbatch.kernels.linear import cpu_packing_supported
+from specbatch.kernels.onednn import cpu_packing_supported
 from specbatch.models import load_model, resolve_model_path
 from specbatch.models.llama import LlamaForCausalLM
 from specbatch.models.loader import parse_dtype

@@ -71,7 +71,7 @@ def test_bad_inputs_are_named() -> None:
         TileWeight.from_dense(torch.ones(4, 33, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="multiple of 32"):
         TileWeight.from_dense(torch.ones(4, 32))
-    assert not amx_linear.fits(torch.ones(4, 33, dtype=torch.bfloat16))
+    assert not TileWeight.fits(torch.ones(4, 33, dtype=torch.bfloat16))
     assert amx_linear.amx_linear(torch.ones(2, 1, 32, dtype=torch.bfloat16), tiles).shape == (
         2,
         1,

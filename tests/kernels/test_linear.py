@@ -8,15 +8,17 @@ import torch
 import torch.nn.functional as F
 
 from specbatch.kernels import amx_linear, sgemm
-from specbatch.kernels.linear import (
+from specbatch.kernels.amx_linear import TileWeight
+from specbatch.kernels.linear import Linear
+from specbatch.kernels.onednn import (
     PADDED_ROWS,
-    Linear,
+    OneDnnWeight,
     cpu_packing_supported,
     measure_row_padding,
-    pack_weight,
     packed_linear,
     padding_table,
 )
+from specbatch.kernels.sgemm import SgemmWeight
 
 LAYOUTS = [
     (torch.float32, "onednn"),
@@ -33,13 +35,12 @@ def _pack(layer: Linear, layout: str) -> None:
         if not (sgemm.available() if layout == "sgemm" else amx_linear.available()):
             pytest.skip(f"no {layout} layout on this machine")
         layer.pack()
-        assert getattr(layer, layout) is not None
+        assert isinstance(layer.form, SgemmWeight if layout == "sgemm" else TileWeight)
         return
     assert layer.weight is not None
     if not cpu_packing_supported(layer.weight.dtype):
         pytest.skip(f"oneDNN cannot pack {layer.weight.dtype} here")
-    layer.packed = pack_weight(layer.weight.detach())
-    layer.weight = None
+    layer.use_form(OneDnnWeight.from_dense(layer.weight.detach()))
 
 
 @pytest.mark.parametrize(("dtype", "layout"), LAYOUTS)
@@ -132,7 +133,7 @@ def test_padded_products_equal_unpadded_ones_bit_for_bit(dtype: torch.dtype) -> 
         for forced in range(2, PADDED_ROWS + 1):  # every count a table could hold
             padding = (0, *[max(m, forced) for m in range(1, PADDED_ROWS + 1)])
             for m in range(1, PADDED_ROWS + 1):
-                assert layer.packed is not None
-                plain = packed_linear(x[:m], layer.packed, None, 200)
-                padded = packed_linear(x[:m], layer.packed, None, 200, padding)
+                assert isinstance(layer.form, OneDnnWeight)
+                plain = packed_linear(x[:m], layer.form.packed, None, 200)
+                padded = packed_linear(x[:m], layer.form.packed, None, 200, padding)
                 assert torch.equal(plain, padded)

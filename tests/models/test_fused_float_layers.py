@@ -1,4 +1,4 @@
-"""Float models run every decoder layer as one C call (``models/fused_layers.py``) where their
+"""Float models run every decoder layer as one C call (``kernels/fused_layers.py``) where their
 linears allow: float32 in MKL's packed layout, bfloat16 as AMX tiles. The same bits as the
 per-op path, and the plain product's values within rounding."""
 
@@ -10,7 +10,10 @@ import pytest
 import torch
 
 from specbatch.kernels import amx_linear, sgemm
+from specbatch.kernels.amx_linear import TileWeight
 from specbatch.kernels.linear import Linear
+from specbatch.kernels.onednn import OneDnnWeight
+from specbatch.kernels.sgemm import SgemmWeight
 from specbatch.models import LlamaForCausalLM, load_model
 from tests.helpers import (
     PagedHarness,
@@ -39,7 +42,7 @@ def test_smollm2_float32_layers_run_fused_with_the_per_op_bits(
 ) -> None:
     """Prefills of 300 and 37 tokens in one step, decodes and a 5-token verify-like step."""
     model = packed_smollm2
-    assert model.fused.linear_kind() == "sgemm"
+    assert all(isinstance(m.form, SgemmWeight) for m in model.layer_linears())
     assert model.fused.applies()
     assert_fused_equals_per_op(model, lambda: mixed_workload_logits(model))
 
@@ -92,7 +95,7 @@ def test_without_mkl_float32_keeps_onednn(monkeypatch: pytest.MonkeyPatch, tmp_p
     packed = load_model(tmp_path / "hf", dtype=torch.float32)
     assert packed.pack_for_cpu()
     linears = [m for m in packed.modules() if isinstance(m, Linear)]
-    assert all(m.sgemm is None and m.packed is not None for m in linears)
+    assert all(isinstance(m.form, OneDnnWeight) for m in linears)
     assert not packed.fused.applies()
     prompt = list(range(1, 30))
     torch.testing.assert_close(
@@ -126,6 +129,6 @@ def test_smollm2_bfloat16_layers_run_fused_with_the_per_op_bits(default_gguf: Pa
     SiLU-gate, attention output) made in the same place by the fused layer."""
     model = load_model(default_gguf, dtype=torch.bfloat16)
     assert model.pack_for_cpu()
-    assert model.fused.linear_kind() == "tiles"
+    assert all(isinstance(m.form, TileWeight) for m in model.layer_linears())
     assert model.fused.applies()
     assert_fused_equals_per_op(model, lambda: mixed_workload_logits(model))

@@ -16,6 +16,7 @@ import torch
 
 from specbatch import LLM, SamplingParams
 from specbatch.errors import ConfigError
+from specbatch.kernels.gguf_linear import QuantizedWeight
 from specbatch.kernels.linear import Linear
 from specbatch.models import LlamaForCausalLM, load_model
 from specbatch.models.llama import QuantizedEmbedding
@@ -38,7 +39,9 @@ def quantized_smollm2(default_gguf: Path) -> LlamaForCausalLM:
 
 
 def _linears(model: LlamaForCausalLM) -> dict[str, Linear]:
-    return {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
+    """The decoder layers' linears by name (the LM head apart)."""
+    linears = model.named_modules()
+    return {name: m for name, m in linears if isinstance(m, Linear) and m is not model.lm_head}
 
 
 def test_every_layer_matches_its_dequantised_float32_layer(
@@ -49,11 +52,11 @@ def test_every_layer_matches_its_dequantised_float32_layer(
     assert len(plain) == 4 * 30
     gen = torch.Generator().manual_seed(0)
     for name, layer in quantized.items():
-        assert layer.quantized is not None, name
+        assert isinstance(layer.form, QuantizedWeight), name
         assert layer.weight is None, name
         weight = plain[name].weight
         assert weight is not None
-        torch.testing.assert_close(layer.quantized.dequantize(), weight, rtol=0, atol=0)
+        torch.testing.assert_close(layer.form.dequantize(), weight, rtol=0, atol=0)
         x = torch.randn(3, layer.in_features, generator=gen)
         expected = (x.double() @ weight.double().T).float()
         scale = float((x.abs().double() @ weight.abs().double().T).max())
@@ -100,8 +103,16 @@ def test_tiny_quantized_gguf_matches_its_plain_load(tmp_path: Path, variant: str
     quantized = load_model(tmp_path / "q.gguf", quantization="gguf")
     linears = _linears(quantized)
     # q, k in Q4_1 but v in Q8_0: the fused projection stays plain; every other one is quantized
-    assert all(m.quantized is None for n, m in linears.items() if n.endswith("qkv_proj"))
-    assert all(m.quantized is not None for n, m in linears.items() if not n.endswith("qkv_proj"))
+    assert all(
+        not isinstance(m.form, QuantizedWeight)
+        for n, m in linears.items()
+        if n.endswith("qkv_proj")
+    )
+    assert all(
+        isinstance(m.form, QuantizedWeight)
+        for n, m in linears.items()
+        if not n.endswith("qkv_proj")
+    )
     prompt = torch.randint(0, config["vocab_size"], (40,), generator=torch.Generator()).tolist()
     expected = PagedHarness(plain).forward([(0, prompt)])[0]
     got = PagedHarness(quantized).forward([(0, prompt)])[0]
@@ -248,6 +259,6 @@ def test_types_the_kernel_cannot_read_are_named(
         model = load_model(tmp_path / "q.gguf", quantization="gguf")
     assert "not Q5_0" in caplog.text
     down = _linears(model)["model.layers.0.mlp.down_proj"]
-    assert down.quantized is None
+    assert not isinstance(down.form, QuantizedWeight)
     assert down.weight is not None
     assert not model.fused.applies()  # one plain layer: the per-op path serves every layer

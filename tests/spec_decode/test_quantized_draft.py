@@ -38,7 +38,9 @@ def q8_draft(plain_draft: LlamaForCausalLM) -> LlamaForCausalLM:
 
 
 def _linears(model: LlamaForCausalLM) -> dict[str, Linear]:
-    return {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
+    """The decoder layers' linears by name (the LM head apart)."""
+    linears = model.named_modules()
+    return {name: m for name, m in linears if isinstance(m, Linear) and m is not model.lm_head}
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -62,7 +64,7 @@ def test_every_quantized_product_is_within_float32_error_of_float64(
     assert plain.keys() == quantized.keys()
     gen = torch.Generator().manual_seed(0)
     for name, layer in quantized.items():
-        weight = layer.quantized
+        weight = layer.form
         assert weight is not None, name
         assert layer.weight is None, name
         reference = plain[name].weight
@@ -80,7 +82,7 @@ def test_every_quantized_product_is_within_float32_error_of_float64(
     embedding = q8_draft.model.embed_tokens
     assert isinstance(embedding, QuantizedEmbedding)
     hidden = torch.randn(4, 576, generator=gen)
-    assert_near_product(q8_draft.compute_logits(hidden), hidden, embedding.quantized)
+    assert_near_product(q8_draft.compute_logits(hidden), hidden, embedding.form)
 
 
 def _dequantised_self(plain: LlamaForCausalLM, quantized: LlamaForCausalLM) -> LlamaForCausalLM:
@@ -89,13 +91,13 @@ def _dequantised_self(plain: LlamaForCausalLM, quantized: LlamaForCausalLM) -> L
     linears = _linears(quantized)
     with torch.no_grad():
         for name, layer in _linears(model).items():
-            weight = linears[name].quantized
+            weight = linears[name].form
             assert layer.weight is not None
             assert weight is not None
             layer.weight.copy_(weight.dequantize())
         embedding = quantized.model.embed_tokens
         assert isinstance(embedding, QuantizedEmbedding)
-        model.model.embed_tokens.weight.copy_(embedding.quantized.dequantize())
+        model.model.embed_tokens.weight.copy_(embedding.form.dequantize())
     return model
 
 
@@ -128,10 +130,10 @@ def test_the_shipped_drafts_blocks_are_checked_by_digest(q8_draft: LlamaForCausa
     check_shipped_q8_0(q8_draft)  # the known blocks
     damaged = copy.deepcopy(q8_draft)
     layer = _linears(damaged)["model.layers.1.mlp.down_proj"]
-    assert layer.quantized is not None
-    data = layer.quantized.data.clone()
+    assert isinstance(layer.form, QuantizedWeight)
+    data = layer.form.data.clone()
     data[0, 0] ^= 1
-    layer.quantized = QuantizedWeight("q8_0", layer.in_features, layer.out_features, data)
+    layer.form = QuantizedWeight("q8_0", layer.in_features, layer.out_features, data)
     with pytest.raises(ModelLoadError, match="Q8_0 copy of the shipped draft"):
         check_shipped_q8_0(damaged)
 

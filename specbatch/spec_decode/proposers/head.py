@@ -145,7 +145,7 @@ class EagleHead(nn.Module):
         if self.device.type != "cpu" or not packing_supported(self.dtype):
             return False
         for module in self.modules():
-            if isinstance(module, Linear) and module.packed is None:
+            if isinstance(module, Linear):
                 module.pack()
         return True
 

@@ -1,0 +1,228 @@
+"""Every decoder layer of a model as one C call, where each of its linears' weight forms has a
+C kernel (``WeightForm.fused_part``) for the model's activations: GGUF blocks and MKL-packed
+float32 in a float32 model, AMX tiles in a bfloat16 one.
+
+``cpu_ops.decoder_layer`` runs a layer (norms, projections, rotary, K/V write, attention,
+residuals) without returning to Python; it calls the very kernels the per-op path calls (by
+address: each form's own) and the same C norm, rotary and SiLU-gate, so both paths give the
+same bits (``tests/models/test_gguf_quantized.py``, ``tests/models/test_fused_float_layers.py``).
+On SmolLM2 a batch-1 decode forward takes 4.9 ms fused against 7.7 ms per op (``python
+benchmarks/verify_cost.py --modes gguf gguf-per-op --batch-sizes 1``): ~90 us per layer had
+gone to torch dispatch and Python around the linears.
+
+This module knows no model class: a model describes its layers as :class:`FusedLayer` values
+(:class:`FusableModel`), so the kernels room stays below the models room.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol, cast
+
+import torch
+
+from specbatch.kernels import cpu_ops
+from specbatch.kernels.attention import AttentionBackend, LayerKVCache, cpu_paged
+from specbatch.kernels.attention.cpu_paged import CpuPagedBackend, KernelQueries
+from specbatch.kernels.weight_forms import FusedPart, WeightForm
+
+
+@dataclass(frozen=True)
+class FusedLayer:
+    """What a Llama-style decoder layer gives the fused call: its norms, its four linears'
+    forms, its shapes and its bound cache."""
+
+    norm1: torch.Tensor
+    norm2: torch.Tensor
+    eps: float
+    scale: float
+    qkv: WeightForm
+    o: WeightForm
+    gate_up: WeightForm
+    down: WeightForm
+    qkv_bias: torch.Tensor | None
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    kv_cache: LayerKVCache | None
+
+    @property
+    def forms(self) -> tuple[WeightForm, WeightForm, WeightForm, WeightForm]:
+        return self.qkv, self.o, self.gate_up, self.down
+
+
+class FusableModel(Protocol):
+    """A model whose layers the fused call can run."""
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def backend(self) -> AttentionBackend: ...
+
+    def fused_layers(self) -> Sequence[FusedLayer]:
+        """Its decoder layers, in order."""
+        ...
+
+
+class FusedLayers:
+    """When a model's layers can run fused, and their arguments (per layer: built once per
+    cache binding; per step: once per step)."""
+
+    def __init__(self, model: FusableModel) -> None:
+        self.model = model
+        self.enabled = True  # False: the per-op path even where fused layers apply
+        self._applies: bool | None = None
+        self._described: Sequence[FusedLayer] | None = None
+        self._layers: list[cpu_ops.LayerSpec] | None = None
+        self._kernels: tuple[int, int] | None = None
+
+    def reconsider(self) -> None:
+        """The model's weights changed form: decide again whether fused layers apply."""
+        self._applies = None
+        self.forget_layers()
+
+    def forget_layers(self) -> None:
+        """The caches were bound anew: the layers' arguments point into the old ones."""
+        self._described = None
+        self._layers = None
+
+    def _layer_list(self) -> Sequence[FusedLayer]:
+        """The model's layers as it describes them (once per binding: a step must not pay for
+        thirty descriptions)."""
+        if self._described is None:
+            self._described = self.model.fused_layers()
+        return self._described
+
+    def applies(self) -> bool:
+        """On the CPU with the C attention backend and every library built, where every layer
+        linear's form has a kernel for the model's activations."""
+        if self._applies is None:
+            self._kernels = self._attention_kernels() if self._model_fits() else None
+            self._applies = self._kernels is not None and all(
+                _parts(layer, self.model.dtype) is not None for layer in self._layer_list()
+            )
+        return self._applies
+
+    def _model_fits(self) -> bool:
+        model = self.model
+        return (
+            self.enabled
+            and model.device.type == "cpu"
+            and model.dtype in (torch.float32, torch.bfloat16)
+            and isinstance(model.backend, CpuPagedBackend)
+            and model.backend.head_dim <= cpu_ops.MAX_ROTARY_DIM
+        )
+
+    @staticmethod
+    def _attention_kernels() -> tuple[int, int] | None:
+        """The attention and K/V-write kernels a fused layer calls, by address, or None where
+        a library cannot be built."""
+        ops, attention = cpu_ops.load_library(), cpu_paged.load_library()
+        if ops is None or attention is None:
+            return None
+        functions = (attention.paged_attention, attention.write_kv)
+        paged, write = (ctypes.cast(f, ctypes.c_void_p).value or 0 for f in functions)
+        return (paged, write) if paged and write else None
+
+    def step(
+        self, metadata: object, cos: torch.Tensor, sin: torch.Tensor, x: torch.Tensor
+    ) -> cpu_ops.LayerStepSpec | None:
+        """The step's part of the fused layers' arguments, or None where they do not apply."""
+        queries = getattr(metadata, "queries", None)
+        if queries is None or torch.is_grad_enabled() or not self.applies():
+            return None
+        cache = self._layer_list()[0].kv_cache
+        dtype = self.model.dtype
+        if cache is None or cache[0].dtype != dtype or x.dtype != dtype:
+            return None
+        if queries.max_slot >= cache[0].shape[0] * cache[0].shape[1]:
+            raise IndexError(f"KV slot {queries.max_slot} is outside the cache")
+        assert self._kernels is not None
+        return _step_spec(
+            cast(KernelQueries, queries), cos, sin, x, cache[0].shape[1], self._kernels
+        )
+
+    def run(self, step: cpu_ops.LayerStepSpec, x: torch.Tensor) -> torch.Tensor:
+        """Every layer on the residual stream ``x``; the stream after the last one."""
+        x = x.contiguous()
+        if self._layers is None:
+            dtype = self.model.dtype
+            self._layers = [_layer_spec(layer, dtype) for layer in self._layer_list()]
+        for spec in self._layers:
+            cpu_ops.decoder_layer(spec, step, x)
+        return x
+
+
+def _parts(layer: FusedLayer, dtype: torch.dtype) -> list[FusedPart] | None:
+    """The layer's four linears' fused parts, or None where one has none for ``dtype``
+    activations."""
+    parts = [form.fused_part() for form in layer.forms]
+    if any(part is None or part.activation != dtype for part in parts):
+        return None
+    return cast(list[FusedPart], parts)
+
+
+def _step_spec(
+    queries: KernelQueries,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    x: torch.Tensor,
+    block: int,
+    kernels: tuple[int, int],
+) -> cpu_ops.LayerStepSpec:
+    q_start, q_len, seq_len, tables, table_stride, tree, tree_stride, num_seqs = (
+        queries.sequence_args
+    )
+    attention, write = kernels
+    return cpu_ops.LayerStepSpec(
+        tokens=x.shape[0],
+        cos=cos.data_ptr(),
+        sin=sin.data_ptr(),
+        slots=queries.slots_pointer,
+        q_start=q_start,
+        q_len=q_len,
+        seq_len=seq_len,
+        block_tables=tables,
+        bt_stride=table_stride,
+        tree=tree,
+        tree_stride=tree_stride,
+        num_seqs=num_seqs,
+        chunk=cpu_paged.chunk_positions(block),
+        threads=torch.get_num_threads(),
+        attention=attention,
+        write=write,
+    )
+
+
+def _layer_spec(layer: FusedLayer, dtype: torch.dtype) -> cpu_ops.LayerSpec:
+    """The fused layer's arguments for ``layer`` (every form with a kernel, its cache bound)."""
+    assert layer.kv_cache is not None
+    parts = _parts(layer, dtype)
+    assert parts is not None, "applies() checked every form"
+    qkv, o, gate_up, down = (cpu_ops.QuantLinearSpec(p.linear, p.kind, p.data) for p in parts)
+    return cpu_ops.LayerSpec(
+        norm1=layer.norm1.data_ptr(),
+        norm2=layer.norm2.data_ptr(),
+        eps=layer.eps,
+        scale=layer.scale,
+        qkv=qkv,
+        o=o,
+        gate_up=gate_up,
+        down=down,
+        qkv_bias=None if layer.qkv_bias is None else layer.qkv_bias.data_ptr(),
+        hidden=layer.norm1.shape[0],
+        heads=layer.heads,
+        kv_heads=layer.kv_heads,
+        head_dim=layer.head_dim,
+        intermediate=layer.intermediate,
+        block_size=layer.kv_cache[0].shape[1],
+        key_cache=layer.kv_cache[0].data_ptr(),
+        value_cache=layer.kv_cache[1].data_ptr(),
+    )
