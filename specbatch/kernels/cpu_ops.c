@@ -162,6 +162,45 @@ int sgemm_linear(int kind, const float *x, int64_t rows, int64_t k, const void *
     return 0;
 }
 
+/* One part of a stacked weight (kernels/weight_forms.py's StackedWeight): its kernel, kind,
+ * bytes and outputs. */
+typedef struct {
+    linear_fn fn;
+    int kind;
+    const void *data;
+    int64_t n;
+} StackedPart;
+
+/* out = x [W_0; W_1; ...]^T for a weight stacked along its outputs from parts of different
+ * forms (a q/k/v projection whose shards a file stores in different types): each part's own
+ * kernel into a scratch, copied into its columns (the linear_fn signature: `count` parts at
+ * `parts`, their outputs summing to n). The per-op path concatenates the same products. */
+int stacked_linear(int count, const float *x, int64_t rows, int64_t k, const void *parts,
+                   int64_t n, float *out, int threads) {
+    const StackedPart *part = (const StackedPart *)parts;
+    int64_t widest = 0, total = 0;
+    for (int i = 0; i < count; i++) {
+        widest = part[i].n > widest ? part[i].n : widest;
+        total += part[i].n;
+    }
+    if (total != n) return -1;
+    if (rows <= 0) return 0;
+    float *scratch = NULL;
+    if (posix_memalign((void **)&scratch, 64, (size_t)(rows * widest) * sizeof(float)) != 0)
+        return -1;
+    int status = 0;
+    int64_t column = 0;
+    for (int i = 0; i < count; i++) {
+        const int64_t width = part[i].n;
+        status |= part[i].fn(part[i].kind, x, rows, k, part[i].data, width, scratch, threads);
+        for (int64_t r = 0; r < rows; r++)
+            memcpy(out + r * n + column, scratch + r * width, (size_t)width * sizeof(float));
+        column += width;
+    }
+    free(scratch);
+    return status != 0 ? -1 : 0;
+}
+
 /* One linear's weight form as the layer multiplies it: its kernel (a bf16_linear_fn, below,
  * in a bfloat16 layer), the kind code that kernel takes, and the form's bytes. */
 typedef struct {

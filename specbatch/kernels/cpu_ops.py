@@ -146,6 +146,17 @@ def silu_mul(gate_up: torch.Tensor, width: int) -> torch.Tensor | None:
     return out
 
 
+class StackedPartSpec(ctypes.Structure):
+    """``StackedPart`` of ``cpu_ops.c``: one part of a stacked weight."""
+
+    _fields_ = [
+        ("fn", ctypes.c_void_p),
+        ("kind", ctypes.c_int),
+        ("data", ctypes.c_void_p),
+        ("n", ctypes.c_int64),
+    ]
+
+
 class QuantLinearSpec(ctypes.Structure):
     """``QuantLinear`` of ``cpu_ops.c``: a weight form's kernel, its kind code, its bytes."""
 

@@ -10,18 +10,23 @@ C function multiplies it and where its bytes are (:class:`FusedPart`), or that i
 Nothing outside a form asks which form it is: ``Linear``, the tied LM head, the embedding and
 the fused layers all go through this interface (ggml's per-type ``type_traits`` are the model).
 
-A new block type is one C kernel, one form and one line in its registry
-(``kernels.gguf_forms.BLOCK_FORMS``); packed forms are tried in the order of
-``kernels.linear.PACKED_FORMS``.
+The block forms are chosen by a tensor's GGUF type (``kernels.block_forms.BLOCK_FORMS``); a
+new block type is a C dequantiser and one registry line. Packed forms are tried in the order
+of ``kernels.linear.PACKED_FORMS``.
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
+
+from specbatch.kernels import cpu_ops
 
 
 @dataclass(frozen=True)
@@ -100,3 +105,52 @@ def add_bias(out: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``out + bias`` (a new tensor), or ``out`` without one: how forms whose kernels take no
     bias apply it."""
     return out if bias is None else out + bias
+
+
+class StackedWeight:
+    """A weight stacked along its outputs from parts of different forms: a fused q/k/v (or
+    gate/up) projection whose shards a file stores in different types (a Q4_K_M file's q and
+    k in Q5_0 and v in Q8_0). Each part multiplies with its own kernel; the outputs are
+    concatenated (in a fused layer by ``cpu_ops.stacked_linear``, the same products copied
+    into their columns)."""
+
+    def __init__(self, parts: Sequence[WeightForm]) -> None:
+        if not parts or len({p.in_features for p in parts}) != 1:
+            raise ValueError("a stacked weight needs parts of one input width")
+        self.parts = tuple(parts)
+        self.in_features = parts[0].in_features
+        self.out_features = sum(p.out_features for p in parts)
+        self._specs: ctypes.Array[cpu_ops.StackedPartSpec] | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def multiply(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        out = torch.cat([p.multiply(x) for p in self.parts], dim=-1)
+        return add_bias(out, bias)
+
+    def fused_part(self) -> FusedPart | None:
+        """``stacked_linear`` over the parts' own kernels, where every part has one for
+        float32 rows."""
+        parts = [p.fused_part() for p in self.parts]
+        linear = _stacked_linear()
+        if not linear or any(p is None or p.activation != torch.float32 for p in parts):
+            return None
+        if self._specs is None:  # kept: the fused layer reads it at every call
+            specs = [
+                cpu_ops.StackedPartSpec(p.linear, p.kind, p.data, form.out_features)
+                for p, form in zip(parts, self.parts, strict=True)
+                if p is not None
+            ]
+            self._specs = (cpu_ops.StackedPartSpec * len(specs))(*specs)
+        return FusedPart(linear, len(self.parts), ctypes.addressof(self._specs), torch.float32)
+
+
+@functools.cache
+def _stacked_linear() -> int:
+    """``cpu_ops.stacked_linear``'s address, or 0 where the library cannot be built."""
+    library = cpu_ops.load_library()
+    if library is None:
+        return 0
+    return ctypes.cast(library.stacked_linear, ctypes.c_void_p).value or 0

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from specbatch.errors import ModelLoadError
+from specbatch.kernels.block_forms import BLOCK_FORMS
 from specbatch.models.config import SIZE_LIMITS, ModelConfig, RopeScaling, check_size
 from specbatch.models.gguf_file import GGUFFile
 from specbatch.models.inventory import DeclaredTensor, check_inventory
@@ -210,39 +211,21 @@ def iter_gguf_tensors(
         yield name, torch.from_numpy(np.ascontiguousarray(array)), path
 
 
-QUANTIZED_KINDS = {"Q4_1": "q4_1", "Q8_0": "q8_0"}  # GGUF types the CPU kernel multiplies
-
-
-# fused products (q, k, v; gate, up): the kernel multiplies each with one type
-_FUSED_WITH = {
-    "attn_k.weight": "attn_q.weight",
-    "attn_v.weight": "attn_q.weight",
-    "ffn_up.weight": "ffn_gate.weight",
-}
 _LAYER_MATRICES = {name for name in _LAYER_NAMES if name.endswith("weight") and "norm" not in name}
 
 
 def first_unsupported_matrix(gguf_file: GGUFFile) -> str | None:
     """Why the file's layer matrices cannot all be multiplied as stored, naming the first
-    tensor at fault (a type the kernel does not read, or one part of a fused product stored in
-    another type than the first part); None when every one can. Reads the tensor directory."""
-    kinds: dict[tuple[str, str], str] = {}
+    tensor at fault and its type (one no block form holds); None when every one can. Reads the
+    tensor directory."""
     for info in gguf_file.tensors:
         match = _LAYER_RE.fullmatch(info.name)
         if match is None or match.group(2) not in _LAYER_MATRICES:
             continue
-        if info.type_name not in QUANTIZED_KINDS:
+        if info.type_name not in BLOCK_FORMS:
             return (
                 f"{info.name} is {info.type_name}, which the kernels do not multiply "
-                f"(they read {', '.join(QUANTIZED_KINDS)})"
-            )
-        kinds[match.group(1), match.group(2)] = info.type_name
-    for (layer, part), kind in kinds.items():
-        first = kinds.get((layer, _FUSED_WITH.get(part, part)), kind)
-        if first != kind:
-            return (
-                f"blk.{layer}.{part} is {kind} but blk.{layer}.{_FUSED_WITH[part]} is {first}, "
-                "and the kernels multiply a fused product in one type"
+                f"(they read {', '.join(BLOCK_FORMS)})"
             )
     return None
 
@@ -250,14 +233,14 @@ def first_unsupported_matrix(gguf_file: GGUFFile) -> str | None:
 def iter_gguf_quantized(
     gguf_file: GGUFFile, config: ModelConfig
 ) -> Iterator[tuple[str, str, np.ndarray]]:
-    """Yield ``(hf_name, kind, raw rows)`` for the matrices stored in a type the quantized CPU
-    kernel reads (``QUANTIZED_KINDS``): uint8 [out_features, blocks bytes], rows in HF order
+    """Yield ``(hf_name, ggml type name, raw rows)`` for the matrices stored in a type a block
+    form holds (``BLOCK_FORMS``): uint8 [out_features, blocks bytes], rows in HF order
     (llama.cpp's Q/K permutation undone on whole rows of blocks)."""
     permuted = config.architecture != "Qwen2ForCausalLM"
     for info in gguf_file.tensors:
-        kind = QUANTIZED_KINDS.get(info.type_name)
+        kind = info.type_name
         name = hf_name(info.name)
-        if kind is None or name is None or len(info.shape) != 2:
+        if kind not in BLOCK_FORMS or name is None or len(info.shape) != 2:
             continue
         raw = gguf_file.raw_rows(info)
         if permuted and name.endswith(("q_proj.weight", "k_proj.weight")):

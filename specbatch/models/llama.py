@@ -19,7 +19,9 @@ from torch import nn
 from specbatch.errors import ModelLoadError
 from specbatch.kernels import cpu_ops
 from specbatch.kernels.attention import AttentionBackend, LayerKVCache
+from specbatch.kernels.block_forms import block_form, holds_blocks, stacked_blocks
 from specbatch.kernels.fused_layers import FusedLayer, FusedLayers
+from specbatch.kernels.gguf_blocks import BlockWeight
 from specbatch.kernels.gguf_linear import QuantizedWeight
 from specbatch.kernels.linear import Linear, packed_form, packing_supported
 from specbatch.kernels.onednn import OneDnnWeight, measure_row_padding
@@ -143,7 +145,7 @@ class LlamaDecoderLayer(nn.Module):
 class QuantizedEmbedding(nn.Module):
     """A token embedding kept as GGUF blocks: a lookup dequantises only the rows it takes."""
 
-    def __init__(self, form: QuantizedWeight) -> None:
+    def __init__(self, form: QuantizedWeight | BlockWeight) -> None:
         super().__init__()
         self.form = form
 
@@ -332,9 +334,7 @@ class LlamaForCausalLM(nn.Module):
                 module.use_form(QuantizedWeight.from_dense(module.weight))
         embedding = self.model.embed_tokens
         if self.config.tie_word_embeddings and isinstance(embedding, nn.Embedding):
-            weight = QuantizedWeight.from_dense(embedding.weight)
-            self.model.embed_tokens = QuantizedEmbedding(weight)  # type: ignore[assignment]
-            self.lm_head.use_form(weight)
+            self._use_embedding_form(QuantizedWeight.from_dense(embedding.weight))
         self.fused.reconsider()
 
     def quantized_digest(self) -> str:
@@ -351,7 +351,7 @@ class LlamaForCausalLM(nn.Module):
 
     def multiplies_blocks(self) -> bool:
         """Whether every linear of every decoder layer multiplies GGUF blocks."""
-        return all(isinstance(m.form, QuantizedWeight) for m in self.layer_linears())
+        return all(holds_blocks(m.form) for m in self.layer_linears())
 
     def _measure_row_padding(self) -> None:
         """Give every oneDNN-packed product the row padding measured on this model's own
@@ -369,11 +369,13 @@ class LlamaForCausalLM(nn.Module):
             form.padding = padding
 
     def use_quantized_weights(self, weights: Iterable[tuple[str, str, np.ndarray]]) -> set[str]:
-        """Keep the matrices given as GGUF blocks (``(hf_name, kind, raw rows)``, see
-        ``gguf_checkpoint.iter_gguf_quantized``) quantized and multiply with them as they are;
-        the plain weights they replace are dropped (on a model still on the meta device, they
-        are never allocated). A fused projection is quantized only when all its shards come in
-        one kind; others stay plain. Returns the HF names of the tensors now held quantized."""
+        """Keep the matrices given as GGUF blocks (``(hf_name, ggml type, raw rows)``, see
+        ``gguf_checkpoint.iter_gguf_quantized``) as stored and multiply with them as they are
+        (``kernels.block_forms``); the plain weights they replace are dropped (on a model still
+        on the meta device, they are never allocated). A fused projection whose shards come in
+        different types is a stack of their forms; one missing a shard stays plain. Returns the
+        HF names of the tensors now held as blocks; a tensor whose bytes are not whole rows of
+        blocks is a ``ModelLoadError`` naming it."""
         shards: dict[str, dict[int, tuple[str, str, np.ndarray]]] = {}
         for name, kind, raw in weights:
             target, shard = self._target_of(name)
@@ -381,24 +383,28 @@ class LlamaForCausalLM(nn.Module):
         modules = dict(self.named_modules())
         replaced: set[str] = set()
         for target, parts in shards.items():
-            kinds = {kind for _, kind, _ in parts.values()}
-            if len(parts) < self._num_shards(target) or len(kinds) != 1:
-                continue
-            raw = np.concatenate([parts[i][2] for i in sorted(parts)])
-            module_name = target.removesuffix(".weight")
-            if target == "model.embed_tokens.weight":
-                weight = QuantizedWeight.from_blocks(raw, kinds.pop(), self.config.hidden_size)
-                self.model.embed_tokens = QuantizedEmbedding(weight)  # type: ignore[assignment]
-                if self.config.tie_word_embeddings:
-                    self.lm_head.use_form(weight)
-            elif isinstance(modules.get(module_name), Linear):
-                linear = cast(Linear, modules[module_name])
-                linear.use_form(QuantizedWeight.from_blocks(raw, kinds.pop(), linear.in_features))
-            else:
-                continue
-            replaced.update(name for name, _, _ in parts.values())
+            module = modules.get(target.removesuffix(".weight"))
+            ordered = [parts[i] for i in sorted(parts)]
+            try:
+                if target == "model.embed_tokens.weight":
+                    (_, kind, raw), hidden = ordered[0], self.config.hidden_size
+                    self._use_embedding_form(block_form(kind, raw, hidden))
+                elif isinstance(module, Linear) and len(parts) == self._num_shards(target):
+                    blocks = [(kind, raw) for _, kind, raw in ordered]
+                    module.use_form(stacked_blocks(blocks, module.in_features))
+                else:
+                    continue
+            except ValueError as exc:
+                raise ModelLoadError(f"tensor {ordered[0][0]!r}: {exc}") from None
+            replaced.update(name for name, _, _ in ordered)
         self.fused.reconsider()
         return replaced
+
+    def _use_embedding_form(self, form: QuantizedWeight | BlockWeight) -> None:
+        """Look tokens up in ``form``, which a tied LM head shares."""
+        self.model.embed_tokens = QuantizedEmbedding(form)  # type: ignore[assignment]
+        if self.config.tie_word_embeddings:
+            self.lm_head.use_form(form)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor, str]], source: str) -> None:
         """Copy HF-named tensors into the (fused) parameters; every parameter must be covered.

@@ -12,11 +12,11 @@ import torch
 
 from specbatch.errors import ConfigError, ModelLoadError
 from specbatch.kernels.attention import attention_backend_class
+from specbatch.kernels.block_forms import BLOCK_FORMS
 from specbatch.kernels.linear import Linear
 from specbatch.models.config import ModelConfig
 from specbatch.models.default_model import default_model_path, is_default_model_name
 from specbatch.models.gguf_checkpoint import (
-    QUANTIZED_KINDS,
     check_gguf_tensors,
     iter_gguf_quantized,
     iter_gguf_tensors,
@@ -141,23 +141,18 @@ QUANTIZATIONS = ("gguf",)
 
 def _report_quantized(net: LlamaForCausalLM, gguf_file: GGUFFile) -> None:
     """One log line on what ``quantization="gguf"`` kept as blocks, and a warning naming the
-    storage types it had to dequantise instead (a Q4_K_M file keeps little)."""
+    first tensor (and its type) it had to dequantise instead."""
     linears = [m for m in net.modules() if isinstance(m, Linear)]
     kept = sum(not m.dense for m in linears)
-    other = sorted(
-        {
-            t.type_name
-            for t in gguf_file.tensors
-            if len(t.shape) == 2 and t.type_name not in QUANTIZED_KINDS
-        }
-    )
+    other = [t for t in gguf_file.tensors if len(t.shape) == 2 and t.type_name not in BLOCK_FORMS]
     if kept < len(linears) and other:
         logger.warning(
             "quantization='gguf': %d of %d linear layers multiply GGUF blocks; the others are "
-            "dequantised to float32 (the kernel reads Q4_1 and Q8_0, not %s)",
+            "dequantised to float32 (%s is %s, which the kernels do not multiply)",
             kept,
             len(linears),
-            ", ".join(other),
+            other[0].name,
+            other[0].type_name,
         )
     else:
         logger.info(

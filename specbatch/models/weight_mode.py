@@ -1,11 +1,12 @@
 """Which form the target's weights take: the fastest exact one unless the settings say otherwise.
 
-``quantization="auto"`` (the default) multiplies a GGUF file's Q4_1/Q8_0 matrices as they are
-stored (``"gguf"``: every weight the file's exact value, float32 activations and sums) when that
-is the fastest exact mode this machine has: on the CPU, for a ``.gguf`` model whose layer
-matrices the kernel reads, with no explicit ``dtype``, in one process, where the kernel was built
-with a vector path. Otherwise the weights are dequantised to ``dtype`` (float32 on the CPU), with
-one log line saying why when only the file or the machine stood in the way.
+``quantization="auto"`` (the default) multiplies a GGUF file's matrices as they are stored
+(``"gguf"``: every weight the file's exact value, float32 activations and sums) when that is
+the fastest exact mode this machine has: on the CPU, for a ``.gguf`` model whose layer matrices
+are all of types a block form holds (``kernels.block_forms.BLOCK_FORMS``), with no explicit
+``dtype``, in one process, where the kernels were built with a vector path. Otherwise the
+weights are dequantised to ``dtype`` (float32 on the CPU), with one log line saying why when
+only the file or the machine stood in the way.
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ def dtype_for(dtype: str, device: torch.device) -> torch.dtype:
 
 def _why_not_gguf(path: Path, tensor_parallel_size: int) -> str | None:
     """What keeps the CPU from multiplying ``path``'s blocks fastest as stored, or None."""
-    from specbatch.kernels import gguf_linear
+    from specbatch.kernels import gguf_blocks, gguf_linear
     from specbatch.models.gguf_checkpoint import first_unsupported_matrix
     from specbatch.models.gguf_file import GGUFFile
 
@@ -82,7 +83,8 @@ def _why_not_gguf(path: Path, tensor_parallel_size: int) -> str | None:
         unsupported = first_unsupported_matrix(gguf_file)
     if unsupported is not None:
         return unsupported
-    isa = gguf_linear.vector_isa()
+    isas = {gguf_linear.vector_isa(), gguf_blocks.vector_isa()}
+    isa = None if None in isas else min(isas, key=gguf_linear.VECTOR_ISAS.index)
     if isa is None:
         return "the GGUF kernel could not be built here"
     if isa == "plain":

@@ -1,4 +1,5 @@
-"""``quantization="gguf"``: a GGUF model's Q4_1/Q8_0 matrices multiplied as stored.
+"""``quantization="gguf"``: a GGUF model's matrices multiplied as stored (SmolLM2's Q4_1/Q8_0;
+every other type in ``test_gguf_block_types.py``).
 
 Every layer against the same layer with the file's dequantised float32 weights (the plain
 loader's), a tiny GGUF of each variant (tied, untied, biases, mixed kinds) against its plain
@@ -18,6 +19,7 @@ from specbatch import LLM, SamplingParams
 from specbatch.errors import ConfigError
 from specbatch.kernels.gguf_linear import QuantizedWeight
 from specbatch.kernels.linear import Linear
+from specbatch.kernels.weight_forms import StackedWeight
 from specbatch.models import LlamaForCausalLM, load_model
 from specbatch.models.llama import QuantizedEmbedding
 from tests.gguf_writer import write_gguf
@@ -102,9 +104,11 @@ def test_tiny_quantized_gguf_matches_its_plain_load(tmp_path: Path, variant: str
     plain = load_model(tmp_path / "q.gguf")
     quantized = load_model(tmp_path / "q.gguf", quantization="gguf")
     linears = _linears(quantized)
-    # q, k in Q4_1 but v in Q8_0: the fused projection stays plain; every other one is quantized
+    # q, k in Q4_1 but v in Q8_0: the fused projection is a stack of the two; every other
+    # one is one block matrix
     assert all(
-        not isinstance(m.form, QuantizedWeight)
+        isinstance(m.form, StackedWeight)
+        and [p.kind for p in m.form.parts] == ["q4_1", "q8_0"]  # type: ignore[attr-defined]
         for n, m in linears.items()
         if n.endswith("qkv_proj")
     )
@@ -253,11 +257,11 @@ def test_types_the_kernel_cannot_read_are_named(
     config = tiny_config(hidden_size=64, intermediate_size=128)
     state = write_hf_checkpoint(tmp_path / "hf", config).state_dict()
     qtypes = {name: Q4_1 for name, tensor in state.items() if tensor.dim() == 2}
-    qtypes["model.layers.0.mlp.down_proj.weight"] = gguf.GGMLQuantizationType.Q5_0
+    qtypes["model.layers.0.mlp.down_proj.weight"] = gguf.GGMLQuantizationType.MXFP4
     write_gguf(tmp_path / "q.gguf", config, state, qtypes=qtypes)
     with caplog.at_level("WARNING", logger="specbatch"):
         model = load_model(tmp_path / "q.gguf", quantization="gguf")
-    assert "not Q5_0" in caplog.text
+    assert "blk.0.ffn_down.weight is MXFP4, which the kernels do not multiply" in caplog.text
     down = _linears(model)["model.layers.0.mlp.down_proj"]
     assert not isinstance(down.form, QuantizedWeight)
     assert down.weight is not None

@@ -128,36 +128,39 @@ def _tiny_gguf(path: Path, kinds: dict[str, gguf.GGMLQuantizationType]) -> Path:
     return path
 
 
-@pytest.mark.parametrize(
-    ("kinds", "named"),
-    [
-        (
-            {"layers.0.mlp.down_proj.weight": gguf.GGMLQuantizationType.Q5_0},
-            "blk.0.ffn_down.weight is Q5_0, which the kernels do not multiply",
-        ),
-        (
-            {"proj.weight": gguf.GGMLQuantizationType.F32},
-            "blk.0.attn_q.weight is F32",
-        ),
-        (
-            {"layers.1.self_attn.v_proj.weight": gguf.GGMLQuantizationType.Q8_0},
-            "blk.1.attn_v.weight is Q8_0 but blk.1.attn_q.weight is Q4_1",
-        ),
-    ],
-    ids=["q5_0", "f32", "mixed-fused"],
-)
 def test_a_file_the_kernels_cannot_serve_falls_back_with_one_line_naming_the_tensor(
-    tmp_path: Path,
-    caplog: pytest.LogCaptureFixture,
-    kinds: dict[str, gguf.GGMLQuantizationType],
-    named: str,
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
+    kinds = {"layers.1.mlp.down_proj.weight": gguf.GGMLQuantizationType.MXFP4}
     path = _tiny_gguf(tmp_path / "model.gguf", kinds)
     with caplog.at_level(logging.INFO, logger="specbatch"):
         assert resolve_weight_mode("auto", "auto", path, CPU) == FLOAT32
     (record,) = _records(caplog)
-    assert named in record
+    assert "blk.1.ffn_down.weight is MXFP4, which the kernels do not multiply" in record
     assert record.endswith("dequantising to float32")
+
+
+@pytest.mark.skipif(not VECTOR_KERNEL, reason="the GGUF kernel has no vector path here")
+@pytest.mark.parametrize(
+    "kinds",
+    [
+        {"layers.0.mlp.down_proj.weight": gguf.GGMLQuantizationType.Q5_0},
+        {"proj.weight": gguf.GGMLQuantizationType.F32},
+        {"layers.1.self_attn.v_proj.weight": gguf.GGMLQuantizationType.Q8_0},
+        {
+            "gate_proj.weight": gguf.GGMLQuantizationType.Q4_0,
+            "embed_tokens.weight": gguf.GGMLQuantizationType.F16,
+        },
+    ],
+    ids=["q5_0", "f32", "mixed-fused", "q4_0-f16"],
+)
+def test_files_of_every_kernel_type_take_the_exact_mode_silently(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, kinds: dict[str, gguf.GGMLQuantizationType]
+) -> None:
+    path = _tiny_gguf(tmp_path / "model.gguf", kinds)
+    with caplog.at_level(logging.INFO, logger="specbatch"):
+        assert resolve_weight_mode("auto", "auto", path, CPU) == GGUF
+    assert _records(caplog) == []
 
 
 @pytest.mark.skipif(not VECTOR_KERNEL, reason="the GGUF kernel has no vector path here")
@@ -167,7 +170,7 @@ def test_a_tiny_file_the_kernels_read_is_loaded_quantized_and_one_they_cannot_is
     readable = _tiny_gguf(tmp_path / "a" / "model.gguf", {})
     unreadable = _tiny_gguf(
         tmp_path / "b" / "model.gguf",
-        {"layers.0.mlp.down_proj.weight": gguf.GGMLQuantizationType.Q5_0},
+        {"layers.0.mlp.down_proj.weight": gguf.GGMLQuantizationType.MXFP4},
     )
     quantized = _engine(model=str(readable), tokenizer=str(readable.parent / "hf"))
     assert quantized.weight_mode == GGUF
