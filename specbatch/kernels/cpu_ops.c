@@ -137,7 +137,8 @@ typedef int (*attention_fn)(const float *q, int64_t q_stride_t, int64_t q_stride
                             const int64_t *block_tables, int64_t bt_stride, const uint8_t *tree,
                             int64_t tree_stride, int64_t num_seqs, int64_t num_heads,
                             int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                            int64_t chunk, float scale, int num_threads);
+                            int64_t chunk, float scale, int64_t window, float softcap,
+                            int num_threads);
 typedef void (*write_fn)(const void *k, int64_t k_stride, const void *v, int64_t v_stride,
                          void *key_cache, void *value_cache, const int64_t *slots, int64_t tokens,
                          int64_t kv_width, int64_t elem_size);
@@ -269,7 +270,7 @@ int decoder_layer(const Layer *L, const LayerStep *S, float *x) {
     status |= S->attention(qkv, qkv_n, hd, attn, q_size, hd, L->key_cache, L->value_cache, 0,
                            S->q_start, S->q_len, S->seq_len, S->block_tables, S->bt_stride,
                            S->tree, S->tree_stride, S->num_seqs, L->heads, L->kv_heads, hd,
-                           L->block_size, S->chunk, L->scale, S->threads);
+                           L->block_size, S->chunk, L->scale, 0, 0.0f, S->threads);
     status |= run_linear(&L->o, attn, T, q_size, H, o, S->threads);
     for (int64_t i = 0; i < T * H; i++) x[i] += o[i];
     rms_norm(x, T, H, H, L->norm2, L->eps, h, 0, S->threads);
@@ -340,7 +341,7 @@ int decoder_layer_bf16(const Layer *L, const LayerStep *S, uint16_t *x) {
     status |= S->attention(q32, q_size, hd, attn32, q_size, hd, L->key_cache, L->value_cache, 1,
                            S->q_start, S->q_len, S->seq_len, S->block_tables, S->bt_stride,
                            S->tree, S->tree_stride, S->num_seqs, L->heads, L->kv_heads, hd,
-                           L->block_size, S->chunk, L->scale, S->threads);
+                           L->block_size, S->chunk, L->scale, 0, 0.0f, S->threads);
     for (int64_t i = 0; i < T * q_size; i++) attn[i] = to_bf16(attn32[i]);
     status |= bf16_linear(&L->o, attn, T, q_size, H, o, S->threads);
     for (int64_t i = 0; i < T * H; i++) x[i] = add_bf16(x[i], o[i]);

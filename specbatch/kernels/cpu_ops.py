@@ -92,11 +92,18 @@ MAX_ROTARY_DIM = 512  # the C rotary holds a head on its stack (MAX_DIM in cpu_o
 
 
 def rotary_(
-    qkv: torch.Tensor, heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor
+    qkv: torch.Tensor,
+    heads: int,
+    head_dim: int,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    head_stride: int | None = None,
 ) -> bool:
-    """Rotate the first ``heads`` heads of every row of ``qkv`` ``[T, N]`` in place (cos and sin
-    ``[T, 1, head_dim]`` as ``RotaryEmbedding.cos_sin`` gives them); False, changing nothing,
-    where this path does not apply."""
+    """Rotate the first ``head_dim`` values of each of the first ``heads`` heads (``head_stride``
+    apart, default ``head_dim``: a partial rotary leaves the rest of a head as it is) of every
+    row of ``qkv`` ``[T, N]`` in place (cos and sin ``[T, 1, head_dim]`` as
+    ``RotaryEmbedding.cos_sin`` gives them); False, changing nothing, where this path does not
+    apply."""
     if (
         qkv.dtype not in _DTYPES
         or cos.dtype != qkv.dtype
@@ -115,7 +122,7 @@ def rotary_(
         heads,
         head_dim,
         qkv.stride(0),
-        head_dim,
+        head_dim if head_stride is None else head_stride,
         cos.data_ptr(),
         sin.data_ptr(),
         int(qkv.dtype == torch.bfloat16),

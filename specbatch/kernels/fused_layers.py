@@ -67,7 +67,7 @@ class FusableModel(Protocol):
     def backend(self) -> AttentionBackend: ...
 
     def fused_layers(self) -> Sequence[FusedLayer]:
-        """Its decoder layers, in order."""
+        """Its decoder layers, in order; none where one is of a kind the call cannot run."""
         ...
 
 
@@ -105,8 +105,11 @@ class FusedLayers:
         linear's form has a kernel for the model's activations."""
         if self._applies is None:
             self._kernels = self._attention_kernels() if self._model_fits() else None
-            self._applies = self._kernels is not None and all(
-                _parts(layer, self.model.dtype) is not None for layer in self._layer_list()
+            layers = self._layer_list()
+            self._applies = (
+                self._kernels is not None
+                and bool(layers)
+                and all(_parts(layer, self.model.dtype) is not None for layer in layers)
             )
         return self._applies
 

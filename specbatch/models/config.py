@@ -64,9 +64,15 @@ class RopeScaling:
             raise ModelLoadError(f"rope scaling factor must be > 0, got {self.factor}")
 
 
+ACTIVATIONS = ("silu", "gelu_tanh")
+LAYER_TYPES = ("full", "sliding")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape and hyper-parameters of a Llama-family decoder.
+    """Shape and hyper-parameters of a decoder of the Llama family and its relatives (Gemma
+    2/3, Qwen3, Qwen2/3-MoE, Phi-3: ``models/families.py``), whose differences are the fields
+    after the Llama ones: the defaults are Llama's.
 
     Built from a HF ``config.json`` (:meth:`from_hf_dict`) or from GGUF metadata by the loader.
     """
@@ -93,6 +99,24 @@ class ModelConfig:
     # target token on input and is never produced.
     token_map: tuple[int, ...] | None = None
     target_vocab_size: int | None = None
+    # The relatives' features.
+    hidden_act: str = "silu"  # of the gated MLP: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
+    qk_norm: bool = False  # RMSNorm over each query and key head before rotary (Qwen3, Gemma3)
+    sandwich_norms: bool = False  # norms after attention and the MLP too (Gemma 2/3)
+    embedding_multiplier: float | None = None  # embeddings times this (Gemma: sqrt(hidden))
+    attention_scale: float | None = None  # None: head_dim ** -0.5
+    attn_logit_softcap: float | None = None  # scores -> cap tanh(scores / cap) (Gemma 2)
+    final_logit_softcap: float | None = None  # logits likewise (Gemma 2)
+    sliding_window: int | None = None  # positions a sliding layer's query sees, itself included
+    layer_types: tuple[str, ...] = ()  # per layer "full" or "sliding"; (): all full
+    rope_local_theta: float | None = None  # sliding layers' rotary base, unscaled (Gemma 3)
+    partial_rotary_factor: float = 1.0  # share of head_dim rotated (Phi-3 family)
+    num_experts: int = 0  # routed experts of a sparse MLP (0: dense MLPs)
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0  # a gated shared expert (Qwen2-MoE); 0: none
+    norm_topk_prob: bool = False  # renormalise the chosen experts' weights
+    sparse_layers: tuple[bool, ...] = ()  # per layer; (): every layer sparse when experts
 
     def __post_init__(self) -> None:
         for name, limit in SIZE_LIMITS.items():
@@ -109,6 +133,79 @@ class ModelConfig:
         self._check_floats()
         self._check_rope_freq_factors()
         self._check_token_map()
+        self._check_features()
+
+    def _check_features(self) -> None:
+        if self.hidden_act not in ACTIVATIONS:
+            raise ModelLoadError(
+                f"hidden activation {self.hidden_act!r} is not supported (supported: "
+                f"{', '.join(ACTIVATIONS)})"
+            )
+        layers = self.num_hidden_layers
+        if self.layer_types and (
+            len(self.layer_types) != layers or not set(self.layer_types) <= set(LAYER_TYPES)
+        ):
+            raise ModelLoadError(
+                f"layer_types must give one of {LAYER_TYPES} for each of the {layers} layers, "
+                f"got {self.layer_types!r}"
+            )
+        if "sliding" in self.layer_types and not self.sliding_window:
+            raise ModelLoadError("sliding layers need a sliding_window of at least 1 position")
+        if self.sliding_window is not None:
+            check_size("model config field sliding_window", self.sliding_window, 2**24)
+        for name in ("embedding_multiplier", "attention_scale", "attn_logit_softcap",
+                     "final_logit_softcap", "rope_local_theta"):  # fmt: skip
+            value = getattr(self, name)
+            if value is not None and not (math.isfinite(value) and value > 0):
+                raise ModelLoadError(f"{name} must be a positive number, got {value}")
+        rotary = self.rotary_dim
+        if not 0 < self.partial_rotary_factor <= 1 or rotary % 2:
+            raise ModelLoadError(
+                f"partial_rotary_factor {self.partial_rotary_factor} of head_dim "
+                f"{self.head_dim} must rotate an even number of dimensions in (0, head_dim]"
+            )
+        self._check_experts()
+
+    def _check_experts(self) -> None:
+        if not self.num_experts:
+            return
+        check_size("model config field num_experts", self.num_experts, 2**12)
+        if not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ModelLoadError(
+                f"num_experts_per_tok must be in [1, {self.num_experts}], got "
+                f"{self.num_experts_per_tok}"
+            )
+        check_size("model config field moe_intermediate_size", self.moe_intermediate_size, 2**17)
+        if self.shared_expert_intermediate_size:
+            check_size(
+                "model config field shared_expert_intermediate_size",
+                self.shared_expert_intermediate_size,
+                2**17,
+            )
+        if self.sparse_layers and len(self.sparse_layers) != self.num_hidden_layers:
+            raise ModelLoadError("sparse_layers must say for every layer whether it is sparse")
+
+    @property
+    def rotary_dim(self) -> int:
+        """The leading dimensions of each head that rotate (the rest pass through)."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def query_scale(self) -> float:
+        """What attention scores are multiplied by."""
+        return self.head_dim**-0.5 if self.attention_scale is None else self.attention_scale
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of layer ``layer``, or None where it attends every position."""
+        if self.layer_types and self.layer_types[layer] == "sliding":
+            return self.sliding_window
+        return None
+
+    def layer_sparse(self, layer: int) -> bool:
+        """Whether layer ``layer``'s MLP is a mixture of experts."""
+        if not self.num_experts:
+            return False
+        return self.sparse_layers[layer] if self.sparse_layers else True
 
     def _check_floats(self) -> None:
         if not math.isfinite(self.rope_theta) or self.rope_theta <= 0:
@@ -155,43 +252,42 @@ class ModelConfig:
     @classmethod
     def from_hf_dict(cls, raw: dict[str, Any]) -> ModelConfig:
         """Read a HF ``config.json`` dictionary (transformers 4.x and 5.x spellings)."""
+        from specbatch.models.families import hf_features, hf_rope
+
         try:
             architectures = raw.get("architectures") or []
             architecture = architectures[0] if architectures else _guess_architecture(raw)
             heads = _size_field(raw, "num_attention_heads")
             hidden = _size_field(raw, "hidden_size")
-            rope_params = dict(raw.get("rope_parameters") or {})
-            rope_scaling_raw = raw.get("rope_scaling") or rope_params
-            rope_theta = float(raw.get("rope_theta") or rope_params.get("rope_theta") or 10000.0)
-            max_pos = _size_field(raw, "max_position_embeddings", 2048)
-            sliding = raw.get("sliding_window") if raw.get("use_sliding_window", True) else None
-            if sliding is not None and 0 < int(sliding) < max_pos:
-                # Full attention equals sliding-window attention only up to the window length.
-                max_pos = int(sliding)
+            rope_theta, rope_scaling_raw, rope_features = hf_rope(raw, architecture)
             eos = raw.get("eos_token_id")
             eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-            return cls(
-                architecture=architecture,
-                vocab_size=_size_field(raw, "vocab_size"),
-                hidden_size=hidden,
-                intermediate_size=_size_field(raw, "intermediate_size"),
-                num_hidden_layers=_size_field(raw, "num_hidden_layers"),
-                num_attention_heads=heads,
-                num_key_value_heads=_size_field(raw, "num_key_value_heads", heads),
-                head_dim=_size_field(raw, "head_dim", hidden // heads),
-                max_position_embeddings=max_pos,
-                rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-                rope_theta=rope_theta,
-                rope_scaling=_rope_scaling_from_dict(rope_scaling_raw),
-                tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-                attention_bias=bool(raw.get("attention_bias", architecture == "Qwen2ForCausalLM")),
-                bos_token_id=raw.get("bos_token_id"),
-                eos_token_ids=eos_ids,
-                token_map=tuple(raw["specbatch_token_map"])
+            fields: dict[str, Any] = {
+                "architecture": architecture,
+                "vocab_size": _size_field(raw, "vocab_size"),
+                "hidden_size": hidden,
+                "intermediate_size": _size_field(raw, "intermediate_size"),
+                "num_hidden_layers": _size_field(raw, "num_hidden_layers"),
+                "num_attention_heads": heads,
+                "num_key_value_heads": _size_field(raw, "num_key_value_heads", heads),
+                "head_dim": _size_field(raw, "head_dim", hidden // heads),
+                "max_position_embeddings": _size_field(raw, "max_position_embeddings", 2048),
+                "rms_norm_eps": float(raw.get("rms_norm_eps", 1e-6)),
+                "rope_theta": rope_theta,
+                "rope_scaling": rope_scaling_from_dict(rope_scaling_raw),
+                "tie_word_embeddings": bool(raw.get("tie_word_embeddings", False)),
+                "attention_bias": bool(raw.get("attention_bias", False)),
+                "bos_token_id": raw.get("bos_token_id"),
+                "eos_token_ids": eos_ids,
+                "token_map": tuple(raw["specbatch_token_map"])
                 if "specbatch_token_map" in raw
                 else None,
-                target_vocab_size=raw.get("specbatch_target_vocab_size"),
-            )
+                "target_vocab_size": raw.get("specbatch_target_vocab_size"),
+            }
+            # the family's own fields and defaults (Gemma ties its embeddings unless told not to)
+            fields.update(rope_features)
+            fields.update(hf_features(raw, architecture, fields["num_hidden_layers"]))
+            return cls(**fields)
         except ModelLoadError:
             raise  # already names the field (it is a ValueError too, so keep it off the next line)
         except (KeyError, TypeError, ValueError) as exc:
@@ -210,13 +306,12 @@ def _size_field(raw: dict[str, Any], key: str, default: int | None = None) -> in
 
 
 def _guess_architecture(raw: dict[str, Any]) -> str:
-    model_type = raw.get("model_type", "")
-    return {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}.get(
-        model_type, "MistralForCausalLM" if model_type == "mistral" else model_type
-    )
+    from specbatch.models.families import architecture_of_model_type
+
+    return architecture_of_model_type(str(raw.get("model_type", "")))
 
 
-def _rope_scaling_from_dict(raw: dict[str, Any]) -> RopeScaling:
+def rope_scaling_from_dict(raw: dict[str, Any]) -> RopeScaling:
     if not raw:
         return RopeScaling()
     rope_type = raw.get("rope_type", raw.get("type", "default"))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Collection, Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -12,13 +13,12 @@ import torch
 from specbatch.errors import ModelLoadError
 from specbatch.kernels.block_forms import BLOCK_FORMS
 from specbatch.models.config import SIZE_LIMITS, ModelConfig, RopeScaling, check_size
+from specbatch.models.families import GGUF_ARCHITECTURES, Family, family
 from specbatch.models.gguf_file import GGUFFile
 from specbatch.models.inventory import DeclaredTensor, check_inventory
-from specbatch.models.registry import GGUF_ARCHITECTURES
 
+# Every family's layer matrices and biases (norms and the rest: ``Family.gguf_layer_names``).
 _LAYER_NAMES = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
     "attn_q.weight": "self_attn.q_proj.weight",
     "attn_k.weight": "self_attn.k_proj.weight",
     "attn_v.weight": "self_attn.v_proj.weight",
@@ -37,8 +37,7 @@ _GLOBAL_NAMES = {
 }
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(.+)")
 _HF_LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
-_GGUF_LAYER_NAMES = {hf: gguf for gguf, hf in _LAYER_NAMES.items()}
-_GGUF_GLOBAL_NAMES = {hf: gguf for gguf, hf in _GLOBAL_NAMES.items()}
+_EXPERT_RE = re.compile(r"mlp\.experts\.(\d+)\.(.+)")
 ROPE_FREQS = "rope_freqs.weight"
 
 
@@ -64,12 +63,20 @@ def _config_from_metadata(gguf_file: GGUFFile, arch: str) -> ModelConfig:
     head_dim = _size(gguf_file, f"{arch}.attention.key_length", "head_dim", hidden // heads)
     tensor_names = {t.name for t in gguf_file.tensors}
     eos = _token_id(gguf_file, "tokenizer.ggml.eos_token_id")
+    layers = _size(gguf_file, f"{arch}.block_count", "num_hidden_layers")
+    features = _family_features(gguf_file, arch, layers, hidden, heads, head_dim)
+    rope_default = 1_000_000.0 if arch == "gemma3" else 10000.0
     return ModelConfig(
         architecture=GGUF_ARCHITECTURES[arch],
         vocab_size=_vocab_size(gguf_file, arch),
         hidden_size=hidden,
-        intermediate_size=_size(gguf_file, f"{arch}.feed_forward_length", "intermediate_size"),
-        num_hidden_layers=_size(gguf_file, f"{arch}.block_count", "num_hidden_layers"),
+        intermediate_size=_size(
+            gguf_file,
+            f"{arch}.feed_forward_length",
+            "intermediate_size",
+            features.get("moe_intermediate_size"),
+        ),
+        num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=_size(
             gguf_file, f"{arch}.attention.head_count_kv", "num_key_value_heads", heads
@@ -79,14 +86,96 @@ def _config_from_metadata(gguf_file: GGUFFile, arch: str) -> ModelConfig:
             gguf_file, f"{arch}.context_length", "max_position_embeddings", 2048
         ),
         rms_norm_eps=_real(gguf_file, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6),
-        rope_theta=_real(gguf_file, f"{arch}.rope.freq_base", 10000.0),
+        rope_theta=_real(gguf_file, f"{arch}.rope.freq_base", rope_default),
         rope_scaling=_rope_scaling(gguf_file, arch),
         rope_freq_factors=_rope_freq_factors(gguf_file, head_dim),
         tie_word_embeddings="output.weight" not in tensor_names,
         attention_bias="blk.0.attn_q.bias" in tensor_names,
         bos_token_id=_token_id(gguf_file, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=() if eos is None else (eos,),
+        **features,
     )
+
+
+def _family_features(
+    gguf_file: GGUFFile, arch: str, layers: int, hidden: int, heads: int, head_dim: int
+) -> dict[str, Any]:
+    """The ``ModelConfig`` fields beyond Llama's, as llama.cpp reads them for the family (see
+    ``docs/model_families.md``: keys it lacks are llama.cpp's constants)."""
+    out: dict[str, Any] = {}
+    if arch in ("gemma2", "gemma3"):
+        gemma2 = arch == "gemma2"
+        # llama.cpp: 1 / sqrt(head_dim), but hidden / heads for the 27B models (46 / 62 layers)
+        big = layers == (46 if gemma2 else 62)
+        window = gguf_file.get(f"{arch}.attention.sliding_window", 4096 if gemma2 else None)
+        pattern = 2 if gemma2 else 6
+        out.update(
+            hidden_act="gelu_tanh",
+            sandwich_norms=True,
+            qk_norm=not gemma2,
+            embedding_multiplier=math.sqrt(hidden),
+            attention_scale=(hidden / heads if big else head_dim) ** -0.5,
+            final_logit_softcap=_optional_real(gguf_file, f"{arch}.final_logit_softcapping"),
+        )
+        if gemma2:
+            out["attn_logit_softcap"] = _optional_real(gguf_file, f"{arch}.attn_logit_softcapping")
+        if window:
+            out["sliding_window"] = _size(gguf_file, f"{arch}.attention.sliding_window",
+                                          "max_position_embeddings", window)  # fmt: skip
+            out["layer_types"] = _sliding_layers(gguf_file, arch, layers, pattern)
+        if not gemma2:
+            out["rope_local_theta"] = _real(gguf_file, f"{arch}.rope.freq_base_swa", 10000.0)
+    if arch in ("qwen3", "qwen3moe"):
+        out["qk_norm"] = True
+    if arch in ("qwen2moe", "qwen3moe"):
+        out.update(_experts(gguf_file, arch, layers))
+    if arch == "phi3":
+        rotary = gguf_file.get(f"{arch}.rope.dimension_count", head_dim)
+        out["partial_rotary_factor"] = int(rotary) / head_dim
+        window = gguf_file.get(f"{arch}.attention.sliding_window")
+        if window:
+            out["sliding_window"] = int(window)
+            out["layer_types"] = ("sliding",) * layers
+    return out
+
+
+def _sliding_layers(gguf_file: GGUFFile, arch: str, layers: int, pattern: int) -> tuple[str, ...]:
+    """Which layers slide: ``{arch}.attention.sliding_window_pattern`` (one flag per layer, or
+    every n-th layer full), else llama.cpp's pattern for the family (the last of every
+    ``pattern`` layers full)."""
+    key = f"{arch}.attention.sliding_window_pattern"
+    value = gguf_file.get(key, pattern)
+    if isinstance(value, list):
+        if len(value) != layers or not all(isinstance(v, bool | int) for v in value):
+            raise ModelLoadError(f"GGUF metadata {key} must give one flag per layer")
+        return tuple("sliding" if v else "full" for v in value)
+    every = check_size(f"GGUF metadata {key}", value, layers + 1)
+    return tuple("sliding" if (i + 1) % every else "full" for i in range(layers))
+
+
+def _experts(gguf_file: GGUFFile, arch: str, layers: int) -> dict[str, Any]:
+    used = _size(gguf_file, f"{arch}.expert_used_count", "num_attention_heads")
+    ffn = gguf_file.get(f"{arch}.feed_forward_length")
+    default = int(ffn) // used if isinstance(ffn, int) else None
+    # llama.cpp renormalises Qwen3-MoE's chosen weights and never Qwen2-MoE's (its key, where
+    # a file has it, decides)
+    norm = gguf_file.get(f"{arch}.expert_weights_norm", arch == "qwen3moe")
+    return {
+        "num_experts": _size(gguf_file, f"{arch}.expert_count", "num_attention_heads"),
+        "num_experts_per_tok": used,
+        "moe_intermediate_size": _size(
+            gguf_file, f"{arch}.expert_feed_forward_length", "intermediate_size", default
+        ),
+        "shared_expert_intermediate_size": int(
+            gguf_file.get(f"{arch}.expert_shared_feed_forward_length", 0) or 0
+        ),
+        "norm_topk_prob": bool(norm),
+        "sparse_layers": (True,) * layers,
+    }
+
+
+def _optional_real(gguf_file: GGUFFile, key: str) -> float | None:
+    return _real(gguf_file, key) if gguf_file.get(key) else None
 
 
 def _size(gguf_file: GGUFFile, key: str, field: str, default: int | None = None) -> int:
@@ -98,6 +187,14 @@ def _size(gguf_file: GGUFFile, key: str, field: str, default: int | None = None)
 
 
 def _vocab_size(gguf_file: GGUFFile, arch: str) -> int:
+    """``{arch}.vocab_size``, else the embedding's rows (llama.cpp's converter trims Gemma 3's
+    to the tokenizer's), else the tokenizer's length."""
+    if gguf_file.get(f"{arch}.vocab_size") is not None:
+        return _size(gguf_file, f"{arch}.vocab_size", "vocab_size")
+    embedding = next((t for t in gguf_file.tensors if t.name == "token_embd.weight"), None)
+    if embedding is not None and len(embedding.shape) == 2:
+        label = "GGUF tensor token_embd.weight (its rows)"
+        return check_size(label, embedding.shape[0], SIZE_LIMITS["vocab_size"])
     if gguf_file.get(f"{arch}.vocab_size") is not None:
         return _size(gguf_file, f"{arch}.vocab_size", "vocab_size")
     tokens = gguf_file.get("tokenizer.ggml.tokens")
@@ -144,39 +241,57 @@ def _rope_freq_factors(gguf_file: GGUFFile, head_dim: int) -> tuple[float, ...] 
     return None
 
 
-def hf_name(gguf_name: str) -> str | None:
-    """The HF parameter name of a GGUF tensor, ``None`` for tensors that are not parameters."""
+def hf_name(gguf_name: str, of: Family) -> str | None:
+    """The HF parameter name of a GGUF tensor of a family (an expert stack's with ``{e}`` for
+    the expert), ``None`` for tensors that are not parameters."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     match = _LAYER_RE.fullmatch(gguf_name)
-    if match and match.group(2) in _LAYER_NAMES:
-        return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}"
-    return None
+    if match is None:
+        return None
+    part = of.gguf_layer_names.get(match.group(2)) or _LAYER_NAMES.get(match.group(2))
+    return None if part is None else f"model.layers.{match.group(1)}.{part}"
 
 
-def gguf_tensor_name(hf: str) -> str:
+def gguf_tensor_name(hf: str, of: Family) -> str:
     """The GGUF spelling of a HF parameter name (the inverse of :func:`hf_name`)."""
-    if hf in _GGUF_GLOBAL_NAMES:
-        return _GGUF_GLOBAL_NAMES[hf]
+    for gguf_name, name in _GLOBAL_NAMES.items():
+        if name == hf:
+            return gguf_name
     match = _HF_LAYER_RE.fullmatch(hf)
-    if match and match.group(2) in _GGUF_LAYER_NAMES:
-        return f"blk.{match.group(1)}.{_GGUF_LAYER_NAMES[match.group(2)]}"
+    if match is None:
+        return hf
+    part = _EXPERT_RE.sub(r"mlp.experts.{e}.\2", match.group(2))
+    for gguf_part, name in {**_LAYER_NAMES, **of.gguf_layer_names}.items():
+        if name == part:
+            return f"blk.{match.group(1)}.{gguf_part}"
     return hf
+
+
+def _expert_names(name: str, info_shape: tuple[int, ...]) -> list[str]:
+    """The HF names of an expert stack's matrices, in order (one name for any other tensor)."""
+    if "{e}" not in name:
+        return [name]
+    return [name.format(e=e) for e in range(info_shape[0])]
 
 
 def check_gguf_tensors(gguf_file: GGUFFile, config: ModelConfig) -> None:
     """Check the tensor infos against ``config`` (see :mod:`specbatch.models.inventory`)."""
     path = str(gguf_file.path)
+    of = family(config.architecture)
     declared: dict[str, DeclaredTensor] = {}
     for info in gguf_file.tensors:
         if info.name == ROPE_FREQS:  # not a parameter; its length is checked by ModelConfig
             continue
-        name = hf_name(info.name)
+        name = hf_name(info.name, of)
         if name is None:
             raise ModelLoadError(f"{path}: unexpected GGUF tensor {info.name!r}")
-        declared[name] = DeclaredTensor(info.name, info.shape, path)
+        names = _expert_names(name, info.shape)
+        shape = info.shape[1:] if len(names) > 1 or "{e}" in name else info.shape
+        for each in names:
+            declared[each] = DeclaredTensor(info.name, shape, path)
     layers_key = f"{gguf_file.get('general.architecture')}.block_count"
-    check_inventory(config, declared, path, layers_key, gguf_tensor_name)
+    check_inventory(config, declared, path, layers_key, lambda n: gguf_tensor_name(n, of))
     gguf_file.check_disjoint()
 
 
@@ -191,27 +306,35 @@ def iter_gguf_tensors(
     gguf_file: GGUFFile, config: ModelConfig, skip: Collection[str] = ()
 ) -> Iterator[tuple[str, torch.Tensor, str]]:
     """Yield ``(hf_name, float32 tensor, file)``, dequantising one tensor at a time (none of
-    those named in ``skip``)."""
+    those named in ``skip``; an expert stack as its experts' matrices)."""
     path = str(gguf_file.path)
-    permuted = config.architecture != "Qwen2ForCausalLM"  # llama.cpp permutes only llama-style
+    of = family(config.architecture)
     for info in gguf_file.tensors:
         if info.name == ROPE_FREQS:
             continue
-        name = hf_name(info.name)
+        name = hf_name(info.name, of)
         if name is None:
             raise ModelLoadError(f"{path}: unexpected GGUF tensor {info.name!r}")
-        if name in skip:
+        names = [n for n in _expert_names(name, info.shape) if n not in skip]
+        if not names:
             continue
         array = gguf_file.dequantize(info)
-        if permuted and name.endswith(("q_proj.weight", "k_proj.weight")):
-            heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
-            array = unpermute_rows(array, heads)
-        if not array.flags.writeable:  # F32 tensors are views of the read-only file map
-            array = array.copy()
-        yield name, torch.from_numpy(np.ascontiguousarray(array)), path
+        if "{e}" not in name:
+            yield name, torch.from_numpy(_in_hf_order(array, name, config, of)), path
+            continue
+        for expert, expert_name in enumerate(_expert_names(name, info.shape)):
+            if expert_name in names:
+                yield expert_name, torch.from_numpy(np.array(array[expert])), path
 
 
-_LAYER_MATRICES = {name for name in _LAYER_NAMES if name.endswith("weight") and "norm" not in name}
+def _in_hf_order(array: np.ndarray, name: str, config: ModelConfig, of: Family) -> np.ndarray:
+    """A tensor's rows in HF's order (llama.cpp's Q/K permutation undone), writable."""
+    if of.permute_qk and name.endswith(("q_proj.weight", "k_proj.weight")):
+        heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
+        array = unpermute_rows(array, heads)
+    if not array.flags.writeable:  # F32 tensors are views of the read-only file map
+        array = array.copy()
+    return np.ascontiguousarray(array)
 
 
 def first_unsupported_matrix(gguf_file: GGUFFile) -> str | None:
@@ -219,8 +342,7 @@ def first_unsupported_matrix(gguf_file: GGUFFile) -> str | None:
     tensor at fault and its type (one no block form holds); None when every one can. Reads the
     tensor directory."""
     for info in gguf_file.tensors:
-        match = _LAYER_RE.fullmatch(info.name)
-        if match is None or match.group(2) not in _LAYER_MATRICES:
+        if _LAYER_RE.fullmatch(info.name) is None or len(info.shape) < 2:
             continue
         if info.type_name not in BLOCK_FORMS:
             return (
@@ -235,15 +357,21 @@ def iter_gguf_quantized(
 ) -> Iterator[tuple[str, str, np.ndarray]]:
     """Yield ``(hf_name, ggml type name, raw rows)`` for the matrices stored in a type a block
     form holds (``BLOCK_FORMS``): uint8 [out_features, blocks bytes], rows in HF order
-    (llama.cpp's Q/K permutation undone on whole rows of blocks)."""
-    permuted = config.architecture != "Qwen2ForCausalLM"
+    (llama.cpp's Q/K permutation undone on whole rows of blocks); an expert stack's experts one
+    by one (their runs of rows)."""
+    of = family(config.architecture)
     for info in gguf_file.tensors:
         kind = info.type_name
-        name = hf_name(info.name)
-        if kind not in BLOCK_FORMS or name is None or len(info.shape) != 2:
+        name = hf_name(info.name, of)
+        if kind not in BLOCK_FORMS or name is None or len(info.shape) not in (2, 3):
             continue
         raw = gguf_file.raw_rows(info)
-        if permuted and name.endswith(("q_proj.weight", "k_proj.weight")):
+        if len(info.shape) == 3:
+            rows = info.shape[1]
+            for expert, expert_name in enumerate(_expert_names(name, info.shape)):
+                yield expert_name, kind, raw[expert * rows : (expert + 1) * rows]
+            continue
+        if of.permute_qk and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
             raw = unpermute_rows(raw, heads)
         yield name, kind, raw

@@ -30,7 +30,8 @@ class DeclaredTensor:
 
 
 def checkpoint_shapes(config: ModelConfig) -> dict[str, Shape]:
-    """HF name -> torch shape of every tensor a Llama-family checkpoint of ``config`` holds."""
+    """HF name -> torch shape of every tensor a checkpoint of ``config`` holds (HF names;
+    experts one by one, as transformers saves them)."""
     hidden = config.hidden_size
     shapes: dict[str, Shape] = {
         "model.embed_tokens.weight": (config.vocab_size, hidden),
@@ -39,30 +40,66 @@ def checkpoint_shapes(config: ModelConfig) -> dict[str, Shape]:
     if not config.tie_word_embeddings:
         shapes["lm_head.weight"] = (config.vocab_size, hidden)
     for index in range(config.num_hidden_layers):
-        for suffix, shape in _layer_shapes(config).items():
+        for suffix, shape in _layer_shapes(config, index).items():
             shapes[f"model.layers.{index}.{suffix}"] = shape
     return shapes
 
 
-def _layer_shapes(config: ModelConfig) -> dict[str, Shape]:
+def _layer_shapes(config: ModelConfig, layer: int) -> dict[str, Shape]:
+    from specbatch.models.families import family
+
     hidden, inter = config.hidden_size, config.intermediate_size
     q_size = config.num_attention_heads * config.head_dim
     kv_size = config.num_key_value_heads * config.head_dim
+    fused = family(config.architecture).fused_checkpoint
     shapes: dict[str, Shape] = {
         "input_layernorm.weight": (hidden,),
         "post_attention_layernorm.weight": (hidden,),
-        "self_attn.q_proj.weight": (q_size, hidden),
-        "self_attn.k_proj.weight": (kv_size, hidden),
-        "self_attn.v_proj.weight": (kv_size, hidden),
         "self_attn.o_proj.weight": (hidden, q_size),
-        "mlp.gate_proj.weight": (inter, hidden),
-        "mlp.up_proj.weight": (inter, hidden),
-        "mlp.down_proj.weight": (hidden, inter),
     }
+    if fused:
+        shapes["self_attn.qkv_proj.weight"] = (q_size + 2 * kv_size, hidden)
+    else:
+        shapes["self_attn.q_proj.weight"] = (q_size, hidden)
+        shapes["self_attn.k_proj.weight"] = (kv_size, hidden)
+        shapes["self_attn.v_proj.weight"] = (kv_size, hidden)
+    if config.sandwich_norms:
+        shapes["pre_feedforward_layernorm.weight"] = (hidden,)
+        shapes["post_feedforward_layernorm.weight"] = (hidden,)
+    if config.qk_norm:
+        shapes["self_attn.q_norm.weight"] = (config.head_dim,)
+        shapes["self_attn.k_norm.weight"] = (config.head_dim,)
+    if config.layer_sparse(layer):
+        shapes.update(_expert_shapes(config))
+    else:
+        shapes.update(_mlp_shapes("mlp", hidden, inter, fused))
     if config.attention_bias:
         shapes["self_attn.q_proj.bias"] = (q_size,)
         shapes["self_attn.k_proj.bias"] = (kv_size,)
         shapes["self_attn.v_proj.bias"] = (kv_size,)
+    return shapes
+
+
+def _mlp_shapes(prefix: str, hidden: int, inter: int, fused: bool = False) -> dict[str, Shape]:
+    if fused:
+        return {f"{prefix}.gate_up_proj.weight": (2 * inter, hidden),
+                f"{prefix}.down_proj.weight": (hidden, inter)}  # fmt: skip
+    return {
+        f"{prefix}.gate_proj.weight": (inter, hidden),
+        f"{prefix}.up_proj.weight": (inter, hidden),
+        f"{prefix}.down_proj.weight": (hidden, inter),
+    }
+
+
+def _expert_shapes(config: ModelConfig) -> dict[str, Shape]:
+    hidden = config.hidden_size
+    shapes: dict[str, Shape] = {"mlp.gate.weight": (config.num_experts, hidden)}
+    for expert in range(config.num_experts):
+        shapes.update(_mlp_shapes(f"mlp.experts.{expert}", hidden, config.moe_intermediate_size))
+    shared = config.shared_expert_intermediate_size
+    if shared:
+        shapes.update(_mlp_shapes("mlp.shared_expert", hidden, shared))
+        shapes["mlp.shared_expert_gate.weight"] = (1, hidden)
     return shapes
 
 

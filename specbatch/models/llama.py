@@ -1,4 +1,6 @@
-"""The Llama family (Llama 2/3, SmolLM2, Mistral, Qwen2) over a flat ragged batch and a paged cache.
+"""The causal LM of every family (Llama 2/3, SmolLM2, Mistral, Qwen2, Gemma 2/3, Qwen3,
+Qwen2/3-MoE, Phi-3: ``models/families.py``) over a flat ragged batch and a paged cache; its
+layers are ``models/layers.py``'s.
 
 Parameter names follow HF transformers so checkpoints map one to one, except that q/k/v and
 gate/up projections are fused into one matrix each (fewer, larger matmuls); ``load_weights`` packs
@@ -13,11 +15,9 @@ from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from specbatch.errors import ModelLoadError
-from specbatch.kernels import cpu_ops
 from specbatch.kernels.attention import AttentionBackend, LayerKVCache
 from specbatch.kernels.block_forms import block_form, holds_blocks, stacked_blocks
 from specbatch.kernels.fused_layers import FusedLayer, FusedLayers
@@ -27,119 +27,12 @@ from specbatch.kernels.linear import Linear, packed_form, packing_supported
 from specbatch.kernels.onednn import OneDnnWeight, measure_row_padding
 from specbatch.kernels.sgemm import SgemmWeight
 from specbatch.kernels.weight_forms import DenseForm, WeightForm
-from specbatch.models.config import ModelConfig
-from specbatch.models.rotary import RotaryEmbedding, apply_rotary
+from specbatch.models.config import ModelConfig, RopeScaling
+from specbatch.models.layers import LlamaDecoderLayer, RMSNorm
+from specbatch.models.rotary import RotaryEmbedding
 
 if TYPE_CHECKING:
     from specbatch.models.tensor_parallel import TensorParallel
-
-
-class RMSNorm(nn.Module):
-    """Root-mean-square norm computed in float32, as HF Llama does."""
-
-    def __init__(self, size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not torch.is_grad_enabled():  # CPU inference: one C call where it applies
-            fast = cpu_ops.rms_norm(x, self.weight, self.eps)
-            if fast is not None:
-                return fast
-        if x.dtype == torch.float32:
-            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        return self.weight * normed.to(x.dtype)
-
-
-class LlamaAttention(nn.Module):
-    """Fused QKV projection, rotary embedding, paged attention through the backend, output."""
-
-    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
-        super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = config.head_dim
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = Linear(
-            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
-        )
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
-        self.backend = backend
-        self.kv_cache: LayerKVCache | None = None
-
-    def forward(
-        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, metadata: object
-    ) -> torch.Tensor:
-        num_tokens = hidden.shape[0]
-        qkv = self.qkv_proj(hidden)
-        # q and k rotate together: one set of rotary ops per layer instead of two (in place, in
-        # one C call, for CPU inference).
-        heads = self.num_heads + self.num_kv_heads
-        qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, heads, self.head_dim)
-        if torch.is_grad_enabled() or not cpu_ops.rotary_(qkv, heads, self.head_dim, cos, sin):
-            qk = apply_rotary(qk, cos, sin)
-        v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
-        out = self.backend.forward(
-            qk[:, : self.num_heads], qk[:, self.num_heads :], v, self.kv_cache, metadata
-        )
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
-
-
-class LlamaMLP(nn.Module):
-    """SwiGLU feed-forward with the gate and up projections fused."""
-
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        if not torch.is_grad_enabled():  # CPU inference: one C call
-            activation = cpu_ops.silu_mul(gate_up, self.intermediate_size)
-            if activation is not None:
-                return self.down_proj(activation)
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
-
-
-class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
-        super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, backend)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config)
-
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, metadata: object
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, metadata)
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-    def fused_layer(self) -> FusedLayer:
-        """This layer as the fused CPU call takes it."""
-        attn, mlp = self.self_attn, self.mlp
-        return FusedLayer(
-            norm1=self.input_layernorm.weight,
-            norm2=self.post_attention_layernorm.weight,
-            eps=self.input_layernorm.eps,
-            scale=attn.backend.scale,
-            qkv=attn.qkv_proj.form,
-            o=attn.o_proj.form,
-            gate_up=mlp.gate_up_proj.form,
-            down=mlp.down_proj.form,
-            qkv_bias=attn.qkv_proj.bias,
-            heads=attn.num_heads,
-            kv_heads=attn.num_kv_heads,
-            head_dim=attn.head_dim,
-            intermediate=mlp.intermediate_size,
-            kv_cache=attn.kv_cache,
-        )
 
 
 class QuantizedEmbedding(nn.Module):
@@ -163,7 +56,7 @@ class LlamaModel(nn.Module):
         # built for training (a distilled student) draws its init from the RNG as before.
         self.embed_tokens = nn.Embedding(*shape, _weight=weight if weight.is_meta else None)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, backend) for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, backend, i) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -172,13 +65,13 @@ class LlamaModel(nn.Module):
 # 0.34x of oneDNN on the LM head at 256 rows, kernels/amx_linear.py).
 _TIED_HEAD_FORMS = (SgemmWeight, OneDnnWeight)
 
-# HF checkpoint shard name -> (fused parameter name, shard index among its parts)
+# HF checkpoint shard name (its last part: an expert's too) -> (fused name, shard index)
 _FUSED_SHARDS = {
-    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
-    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
-    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
-    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
-    "mlp.up_proj": ("mlp.gate_up_proj", 1),
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
 }
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -192,6 +85,18 @@ class LlamaForCausalLM(nn.Module):
         self.backend = backend
         self.model = LlamaModel(config, backend)
         self.rotary = RotaryEmbedding(config)
+        # sliding layers with their own rotary base (Gemma 3), unscaled
+        self.local_rotary = (
+            RotaryEmbedding(
+                config.replace(
+                    rope_theta=config.rope_local_theta,
+                    rope_scaling=RopeScaling(),
+                    rope_freq_factors=None,
+                )
+            )
+            if config.rope_local_theta is not None
+            else None
+        )
         # A tied LM head is a Linear sharing the embedding's form (dense: its very parameter).
         tied = DenseForm(self.model.embed_tokens) if config.tie_word_embeddings else None
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False, form=tied)
@@ -247,22 +152,35 @@ class LlamaForCausalLM(nn.Module):
             x = self.tp.embed(self.model.embed_tokens, input_ids)
         else:
             x = self.model.embed_tokens(input_ids)
+        if self.config.embedding_multiplier is not None:  # in x's dtype, as HF's Gemma
+            x = x * torch.tensor(self.config.embedding_multiplier, dtype=x.dtype)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         step = self.fused.step(metadata, cos, sin, x) if self.tp is None else None
         if step is not None:  # every layer in one C call each (same bits as the loop below)
             return self.model.norm(self.fused.run(step, x))
+        local = None if self.local_rotary is None else self.local_rotary.cos_sin(positions, x.dtype)
         for layer in self.model.layers:
-            x = layer(x, cos, sin, metadata)
+            if local is not None and cast(LlamaDecoderLayer, layer).local_rope:
+                x = layer(x, *local, metadata)
+            else:
+                x = layer(x, cos, sin, metadata)
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Vocabulary logits for the given hidden-state rows only."""
         logits = self.lm_head(hidden)
-        return logits if self.tp is None else self.tp.gather_vocab(logits)
+        if self.tp is not None:
+            logits = self.tp.gather_vocab(logits)
+        cap = self.config.final_logit_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def fused_layers(self) -> list[FusedLayer]:
-        """Every decoder layer as the fused CPU call takes it (``kernels.fused_layers``)."""
-        return [cast(LlamaDecoderLayer, layer).fused_layer() for layer in self.model.layers]
+        """Every decoder layer as the fused CPU call takes it (``kernels.fused_layers``); none
+        where a layer has a feature the call lacks."""
+        layers = [cast(LlamaDecoderLayer, layer) for layer in self.model.layers]
+        if not all(layer.fusable for layer in layers):
+            return []
+        return [layer.fused_layer() for layer in layers]
 
     def weight_forms(self) -> list[WeightForm]:
         """Every weight form held, in module order, each once (a tied head shares the
@@ -430,7 +348,8 @@ class LlamaForCausalLM(nn.Module):
                     f"expected {tuple(destination.shape)}"
                 )
             destination.copy_(tensor)
-            loaded.setdefault(target, set()).add(0 if shard is None else shard)
+            whole = range(self._num_shards(target)) if shard is None else (shard,)
+            loaded.setdefault(target, set()).update(whole)  # a fused file tensor: every shard
         missing = [n for n in params if len(loaded.get(n, ())) < self._num_shards(n)]
         if missing:
             shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
@@ -440,26 +359,27 @@ class LlamaForCausalLM(nn.Module):
         """The weights under HF names, fused matrices split back (inverse of load_weights)."""
         out: dict[str, torch.Tensor] = {}
         shard_names: dict[str, dict[int, str]] = {}
-        for hf_stem, (fused_name, index) in _FUSED_SHARDS.items():
-            shard_names.setdefault(fused_name, {})[index] = hf_stem
+        for hf_part, (fused_part, index) in _FUSED_SHARDS.items():
+            shard_names.setdefault(fused_part, {})[index] = hf_part
         for name, param in self.named_parameters():
             stem, _, kind = name.rpartition(".")
-            fused = next((f for f in shard_names if stem.endswith(f)), None)
-            if fused is None:
+            prefix, _, part = stem.rpartition(".")
+            if part not in shard_names:
                 out[name] = param.detach()
                 continue
-            prefix = stem[: -len(fused)]
-            sizes = self._shard_sizes(name)
-            for index, part in enumerate(param.detach().split(sizes, dim=0)):
-                out[f"{prefix}{shard_names[fused][index]}.{kind}"] = part
+            for index, piece in enumerate(param.detach().split(self._shard_sizes(name), dim=0)):
+                out[f"{prefix}.{shard_names[part][index]}.{kind}"] = piece
         return out
 
     @staticmethod
     def _target_of(name: str) -> tuple[str, int | None]:
+        """The (fused) parameter an HF tensor goes to, and its shard index there (None: the
+        whole parameter): ``...self_attn.k_proj.weight`` is shard 1 of ``...qkv_proj``."""
         stem, _, kind = name.rpartition(".")
-        for shard_name, (fused, index) in _FUSED_SHARDS.items():
-            if stem.endswith(shard_name):
-                return f"{stem[: -len(shard_name)]}{fused}.{kind}", index
+        prefix, _, part = stem.rpartition(".")
+        if part in _FUSED_SHARDS:
+            fused, index = _FUSED_SHARDS[part]
+            return f"{prefix}.{fused}.{kind}", index
         return name, None
 
     def _shard_view(self, target: str, param: torch.Tensor, shard: int) -> torch.Tensor:
@@ -468,11 +388,13 @@ class LlamaForCausalLM(nn.Module):
         return param.data.narrow(0, start, sizes[shard])
 
     def _shard_sizes(self, target: str) -> list[int]:
-        c = self.config
+        c = self.local_config
         if ".qkv_proj." in target:
             kv = c.num_key_value_heads * c.head_dim
             return [c.num_attention_heads * c.head_dim, kv, kv]
-        return [c.intermediate_size, c.intermediate_size]
+        mlp = self.get_submodule(target.rsplit(".", 2)[0])  # an MLP: an expert's has its size
+        size = int(getattr(mlp, "intermediate_size", c.intermediate_size))
+        return [size, size]
 
     def _num_shards(self, target: str) -> int:
         fused = ".qkv_proj." in target or ".gate_up_proj." in target

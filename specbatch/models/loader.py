@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +16,7 @@ from specbatch.kernels.block_forms import BLOCK_FORMS
 from specbatch.kernels.linear import Linear
 from specbatch.models.config import ModelConfig
 from specbatch.models.default_model import default_model_path, is_default_model_name
+from specbatch.models.families import hf_norm_shift
 from specbatch.models.gguf_checkpoint import (
     check_gguf_tensors,
     iter_gguf_quantized,
@@ -126,13 +127,25 @@ def load_model(
     check_safetensors_tensors(files, config, path)
     return _build(
         config,
-        lambda skip: iter_safetensors(files),
+        lambda skip: _hf_weights(iter_safetensors(files), config),
         path,
         torch_dtype,
         torch_device,
         attention_backend,
         shard=shard,
     )
+
+
+def _hf_weights(
+    tensors: Iterable[tuple[str, torch.Tensor, str]], config: ModelConfig
+) -> Iterator[tuple[str, torch.Tensor, str]]:
+    """A HF checkpoint's tensors as the model holds them: Gemma's norm weights w as 1 + w (in
+    float32, as transformers adds them), which GGUF files already store."""
+    shift = hf_norm_shift(config.architecture)
+    for name, tensor, origin in tensors:
+        if shift and name.endswith("norm.weight"):
+            tensor = tensor.float() + 1.0
+        yield name, tensor, origin
 
 
 ShardSpec = tuple[int, int]  # (rank, world size)
@@ -209,11 +222,9 @@ def _build(
         built = plan.local_config()
     backend_cls = attention_backend_class(attention_backend, torch_device)
     backend = backend_cls(
-        built.num_attention_heads,
-        built.num_key_value_heads,
-        built.head_dim,
-        built.head_dim**-0.5,
+        built.num_attention_heads, built.num_key_value_heads, built.head_dim, built.query_scale
     )
+    backend.softcap = built.attn_logit_softcap
     with torch.device("meta"):
         net = cls(built, backend)
     skip = net.use_quantized_weights(quantized) if quantized is not None else set()

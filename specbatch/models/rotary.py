@@ -10,8 +10,9 @@ from specbatch.models.config import ModelConfig
 
 
 def rotary_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """Per-pair inverse frequencies ``[head_dim / 2]`` in float32, after any scaling."""
-    dim = config.head_dim
+    """Per-pair inverse frequencies ``[rotary_dim / 2]`` in float32, after any scaling (the
+    rotated dimensions: all of a head but for a partial rotary)."""
+    dim = config.rotary_dim
     exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
     inv_freq = 1.0 / (config.rope_theta**exponents)
     scaling = config.rope_scaling

@@ -107,8 +107,7 @@ def test_tiny_quantized_gguf_matches_its_plain_load(tmp_path: Path, variant: str
     # q, k in Q4_1 but v in Q8_0: the fused projection is a stack of the two; every other
     # one is one block matrix
     assert all(
-        isinstance(m.form, StackedWeight)
-        and [p.kind for p in m.form.parts] == ["q4_1", "q8_0"]  # type: ignore[attr-defined]
+        isinstance(m.form, StackedWeight) and [p.kind for p in m.form.parts] == ["q4_1", "q8_0"]  # type: ignore[attr-defined]
         for n, m in linears.items()
         if n.endswith("qkv_proj")
     )

@@ -89,6 +89,8 @@ class AttentionBackend(ABC):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
+        # scores become softcap tanh(score / softcap) before the softmax (Gemma 2); None: not
+        self.softcap: float | None = None
 
     @abstractmethod
     def build_metadata(self, inputs: AttentionInputs, device: torch.device) -> Any:
@@ -102,11 +104,13 @@ class AttentionBackend(ABC):
         v: torch.Tensor,
         kv_cache: LayerKVCache | None,
         metadata: Any,
+        window: int | None = None,
     ) -> torch.Tensor:
         """Write ``k``/``v`` at the slot mapping, attend ``q`` through the block tables.
 
         ``q`` is ``[T, num_heads, head_dim]``, ``k`` and ``v`` ``[T, num_kv_heads, head_dim]``
-        (views may be strided); returns ``[T, num_heads, head_dim]``.
+        (views may be strided); returns ``[T, num_heads, head_dim]``. With ``window`` (a
+        sliding layer's) a query at position p sees positions p - window + 1 .. p only.
         """
 
     def prepare_for_capture(

@@ -55,7 +55,7 @@ def _declare(library: ctypes.CDLL) -> None:
         pointer, i64,  # block tables, stride
         pointer, i64,  # tree mask, stride
         i64, i64, i64, i64, i64, i64,  # seqs, heads, kv heads, head dim, block, chunk
-        ctypes.c_float, ctypes.c_int,  # scale, threads
+        ctypes.c_float, i64, ctypes.c_float, ctypes.c_int,  # scale, window, softcap, threads
     ]  # fmt: skip
     library.write_kv.restype = None
     library.write_kv.argtypes = [
@@ -159,6 +159,7 @@ class CpuPagedBackend(TorchAttentionBackend):
         v: torch.Tensor,
         kv_cache: LayerKVCache | None,
         metadata: TorchAttentionMetadata,
+        window: int | None = None,
     ) -> torch.Tensor:
         if kv_cache is None:
             raise RuntimeError("no KV cache bound to the model: call bind_kv_caches first")
@@ -173,8 +174,10 @@ class CpuPagedBackend(TorchAttentionBackend):
         queries = q if q.dtype == torch.float32 and q.stride(-1) == 1 else q.float()
         out = torch.empty(q.shape[0], self.num_heads, self.head_dim, dtype=torch.float32)
         if kernel_queries is not None:
-            self._attend(queries, kv_cache, kernel_queries, out)
-        attended = self.attend_groups(queries, kv_cache, metadata.groups, out)
+            if window is not None and kernel_queries.tree is not None:
+                raise ValueError("tree-shaped queries cannot attend a sliding window")
+            self._attend(queries, kv_cache, kernel_queries, out, window)
+        attended = self.attend_groups(queries, kv_cache, metadata.groups, out, window)
         return (out if attended is None else attended).to(q.dtype)
 
     def _write_in_place(
@@ -212,7 +215,12 @@ class CpuPagedBackend(TorchAttentionBackend):
         return True
 
     def _attend(
-        self, q: torch.Tensor, kv_cache: LayerKVCache, step: KernelQueries, out: torch.Tensor
+        self,
+        q: torch.Tensor,
+        kv_cache: LayerKVCache,
+        step: KernelQueries,
+        out: torch.Tensor,
+        window: int | None,
     ) -> None:
         key_cache, value_cache = kv_cache
         library = NATIVE.load()
@@ -235,6 +243,8 @@ class CpuPagedBackend(TorchAttentionBackend):
             block_size,
             chunk_positions(block_size),
             self.scale,
+            window or 0,
+            self.softcap or 0.0,
             torch.get_num_threads(),
         )
         if status != 0:

@@ -42,7 +42,21 @@ typedef struct {
     const uint8_t *tree;
     int64_t tree_stride, num_heads, group, head_dim, block_size, row_width;
     float scale;
+    int64_t window; /* positions a query sees, itself included (sliding layers); 0: all */
+    float softcap;  /* scores become softcap tanh(score / softcap) (Gemma 2); 0: as they are */
 } Step;
+
+/* softcap tanh(x / softcap) as 1 - 2 / (exp(2 y) + 1) for y = x / softcap (exp saturates, so
+ * the quotient stays finite), on one float and on 16 lanes: the same operations. */
+static inline float capped(float x, float softcap) {
+    const float e = exp1f(2.0f * (x / softcap));
+    return softcap * (1.0f - 2.0f / (e + 1.0f));
+}
+
+static inline v16f capped16(v16f x, float softcap) {
+    const v16f e = exp16(2.0f * (x / softcap));
+    return softcap * (1.0f - 2.0f / (e + 1.0f));
+}
 
 /* Partial attention of one work unit (a chunk of positions), not yet normalised. */
 typedef struct {
@@ -64,6 +78,13 @@ static inline int visible(const Step *st, int64_t s, int64_t r, int64_t position
 static inline int64_t last_position(const Step *st, int64_t s, int64_t r) {
     const int64_t len = st->seq_len[s];
     return st->tree != NULL ? len - 1 : len - st->q_len[s] + r / st->num_heads;
+}
+
+/* The first position row r may see: its sliding window's first (cpu_paged.py never sends a
+ * tree with a window), else 0. */
+static inline int64_t first_position(const Step *st, int64_t s, int64_t r) {
+    const int64_t first = last_position(st, s, r) - st->window + 1;
+    return st->window > 0 && first > 0 ? first : 0;
 }
 
 /* Online softmax over one block: scores[r][0..count) become weights, best/total/acc rescale. */
@@ -130,8 +151,13 @@ static void attend_chunk(const Step *st, int64_t s, int64_t from, int64_t to, in
             for (int64_t r = r0; r < r1; r++) {
                 const int64_t kvh = (r % heads) / st->group;
                 scores[(r - r0) * width + j] = start + j <= last_position(st, s, r) &&
+                                                start + j >= first_position(st, s, r) &&
                                                 visible(st, s, r, start + j)
-                                            ? dot(queries + r * dim, k + kvh * dim, dim)
+                                            ? (st->softcap > 0.0f
+                                                   ? capped(dot(queries + r * dim, k + kvh * dim,
+                                                                dim),
+                                                            st->softcap)
+                                                   : dot(queries + r * dim, k + kvh * dim, dim))
                                             : -INFINITY;
             }
         }
@@ -237,9 +263,10 @@ static inline __attribute__((always_inline)) Halves scores16(const v16f *query, 
 /* The last position each row of [r0, r1) may see, and where its KV head's slice starts in a
  * position's K/V row. Rows of one query token are consecutive, so limits never decrease. */
 static void row_layout(const Step *st, int64_t s, int64_t r0, int64_t r1, int64_t *limit,
-                       int64_t *kv_offset) {
+                       int64_t *lowest, int64_t *kv_offset) {
     for (int64_t r = r0; r < r1; r++) {
         limit[r - r0] = last_position(st, s, r);
+        lowest[r - r0] = first_position(st, s, r);
         kv_offset[r - r0] = ((r % st->num_heads) / st->group) * st->head_dim;
     }
 }
@@ -253,7 +280,7 @@ static void row_layout(const Step *st, int64_t s, int64_t r0, int64_t r1, int64_
  * up to 16. */
 static inline __attribute__((always_inline)) void attend_row16(
     const Step *st, int64_t s, int64_t r, int64_t start, int64_t count, int64_t limit,
-    int64_t per_head, const v16f *query, const v16f *keys, const v16f *values, int64_t per_row,
+    int64_t lowest, int64_t per_head, const v16f *query, const v16f *keys, const v16f *values, int64_t per_row,
     int64_t kv_vec, Partial part, float *row) {
 #ifdef HALVES
     /* the same steps as below, on each 16-lane vector's two 8-lane halves */
@@ -261,14 +288,21 @@ static inline __attribute__((always_inline)) void attend_row16(
     const v8f hidden8 = splat8(-INFINITY);
     const int64_t groups = (count + 15) / 16;
     const int64_t seen = limit - start + 1; /* positions start + j, j < seen, are causal */
+    /* and j >= below inside the window (a clamp keeps it an int32 lane value) */
+    const int32_t below = (int32_t)(lowest - start > 0 ? lowest - start : 0);
     v8f top8[2] = {splat8(part.best[r]), splat8(part.best[r])};
     for (int64_t g = 0; g < groups; g++) {
         const int64_t n = count - 16 * g < 16 ? count - 16 * g : 16;
-        const Halves sums = scores16(query, keys + 16 * g * per_row + kv_vec, per_row, per_head, n);
+        Halves sums = scores16(query, keys + 16 * g * per_row + kv_vec, per_row, per_head, n);
+        if (st->softcap > 0.0f)
+            for (int h = 0; h < 2; h++) {
+                const v8f e = exp8(2.0f * ((v8f)sums.h[h] / st->softcap));
+                sums.h[h] = (__m256)(st->softcap * (1.0f - 2.0f / (e + 1.0f)));
+            }
         const int32_t shown = (int32_t)(n + 16 * g < seen ? n + 16 * g : seen);
         for (int h = 0; h < 2; h++) {
             const v8i index = lane + (int32_t)(16 * g + 8 * h);
-            const v8f scores = select8(index < shown, (v8f)sums.h[h], hidden8);
+            const v8f scores = select8((index < shown) & (index >= below), (v8f)sums.h[h], hidden8);
             memcpy(row + 16 * g + 8 * h, &scores, sizeof scores);
         }
         if (st->tree != NULL)
@@ -300,6 +334,8 @@ static inline __attribute__((always_inline)) void attend_row16(
     const v16i lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
     const int64_t groups = (count + 15) / 16;
     const int64_t seen = limit - start + 1; /* positions start + j, j < seen, are causal */
+    /* and j >= below inside the window (a clamp keeps it an int32 lane value) */
+    const int32_t below = (int32_t)(lowest - start > 0 ? lowest - start : 0);
     v16f top16 = splat16(part.best[r]);
     for (int64_t g = 0; g < groups; g++) {
         const int64_t n = count - 16 * g < 16 ? count - 16 * g : 16;
@@ -311,10 +347,11 @@ static inline __attribute__((always_inline)) void attend_row16(
                     sum += query[c] * keys[(16 * g + j) * per_row + kv_vec + c];
             partials[j] = sum;
         }
-        const v16f sums = reduce16(partials);
+        v16f sums = reduce16(partials);
+        if (st->softcap > 0.0f) sums = capped16(sums, st->softcap);
         const v16i index = lane + (int32_t)(16 * g);
-        v16f scores = select16(index < (int32_t)(n + 16 * g < seen ? n + 16 * g : seen), sums,
-                               hidden);
+        const int32_t shown = (int32_t)(n + 16 * g < seen ? n + 16 * g : seen);
+        v16f scores = select16((index < shown) & (index >= below), sums, hidden);
         if (st->tree != NULL)
             for (int64_t j = 0; j < n; j++)
                 if (!visible(st, s, r, start + 16 * g + j)) scores[j] = -INFINITY;
@@ -373,12 +410,13 @@ static inline __attribute__((always_inline)) void attend_row16(
  * leave its state unchanged (rescaling by exp(0) = 1, adding 0). */
 static void attend_chunk16(const Step *st, int64_t s, int64_t from, int64_t to, int64_t r0,
                            int64_t r1, Partial part, const v16f *queries, const int64_t *limit,
-                           const int64_t *kv_offset, float *row, v16f *keys, v16f *values) {
+                           const int64_t *lowest, const int64_t *kv_offset, float *row, v16f *keys, v16f *values) {
     const int64_t width = st->block_size, per_head = st->head_dim / 16;
     const int64_t per_row = st->row_width / 16, row_width = st->row_width;
     const int64_t *table = st->block_tables + s * st->bt_stride;
     for (int64_t start = from; start < to && start <= limit[r1 - 1 - r0]; start += width) {
         const int64_t count = to - start < width ? to - start : width;
+        if (start + count <= lowest[0]) continue; /* before every row's window */
         const int64_t base = table[start / width] * width * row_width;
         for (int64_t j = 0; j < count; j++)
             for (int64_t c = 0; c < per_row; c++) {
@@ -387,14 +425,16 @@ static void attend_chunk16(const Step *st, int64_t s, int64_t from, int64_t to, 
                     load16(st->value_cache, st->bf16, base + j * row_width + 16 * c);
             }
         for (int64_t r = r0; r < r1; r++) {
-            if (start > limit[r - r0]) continue;
+            if (start > limit[r - r0] || start + count <= lowest[r - r0]) continue;
             const v16f *query = queries + (r - r0) * per_head;
             const int64_t kv_vec = kv_offset[r - r0] / 16;
             if (per_head == 4) /* head dim 64: the accumulator lives in four registers */
-                attend_row16(st, s, r, start, count, limit[r - r0], 4, query, keys, values,
+                attend_row16(st, s, r, start, count, limit[r - r0], lowest[r - r0], 4, query,
+                             keys, values,
                              per_row, kv_vec, part, row);
             else
-                attend_row16(st, s, r, start, count, limit[r - r0], per_head, query, keys,
+                attend_row16(st, s, r, start, count, limit[r - r0], lowest[r - r0], per_head,
+                             query, keys,
                              values, per_row, kv_vec, part, row);
         }
     }
@@ -414,14 +454,15 @@ static int attend_unit(const Step *st, int64_t s, int64_t from, int64_t to, int6
     /* queries, row layout, scores, and K/V scratch: heap, sized for this unit, each part
      * 64-byte aligned (the vector path loads K/V scratch as aligned vectors) */
     const size_t query_bytes = (size_t)(rows * dim) * sizeof(float);
-    const size_t layout_bytes = ((size_t)(2 * rows) * sizeof(int64_t) + 63) / 64 * 64;
+    const size_t layout_bytes = ((size_t)(3 * rows) * sizeof(int64_t) + 63) / 64 * 64;
     const size_t score_bytes = (size_t)(vector ? 64 : 16) * (size_t)width * sizeof(float);
     const size_t kv_bytes = (size_t)(2 * (vector ? width : 16) * st->row_width) * sizeof(float);
     const size_t total = query_bytes + layout_bytes + score_bytes + kv_bytes;
     char *memory = aligned_alloc(64, (total + 63) / 64 * 64);
     if (memory == NULL) return -1;
     float *queries = (float *)memory;
-    int64_t *limit = (int64_t *)(memory + query_bytes), *kv_offset = limit + rows;
+    int64_t *limit = (int64_t *)(memory + query_bytes), *lowest = limit + rows;
+    int64_t *kv_offset = lowest + rows;
     float *scores = (float *)(memory + query_bytes + layout_bytes);
     float *scratch = (float *)(memory + query_bytes + layout_bytes + score_bytes);
     for (int64_t r = r0; r < r1; r++) {
@@ -433,8 +474,9 @@ static int attend_unit(const Step *st, int64_t s, int64_t from, int64_t to, int6
         part.total[r] = 0.0f;
     }
     if (vector) {
-        row_layout(st, s, r0, r1, limit, kv_offset);
-        attend_chunk16(st, s, from, to, r0, r1, part, (const v16f *)queries, limit, kv_offset,
+        row_layout(st, s, r0, r1, limit, lowest, kv_offset);
+        attend_chunk16(st, s, from, to, r0, r1, part, (const v16f *)queries, limit, lowest,
+                       kv_offset,
                        scores, (v16f *)scratch, (v16f *)scratch + width * st->row_width / 16);
     } else {
         for (int64_t t0 = r0; t0 < r1; t0 += 16) { /* the generic path, 16 rows at a time */
@@ -474,6 +516,8 @@ static inline int64_t owner(const int64_t *starts, int64_t num_seqs, int64_t ind
  * tree (optional, may be NULL): [T, tree_stride] uint8; with it, query i of a sequence sees
  *   new token j (0-based among its q_len) iff tree[(q_start + i) * tree_stride + j]; cached
  *   positions are always visible. Without it the new tokens are causal.
+ * window:  positions each query sees, itself included (a sliding layer's); 0: every one.
+ * softcap: scores become softcap tanh(score / softcap) before the softmax; 0: no cap.
  * chunk:   positions per work unit, a multiple of block_size. Units (sequence, chunk) are
  *   spread over the threads; each sequence then merges its chunks in position order.
  * Returns 0, or -1 when scratch memory cannot be allocated (out is then incomplete).
@@ -486,11 +530,13 @@ int paged_attention(
     const int64_t *block_tables, int64_t bt_stride,
     const uint8_t *tree, int64_t tree_stride,
     int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-    int64_t block_size, int64_t chunk, float scale, int num_threads) {
+    int64_t block_size, int64_t chunk, float scale, int64_t window, float softcap,
+    int num_threads) {
     const Step st = {q, q_stride_t, q_stride_h, key_cache, value_cache, bf16,
                      q_start, q_len, seq_len, block_tables, bt_stride, tree, tree_stride,
                      num_heads, num_heads / num_kv_heads, head_dim, block_size,
-                     num_kv_heads * head_dim, scale};
+                     num_kv_heads * head_dim, scale, window > 0 ? window : 0,
+                     softcap > 0.0f ? softcap : 0.0f};
     /* where each sequence's units, partial rows and output rows start */
     int64_t *unit_start = malloc((size_t)(3 * (num_seqs + 1)) * sizeof *unit_start);
     if (unit_start == NULL) return -1;

@@ -57,6 +57,7 @@ class DenseCausalBackend(AttentionBackend):
         v: torch.Tensor,
         kv_cache: LayerKVCache | None,
         metadata: DenseCausalMetadata | DraftPassMetadata,
+        window: int | None = None,
     ) -> torch.Tensor:
         b, n = metadata.batch, metadata.length
         group = self.num_heads // self.num_kv_heads
@@ -66,7 +67,12 @@ class DenseCausalBackend(AttentionBackend):
         if group > 1:
             k4 = k4.repeat_interleave(group, dim=1)
             v4 = v4.repeat_interleave(group, dim=1)
-        if isinstance(metadata, DraftPassMetadata) and metadata.passes:
+        if window is not None and window < n:  # a sliding layer's band of the causal mask
+            if isinstance(metadata, DraftPassMetadata):
+                raise ValueError("draft passes over a sliding window are not supported")
+            band = torch.ones(n, n, dtype=torch.bool, device=q.device).tril().triu(1 - window)
+            out = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=band, scale=self.scale)
+        elif isinstance(metadata, DraftPassMetadata) and metadata.passes:
             out = draft_pass_attention(q4, k4, v4, metadata.passes, self.scale)
         else:
             out = F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, scale=self.scale)

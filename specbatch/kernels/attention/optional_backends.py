@@ -85,6 +85,7 @@ class FlashAttnBackend(AttentionBackend):
         v: torch.Tensor,
         kv_cache: LayerKVCache | None,
         metadata: VarlenMetadata,
+        window: int | None = None,
     ) -> torch.Tensor:
         from flash_attn import flash_attn_varlen_func
 
@@ -100,6 +101,7 @@ class FlashAttnBackend(AttentionBackend):
             max_seqlen_k=metadata.max_seq_len,
             softmax_scale=self.scale,
             causal=True,
+            window_size=(-1, -1) if window is None else (window - 1, 0),
             block_table=metadata.block_tables,
         )
 
@@ -119,8 +121,12 @@ class XformersBackend(AttentionBackend):
         v: torch.Tensor,
         kv_cache: LayerKVCache | None,
         metadata: VarlenMetadata,
+        window: int | None = None,
     ) -> torch.Tensor:
         from xformers.ops import fmha
+
+        if window is not None:
+            raise ValueError("the xformers backend has no sliding window: use the default one")
 
         assert kv_cache is not None
         _write(k, v, kv_cache, metadata)

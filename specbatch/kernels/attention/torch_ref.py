@@ -13,7 +13,7 @@ Grouped-query attention folds the query heads that share a KV head into the quer
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -40,6 +40,27 @@ class _Group:
     mask: torch.Tensor  # [num_seqs, 1, group * query_len, kv_len] bool, True = attend
     padded_valid: torch.Tensor | None  # rows of the padded output that are real tokens
     out_rows: torch.Tensor | None  # the flat rows those real tokens belong to
+    q_pos: np.ndarray | None = None  # [num_seqs, query_len] positions (None: a tree's rows)
+    group_size: int = 1  # query heads per KV head (folded into the mask's rows)
+    windowed: dict[int, torch.Tensor] = field(default_factory=dict)  # masks by window
+
+    def mask_for(self, window: int | None) -> torch.Tensor:
+        """The mask of a layer that sees ``window`` positions up to its own (None: all)."""
+        if window is None:
+            return self.mask
+        if self.q_pos is None:
+            raise ValueError("tree-shaped queries cannot attend a sliding window")
+        if window not in self.windowed:
+            j = np.arange(self.kv_len)
+            inside = j[None, None, :] > self.q_pos[:, :, None] - window  # [G, Lq, kv]
+            folded = torch.from_numpy(inside)[:, None].expand(
+                self.num_seqs, self.group_size, self.query_len, self.kv_len
+            )
+            folded = folded.reshape(self.mask.shape).to(self.mask.device)
+            windowed = self.mask & folded
+            windowed[..., 0] |= ~windowed.any(-1)  # padded rows attend one key (no NaN)
+            self.windowed[window] = windowed
+        return self.windowed[window]
 
 
 @dataclass
@@ -125,6 +146,8 @@ class TorchAttentionBackend(AttentionBackend):
             mask=folded.to(device),
             padded_valid=None if identity else _tensor(np.flatnonzero(q_valid), device),
             out_rows=None if identity else _tensor(q_rows[q_valid], device),
+            q_pos=None if inputs.tree_mask is not None else q_pos,
+            group_size=group,
         )
 
     @staticmethod
@@ -156,11 +179,12 @@ class TorchAttentionBackend(AttentionBackend):
         v: torch.Tensor,
         kv_cache: LayerKVCache | None,
         metadata: TorchAttentionMetadata,
+        window: int | None = None,
     ) -> torch.Tensor:
         if kv_cache is None:
             raise RuntimeError("no KV cache bound to the model: call bind_kv_caches first")
         self.write_kv(k, v, kv_cache, metadata)
-        out = self.attend_groups(q, kv_cache, metadata.groups)
+        out = self.attend_groups(q, kv_cache, metadata.groups, window=window)
         if out is None:
             out = q.new_zeros(q.shape[0], self.num_heads, self.head_dim)
         return out
@@ -187,10 +211,11 @@ class TorchAttentionBackend(AttentionBackend):
         kv_cache: LayerKVCache,
         groups: list[_Group],
         out: torch.Tensor | None = None,
+        window: int | None = None,
     ) -> torch.Tensor | None:
-        """Attention for the query rows of ``groups``, written into ``out`` (allocated when
-        a group does not cover every row and none is given); the output, or None without
-        groups."""
+        """Attention for the query rows of ``groups`` (each seeing the last ``window``
+        positions up to its own, or all), written into ``out`` (allocated when a group does not
+        cover every row and none is given); the output, or None without groups."""
         num_tokens = q.shape[0]
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
         group = heads // kv_heads
@@ -202,12 +227,13 @@ class TorchAttentionBackend(AttentionBackend):
             qg = qg.reshape(g.num_seqs, kv_heads, group * g.query_len, dim)
             kg = key_cache.index_select(0, g.kv_slots).view(g.num_seqs, g.kv_len, kv_heads, dim)
             vg = value_cache.index_select(0, g.kv_slots).view(g.num_seqs, g.kv_len, kv_heads, dim)
-            og = F.scaled_dot_product_attention(
+            og = _attention(
                 qg,
                 kg.transpose(1, 2).to(q.dtype),
                 vg.transpose(1, 2).to(q.dtype),
-                attn_mask=g.mask,
-                scale=self.scale,
+                g.mask_for(window),
+                self.scale,
+                self.softcap,
             )
             og = og.view(g.num_seqs, kv_heads, group, g.query_len, dim).permute(0, 3, 1, 2, 4)
             og = og.reshape(g.num_seqs * g.query_len, heads, dim)
@@ -220,6 +246,22 @@ class TorchAttentionBackend(AttentionBackend):
             assert g.out_rows is not None
             out.index_copy_(0, g.out_rows, og.index_select(0, g.padded_valid))
         return out
+
+
+def _attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    softcap: float | None,
+) -> torch.Tensor:
+    """Masked attention: SDPA, or with soft-capped scores the same steps written out."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    scores = torch.tanh(torch.matmul(q, k.transpose(-1, -2)) * scale / softcap) * softcap
+    weights = scores.masked_fill(~mask, float("-inf")).float().softmax(-1).to(q.dtype)
+    return torch.matmul(weights, v)
 
 
 def _tensor(array: np.ndarray, device: torch.device) -> torch.Tensor:

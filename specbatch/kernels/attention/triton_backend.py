@@ -204,7 +204,10 @@ class TritonAttentionBackend(AttentionBackend):
         v: torch.Tensor,
         kv_cache: LayerKVCache | None,
         metadata: TritonMetadata,
+        window: int | None = None,
     ) -> torch.Tensor:
+        if window is not None:
+            raise NotImplementedError("the Triton kernel has no sliding window yet")
         if kv_cache is None:
             raise RuntimeError("no KV cache bound to the model: call bind_kv_caches first")
         key_cache, value_cache = kv_cache
