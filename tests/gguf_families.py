@@ -74,7 +74,7 @@ def _qwen2moe() -> transformers.PreTrainedModel:
         num_experts=4,
         num_experts_per_tok=2,
         moe_intermediate_size=32,
-        shared_expert_intermediate_size=48,
+        shared_expert_intermediate_size=64,
         norm_topk_prob=False,  # as llama.cpp computes Qwen2-MoE
     )
     return transformers.Qwen2MoeForCausalLM(config)

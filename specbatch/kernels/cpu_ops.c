@@ -124,6 +124,31 @@ void silu_mul(const void *gate_up, int64_t tokens, int64_t width, void *out, int
     }
 }
 
+/* out[t] = gelu_tanh(gate) * up for rows [gate | up] (Gemma's GeGLU), as silu_mul: gelu_tanh(g)
+ * = g / 2 (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))), tanh(u) = 1 - 2 / (exp(2u) + 1) with
+ * exp16 (saturating: tanh stays in [-1, 1]). */
+void gelu_mul(const void *gate_up, int64_t tokens, int64_t width, void *out, int bf16,
+              int num_threads) {
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (tokens > 16)
+    for (int64_t t = 0; t < tokens; t++) {
+        v16f gate[MAX_DIM / 16], up[MAX_DIM / 16], result[MAX_DIM / 16];
+        for (int64_t i = 0; i < width; i += MAX_DIM) {
+            const int64_t n = width - i < MAX_DIM ? width - i : MAX_DIM;
+            memset(gate, 0, sizeof gate);
+            memset(up, 0, sizeof up);
+            load_floats(gate_up, bf16, t * 2 * width + i, n, (float *)gate);
+            load_floats(gate_up, bf16, t * 2 * width + width + i, n, (float *)up);
+            for (int64_t j = 0; j < (n + 15) / 16; j++) {
+                const v16f g = gate[j];
+                const v16f u = 0.7978845608028654f * (g + 0.044715f * (g * g * g));
+                const v16f tanh_u = 1.0f - 2.0f / (exp16(2.0f * u) + 1.0f);
+                result[j] = 0.5f * g * (1.0f + tanh_u) * up[j];
+            }
+            store_floats(out, bf16, t * width + i, n, (const float *)result);
+        }
+    }
+}
+
 /* ---------------- a whole decoder layer in one call (quantized linears) ---------------- */
 
 /* The kernels of the other libraries, by address (gguf_linear.c, cpu_paged_attention.c): the
@@ -217,13 +242,30 @@ static inline int run_linear(const QuantLinear *linear, const float *x, int64_t 
 
 /* What a layer holds (built once per layer and cache binding). */
 typedef struct {
-    const float *norm1, *norm2;
+    const float *norm1, *norm2; /* the attention's and the MLP's input norms */
     float eps, scale;
     QuantLinear qkv, o, gate_up, down;
     const float *qkv_bias; /* or NULL */
     int64_t hidden, heads, kv_heads, head_dim, intermediate, block_size;
     void *key_cache, *value_cache; /* float32 */
+    /* the relatives' features (models/families.py); the float32 layer only */
+    const float *q_norm, *k_norm;      /* per-head norms before rotary, or NULL */
+    const float *post_attn, *post_mlp; /* norms of the attention's and MLP's outputs, or NULL */
+    int64_t rotary_dim, window;        /* rotated dims of a head; sliding window (0: none) */
+    float softcap;                     /* of the attention scores (0: none) */
+    int gelu, local_rope;              /* GeGLU not SwiGLU; the step's local cos/sin */
 } Layer;
+
+/* x += out, normalised first by `norm` where there is one (a sandwich norm; `scratch` holds
+ * its result), as the per-op path adds its tensors. */
+static void add_output(float *x, const float *out, float *scratch, int64_t T, int64_t H,
+                       const float *norm, float eps, int threads) {
+    if (norm != NULL) {
+        rms_norm(out, T, H, H, norm, eps, scratch, 0, threads);
+        out = scratch;
+    }
+    for (int64_t i = 0; i < T * H; i++) x[i] += out[i];
+}
 
 /* What a step gives every layer (built once per step). */
 typedef struct {
@@ -237,10 +279,28 @@ typedef struct {
     int threads;
     attention_fn attention;
     write_fn write;
+    const float *cos_local, *sin_local; /* sliding layers' own rotary (Gemma 3), or NULL */
 } LayerStep;
 
-/* x (the residual stream, [T, hidden], updated in place) through one Llama decoder layer:
- * x += o(attention(rotary(qkv(norm1(x))))); x += down(silu(gate) * up(norm2(x))).
+/* Each token's `heads` heads of head_dim at rows + t * row_width normalised in place (the
+ * per-op path normalises the same rows, [T * heads, head_dim], with rms_norm: row by row). */
+static int norm_heads(float *rows, int64_t tokens, int64_t heads, int64_t head_dim,
+                      int64_t row_width, const float *weight, float eps, int threads) {
+    float *scratch = malloc((size_t)(heads * head_dim) * sizeof(float));
+    if (scratch == NULL) return -1;
+    for (int64_t t = 0; t < tokens; t++) {
+        float *row = rows + t * row_width;
+        rms_norm(row, heads, head_dim, head_dim, weight, eps, scratch, 0, threads);
+        memcpy(row, scratch, (size_t)(heads * head_dim) * sizeof(float));
+    }
+    free(scratch);
+    return 0;
+}
+
+/* x (the residual stream, [T, hidden], updated in place) through one decoder layer:
+ * x += o(attention(rotary(qkv(norm1(x))))); x += down(silu(gate) * up(norm2(x))), with the
+ * Layer's features where it has them: q/k norms before rotary, GeGLU, norms of the attention's
+ * and the MLP's outputs before their adds, a sliding window, soft-capped scores.
  * Returns 0, or -1 when scratch memory cannot be allocated or a kernel fails. */
 int decoder_layer(const Layer *L, const LayerStep *S, float *x) {
     const int64_t T = S->tokens, H = L->hidden, hd = L->head_dim;
@@ -264,20 +324,30 @@ int decoder_layer(const Layer *L, const LayerStep *S, float *x) {
     if (L->qkv_bias != NULL)
         for (int64_t t = 0; t < T; t++)
             for (int64_t i = 0; i < qkv_n; i++) qkv[t * qkv_n + i] += L->qkv_bias[i];
-    rotary(qkv, T, L->heads + L->kv_heads, hd, qkv_n, hd, S->cos, S->sin, 0);
+    if (L->q_norm != NULL) {
+        status |= norm_heads(qkv, T, L->heads, hd, qkv_n, L->q_norm, L->eps, S->threads);
+        status |= norm_heads(qkv + q_size, T, L->kv_heads, hd, qkv_n, L->k_norm, L->eps,
+                             S->threads);
+    }
+    const int local = L->local_rope && S->cos_local != NULL;
+    rotary(qkv, T, L->heads + L->kv_heads, L->rotary_dim, qkv_n, hd,
+           local ? S->cos_local : S->cos, local ? S->sin_local : S->sin, 0);
     S->write(qkv + q_size, qkv_n, qkv + q_size + kv, qkv_n, L->key_cache, L->value_cache,
              S->slots, T, kv, (int64_t)sizeof(float));
     status |= S->attention(qkv, qkv_n, hd, attn, q_size, hd, L->key_cache, L->value_cache, 0,
                            S->q_start, S->q_len, S->seq_len, S->block_tables, S->bt_stride,
                            S->tree, S->tree_stride, S->num_seqs, L->heads, L->kv_heads, hd,
-                           L->block_size, S->chunk, L->scale, 0, 0.0f, S->threads);
+                           L->block_size, S->chunk, L->scale, L->window, L->softcap, S->threads);
     status |= run_linear(&L->o, attn, T, q_size, H, o, S->threads);
-    for (int64_t i = 0; i < T * H; i++) x[i] += o[i];
+    add_output(x, o, h, T, H, L->post_attn, L->eps, S->threads);
     rms_norm(x, T, H, H, L->norm2, L->eps, h, 0, S->threads);
     status |= run_linear(&L->gate_up, h, T, H, 2 * inter, gate_up, S->threads);
-    silu_mul(gate_up, T, inter, act, 0, S->threads);
+    if (L->gelu)
+        gelu_mul(gate_up, T, inter, act, 0, S->threads);
+    else
+        silu_mul(gate_up, T, inter, act, 0, S->threads);
     status |= run_linear(&L->down, act, T, inter, H, o, S->threads);
-    for (int64_t i = 0; i < T * H; i++) x[i] += o[i];
+    add_output(x, o, h, T, H, L->post_mlp, L->eps, S->threads);
     free(memory);
     return status != 0 ? -1 : 0;
 }

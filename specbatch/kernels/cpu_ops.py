@@ -34,8 +34,9 @@ def _declare(library: ctypes.CDLL) -> None:
     library.rotary.argtypes = [
         pointer, i64, i64, i64, i64, i64, pointer, pointer, ctypes.c_int
     ]  # fmt: skip
-    library.silu_mul.restype = None
-    library.silu_mul.argtypes = [pointer, i64, i64, pointer, ctypes.c_int, ctypes.c_int]
+    for activation in (library.silu_mul, library.gelu_mul):
+        activation.restype = None
+        activation.argtypes = [pointer, i64, i64, pointer, ctypes.c_int, ctypes.c_int]
     library.set_sgemm_compute.restype = None
     library.set_sgemm_compute.argtypes = [pointer]
     library.decoder_layer.restype = ctypes.c_int
@@ -130,9 +131,10 @@ def rotary_(
     return True
 
 
-def silu_mul(gate_up: torch.Tensor, width: int) -> torch.Tensor | None:
-    """``silu(gate) * up`` for CPU rows ``[gate | up]`` of ``2 * width`` (float32, or bfloat16
-    computed in float32); None where this path does not apply."""
+def silu_mul(gate_up: torch.Tensor, width: int, gelu: bool = False) -> torch.Tensor | None:
+    """``silu(gate) * up`` (with ``gelu``: ``gelu_tanh(gate) * up``, Gemma's GeGLU) for CPU rows
+    ``[gate | up]`` of ``2 * width`` (float32, or bfloat16 computed in float32); None where
+    this path does not apply."""
     if (
         gate_up.dtype not in _DTYPES
         or gate_up.device.type != "cpu"
@@ -142,7 +144,7 @@ def silu_mul(gate_up: torch.Tensor, width: int) -> torch.Tensor | None:
     ):
         return None
     out = torch.empty(gate_up.shape[0], width, dtype=gate_up.dtype)
-    library.silu_mul(
+    (library.gelu_mul if gelu else library.silu_mul)(
         gate_up.data_ptr(),
         gate_up.shape[0],
         width,
@@ -191,6 +193,15 @@ class LayerSpec(ctypes.Structure):
         ("block_size", ctypes.c_int64),
         ("key_cache", ctypes.c_void_p),
         ("value_cache", ctypes.c_void_p),
+        ("q_norm", ctypes.c_void_p),
+        ("k_norm", ctypes.c_void_p),
+        ("post_attn", ctypes.c_void_p),
+        ("post_mlp", ctypes.c_void_p),
+        ("rotary_dim", ctypes.c_int64),
+        ("window", ctypes.c_int64),
+        ("softcap", ctypes.c_float),
+        ("gelu", ctypes.c_int),
+        ("local_rope", ctypes.c_int),
     ]
 
 
@@ -214,6 +225,8 @@ class LayerStepSpec(ctypes.Structure):
         ("threads", ctypes.c_int),
         ("attention", ctypes.c_void_p),
         ("write", ctypes.c_void_p),
+        ("cos_local", ctypes.c_void_p),
+        ("sin_local", ctypes.c_void_p),
     ]
 
 

@@ -48,6 +48,29 @@ class FusedLayer:
     head_dim: int
     intermediate: int
     kv_cache: LayerKVCache | None
+    # the relatives' features (models/families.py): float32 layers only
+    q_norm: torch.Tensor | None = None  # per-head norms before rotary
+    k_norm: torch.Tensor | None = None
+    post_attn: torch.Tensor | None = None  # norms of the attention's and the MLP's outputs
+    post_mlp: torch.Tensor | None = None
+    rotary_dim: int | None = None  # None: the whole head
+    window: int | None = None  # a sliding layer's
+    softcap: float | None = None  # of its attention scores
+    gelu: bool = False  # GeGLU, not SwiGLU
+    local_rope: bool = False  # rotates with the step's local cos/sin
+
+    @property
+    def plain(self) -> bool:
+        """Whether it is the Llama block (which the bfloat16 call also runs)."""
+        return (
+            self.q_norm is None
+            and self.post_attn is None
+            and self.rotary_dim in (None, self.head_dim)
+            and self.window is None
+            and self.softcap is None
+            and not self.gelu
+            and not self.local_rope
+        )
 
     @property
     def forms(self) -> tuple[WeightForm, WeightForm, WeightForm, WeightForm]:
@@ -135,9 +158,15 @@ class FusedLayers:
         return (paged, write) if paged and write else None
 
     def step(
-        self, metadata: object, cos: torch.Tensor, sin: torch.Tensor, x: torch.Tensor
+        self,
+        metadata: object,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        x: torch.Tensor,
+        local: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> cpu_ops.LayerStepSpec | None:
-        """The step's part of the fused layers' arguments, or None where they do not apply."""
+        """The step's part of the fused layers' arguments (``local``: the cos/sin of sliding
+        layers with their own rotary), or None where they do not apply."""
         queries = getattr(metadata, "queries", None)
         if queries is None or torch.is_grad_enabled() or not self.applies():
             return None
@@ -147,10 +176,15 @@ class FusedLayers:
             return None
         if queries.max_slot >= cache[0].shape[0] * cache[0].shape[1]:
             raise IndexError(f"KV slot {queries.max_slot} is outside the cache")
+        if queries.tree is not None and any(layer.window for layer in self._layer_list()):
+            raise ValueError("tree-shaped queries cannot attend a sliding window")
         assert self._kernels is not None
-        return _step_spec(
+        spec = _step_spec(
             cast(KernelQueries, queries), cos, sin, x, cache[0].shape[1], self._kernels
         )
+        if local is not None:
+            spec.cos_local, spec.sin_local = local[0].data_ptr(), local[1].data_ptr()
+        return spec
 
     def run(self, step: cpu_ops.LayerStepSpec, x: torch.Tensor) -> torch.Tensor:
         """Every layer on the residual stream ``x``; the stream after the last one."""
@@ -165,7 +199,9 @@ class FusedLayers:
 
 def _parts(layer: FusedLayer, dtype: torch.dtype) -> list[FusedPart] | None:
     """The layer's four linears' fused parts, or None where one has none for ``dtype``
-    activations."""
+    activations (or the bfloat16 call lacks one of its features)."""
+    if dtype == torch.bfloat16 and not layer.plain:
+        return None
     parts = [form.fused_part() for form in layer.forms]
     if any(part is None or part.activation != dtype for part in parts):
         return None
@@ -228,4 +264,17 @@ def _layer_spec(layer: FusedLayer, dtype: torch.dtype) -> cpu_ops.LayerSpec:
         block_size=layer.kv_cache[0].shape[1],
         key_cache=layer.kv_cache[0].data_ptr(),
         value_cache=layer.kv_cache[1].data_ptr(),
+        q_norm=_pointer(layer.q_norm),
+        k_norm=_pointer(layer.k_norm),
+        post_attn=_pointer(layer.post_attn),
+        post_mlp=_pointer(layer.post_mlp),
+        rotary_dim=layer.head_dim if layer.rotary_dim is None else layer.rotary_dim,
+        window=layer.window or 0,
+        softcap=layer.softcap or 0.0,
+        gelu=int(layer.gelu),
+        local_rope=int(layer.local_rope),
     )
+
+
+def _pointer(tensor: torch.Tensor | None) -> int | None:
+    return None if tensor is None else tensor.data_ptr()

@@ -120,8 +120,16 @@ class SgemmWeight:
 
     @staticmethod
     def fits(weight: torch.Tensor) -> bool:
-        """Whether ``weight`` is held in MKL's packed layout here (float32, where available)."""
-        return weight.dtype == torch.float32 and weight.dim() == 2 and available()
+        """Whether ``weight`` is held in MKL's packed layout here (float32, where available),
+        but for a single output (Qwen2-MoE's shared-expert gate): MKL multiplies a one-column
+        product in an order that depends on the rows beside it (23 rows together against one
+        by one, 2026-12-06, Intel AVX-512 host), oneDNN's layout does not."""
+        return (
+            weight.dtype == torch.float32
+            and weight.dim() == 2
+            and weight.shape[0] > 1
+            and available()
+        )
 
     @classmethod
     def from_dense(cls, weight: torch.Tensor) -> SgemmWeight:

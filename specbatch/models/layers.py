@@ -119,8 +119,8 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if not torch.is_grad_enabled() and not self.gelu:  # CPU inference: one C call
-            activation = cpu_ops.silu_mul(gate_up, self.intermediate_size)
+        if not torch.is_grad_enabled():  # CPU inference: one C call
+            activation = cpu_ops.silu_mul(gate_up, self.intermediate_size, self.gelu)
             if activation is not None:
                 return self.down_proj(activation)
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
@@ -200,26 +200,17 @@ class LlamaDecoderLayer(nn.Module):
 
     @property
     def fusable(self) -> bool:
-        """Whether the fused CPU call runs this layer: the Llama block (dense SwiGLU, full
-        attention, whole-head rotary), no relative's feature."""
-        attn = self.self_attn
-        return (
-            not self.sandwich
-            and isinstance(self.mlp, LlamaMLP)
-            and not self.mlp.gelu
-            and attn.q_norm is None
-            and attn.window is None
-            and attn.rotary_dim == attn.head_dim
-            and getattr(attn.backend, "softcap", None) is None
-        )
+        """Whether the fused CPU call can run this layer: a dense MLP (not experts)."""
+        return isinstance(self.mlp, LlamaMLP)
 
     def fused_layer(self) -> FusedLayer:
         """This layer as the fused CPU call takes it (only where :attr:`fusable`)."""
         attn, mlp = self.self_attn, self.mlp
         assert isinstance(mlp, LlamaMLP)
+        norm2 = self.pre_feedforward_layernorm if self.sandwich else self.post_attention_layernorm
         return FusedLayer(
             norm1=self.input_layernorm.weight,
-            norm2=self.post_attention_layernorm.weight,
+            norm2=norm2.weight,
             eps=self.input_layernorm.eps,
             scale=attn.backend.scale,
             qkv=attn.qkv_proj.form,
@@ -232,4 +223,13 @@ class LlamaDecoderLayer(nn.Module):
             head_dim=attn.head_dim,
             intermediate=mlp.intermediate_size,
             kv_cache=attn.kv_cache,
+            q_norm=None if attn.q_norm is None else attn.q_norm.weight,
+            k_norm=None if attn.k_norm is None else attn.k_norm.weight,
+            post_attn=self.post_attention_layernorm.weight if self.sandwich else None,
+            post_mlp=self.post_feedforward_layernorm.weight if self.sandwich else None,
+            rotary_dim=attn.rotary_dim,
+            window=attn.window,
+            softcap=attn.backend.softcap,
+            gelu=mlp.gelu,
+            local_rope=self.local_rope,
         )

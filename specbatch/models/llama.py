@@ -155,10 +155,10 @@ class LlamaForCausalLM(nn.Module):
         if self.config.embedding_multiplier is not None:  # in x's dtype, as HF's Gemma
             x = x * torch.tensor(self.config.embedding_multiplier, dtype=x.dtype)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
-        step = self.fused.step(metadata, cos, sin, x) if self.tp is None else None
+        local = None if self.local_rotary is None else self.local_rotary.cos_sin(positions, x.dtype)
+        step = self.fused.step(metadata, cos, sin, x, local) if self.tp is None else None
         if step is not None:  # every layer in one C call each (same bits as the loop below)
             return self.model.norm(self.fused.run(step, x))
-        local = None if self.local_rotary is None else self.local_rotary.cos_sin(positions, x.dtype)
         for layer in self.model.layers:
             if local is not None and cast(LlamaDecoderLayer, layer).local_rope:
                 x = layer(x, *local, metadata)
@@ -295,9 +295,14 @@ class LlamaForCausalLM(nn.Module):
         HF names of the tensors now held as blocks; a tensor whose bytes are not whole rows of
         blocks is a ``ModelLoadError`` naming it."""
         shards: dict[str, dict[int, tuple[str, str, np.ndarray]]] = {}
+        whole: set[str] = set()
         for name, kind, raw in weights:
             target, shard = self._target_of(name)
-            shards.setdefault(target, {})[0 if shard is None else shard] = (name, kind, raw)
+            # a fused tensor in the file (Phi-3's qkv): its one part stands for every shard
+            index = 0 if shard is None else shard
+            shards.setdefault(target, {})[index] = (name, kind, raw)
+            if shard is None:
+                whole.add(target)
         modules = dict(self.named_modules())
         replaced: set[str] = set()
         for target, parts in shards.items():
@@ -307,7 +312,9 @@ class LlamaForCausalLM(nn.Module):
                 if target == "model.embed_tokens.weight":
                     (_, kind, raw), hidden = ordered[0], self.config.hidden_size
                     self._use_embedding_form(block_form(kind, raw, hidden))
-                elif isinstance(module, Linear) and len(parts) == self._num_shards(target):
+                elif isinstance(module, Linear) and (
+                    target in whole or len(parts) == self._num_shards(target)
+                ):
                     blocks = [(kind, raw) for _, kind, raw in ordered]
                     module.use_form(stacked_blocks(blocks, module.in_features))
                 else:
