@@ -112,11 +112,18 @@ FAMILIES: dict[str, Callable[[], transformers.PreTrainedModel]] = {
 SLIDING = ("gemma3", "gemma2")
 
 
-def family_model(name: str, seed: int = 0) -> transformers.PreTrainedModel:
+def family_model(
+    name: str, seed: int = 0, vocab_size: int | None = None
+) -> transformers.PreTrainedModel:
     """A float32 model of family ``name`` whose norms and biases are perturbed too (Gemma's
-    norms start at 0, the others' at 1: a missing norm or a 1 + w mistake must show)."""
+    norms start at 0, the others' at 1: a missing norm or a 1 + w mistake must show); with
+    ``vocab_size`` below the tokenizer's it emits only the first ids (exact distributions)."""
     torch.manual_seed(seed)
-    model = FAMILIES[name]().float().eval()
+    _COMMON["vocab_size"] = vocab_size or VOCAB
+    try:
+        model = FAMILIES[name]().float().eval()
+    finally:
+        _COMMON["vocab_size"] = VOCAB
     with torch.no_grad():
         for key, param in model.named_parameters():
             small = "norm" in key or key.endswith("bias")
@@ -124,9 +131,11 @@ def family_model(name: str, seed: int = 0) -> transformers.PreTrainedModel:
     return model
 
 
-def write_family_dir(directory: Path, name: str, seed: int = 0) -> transformers.PreTrainedModel:
+def write_family_dir(
+    directory: Path, name: str, seed: int = 0, vocab_size: int | None = None
+) -> transformers.PreTrainedModel:
     """The model saved as a HF directory (safetensors) with a small real tokenizer."""
-    model = family_model(name, seed)
+    model = family_model(name, seed, vocab_size)
     model.save_pretrained(directory)
     write_tiny_tokenizer(directory)
     return model
