@@ -68,13 +68,17 @@ def student_config(target: ModelConfig, shape: StudentShape, token_map: list[int
                 f"student {shape.name}: layers must be among the target's "
                 f"0..{target.num_hidden_layers - 1}"
             )
+        layers = shape.target_layers
         return replace(
             target,
             vocab_size=len(token_map) + 1,
-            num_hidden_layers=len(shape.target_layers),
+            num_hidden_layers=len(layers),
             tie_word_embeddings=True,
             token_map=tuple(token_map),
             target_vocab_size=target.vocab_size,
+            # the copied layers keep their kinds (sliding or full, experts or dense)
+            layer_types=tuple(target.layer_types[i] for i in layers) if target.layer_types else (),
+            sparse_layers=tuple(target.layer_sparse(i) for i in layers),
         )
     return ModelConfig(
         architecture="LlamaForCausalLM",
@@ -111,8 +115,9 @@ def build_student(
         config.num_attention_heads,
         config.num_key_value_heads,
         config.head_dim,
-        config.head_dim**-0.5,
+        config.query_scale,
     )
+    backend.softcap = config.attn_logit_softcap
     student = LlamaForCausalLM(config, backend)
     target_embedding = target.model.embed_tokens.weight.detach()
     with torch.no_grad():
@@ -163,6 +168,9 @@ def hf_config_dict(config: ModelConfig) -> dict[str, Any]:
         "torch_dtype": "bfloat16",
         "specbatch_target_vocab_size": config.target_vocab_size,
         "specbatch_token_map": list(config.token_map or ()),
+        # a student of a relative's layers (models/families.py) keeps their features; its
+        # norms are stored as the model multiplies them (no Gemma shift on load)
+        "specbatch_features": config.features(),
     }
 
 

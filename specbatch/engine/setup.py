@@ -80,6 +80,8 @@ def load_models(config: EngineConfig) -> Models:
     if spec is not None:
         fits = shipped_draft_preferred() and drafts_for(model.config, tokenizer)
         spec = spec.resolved(fits)
+        if "sliding" in model.config.layer_types:
+            spec = spec.chains_only("the model's sliding-window layers")
     draft = None
     if spec is not None:
         draft = load_draft_model(

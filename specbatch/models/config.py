@@ -185,6 +185,16 @@ class ModelConfig:
         if self.sparse_layers and len(self.sparse_layers) != self.num_hidden_layers:
             raise ModelLoadError("sparse_layers must say for every layer whether it is sparse")
 
+    def features(self) -> dict[str, Any]:
+        """The relatives' fields (``FEATURES``) that differ from Llama's defaults, as JSON
+        values (``from_hf_dict`` reads them back as ``specbatch_features``)."""
+        defaults = ModelConfig(**{f: getattr(self, f) for f in _BASE_FIELDS})
+        return {
+            name: list(value) if isinstance(value, tuple) else value
+            for name in FEATURES
+            if (value := getattr(self, name)) != getattr(defaults, name)
+        }
+
     @property
     def rotary_dim(self) -> int:
         """The leading dimensions of each head that rotate (the rest pass through)."""
@@ -287,6 +297,10 @@ class ModelConfig:
             # the family's own fields and defaults (Gemma ties its embeddings unless told not to)
             fields.update(rope_features)
             fields.update(hf_features(raw, architecture, fields["num_hidden_layers"]))
+            for name, value in dict(raw.get("specbatch_features") or {}).items():
+                if name not in FEATURES:
+                    raise ModelLoadError(f"specbatch_features has an unknown field {name!r}")
+                fields[name] = tuple(value) if isinstance(value, list) else value
             return cls(**fields)
         except ModelLoadError:
             raise  # already names the field (it is a ValueError too, so keep it off the next line)
@@ -324,3 +338,12 @@ def rope_scaling_from_dict(raw: dict[str, Any]) -> RopeScaling:
         high_freq_factor=float(raw.get("high_freq_factor", 4.0)),
         original_max_position_embeddings=int(raw.get("original_max_position_embeddings", 8192)),
     )
+
+
+# The fields of the relatives' features (after the Llama ones), and the ones every config has.
+FEATURES = tuple(f.name for f in dataclasses.fields(ModelConfig))[
+    [f.name for f in dataclasses.fields(ModelConfig)].index("hidden_act") :
+]
+_BASE_FIELDS = tuple(
+    f.name for f in dataclasses.fields(ModelConfig) if f.name not in FEATURES and f.init
+)

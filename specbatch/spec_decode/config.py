@@ -232,6 +232,16 @@ class SpeculativeConfig:
             values["draft_dtype"] = "auto"
         return SpeculativeConfig(**{**values, "method": method})
 
+    def chains_only(self, why: str) -> SpeculativeConfig:
+        """This config drafting chains, never trees (a tree's nodes sit at positions the
+        attention of ``why`` cannot place); a ``ConfigError`` where trees were asked for."""
+        if self.lookup_tree or self.draft_tree:
+            raise ConfigError(f"speculation trees (lookup_tree, draft_tree) cannot run on {why}")
+        if not self.enabled or self.method in ("ngram", "external"):
+            return self
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        return SpeculativeConfig(**{**values, "draft_tree": False})
+
     def draft_siblings(self, cuda_graphs: bool) -> bool:
         """Whether the draft model adds siblings: ``draft_tree`` when set, else under the
         controller unless the target replays CUDA graphs (a step with a tree runs eagerly)."""

@@ -154,13 +154,17 @@ class EagleHead(nn.Module):
 
 
 def head_config(target: ModelConfig, token_map: list[int] | tuple[int, ...]) -> ModelConfig:
-    """A head's config for ``target``: one layer of its shape, the reduced vocabulary."""
+    """A head's config for ``target``: one layer of its shape (full attention and a dense MLP,
+    whatever the target's layers are), the reduced vocabulary."""
     return target.replace(
         num_hidden_layers=1,
         vocab_size=len(token_map) + 1,
         token_map=tuple(int(t) for t in token_map),
         target_vocab_size=target.vocab_size,
         tie_word_embeddings=False,
+        layer_types=(),
+        num_experts=0,
+        sparse_layers=(),
     )
 
 
