@@ -53,6 +53,8 @@ def resolve_weight_mode(
             f"got {quantization!r}"
         )
     torch_dtype = dtype_for(dtype, device)
+    if device.type == "cuda" and path.suffix == ".gguf" and quantization != "gguf":
+        _report_dequantised_on_cuda(path, torch_dtype)
     if quantization != "auto":
         return WeightMode(torch_dtype, quantization)
     if path.suffix != ".gguf" or device.type != "cpu" or dtype != "auto":
@@ -62,6 +64,22 @@ def resolve_weight_mode(
         return WeightMode(torch_dtype, "gguf")
     logger.info("quantization='auto': %s: dequantising to float32", why_not)
     return WeightMode(torch_dtype, None)
+
+
+def _report_dequantised_on_cuda(path: Path, dtype: torch.dtype) -> None:
+    """One log line: on CUDA a GGUF file's blocks are dequantised (the block kernels are the
+    CPU's)."""
+    from specbatch.models.gguf_file import GGUFFile
+
+    with GGUFFile(path) as gguf_file:
+        kinds = sorted({t.type_name for t in gguf_file.tensors if t.type_name not in ("F32",)})
+    if kinds:
+        logger.info(
+            "%s on CUDA: its %s tensors are dequantised to %s (the block kernels run on the CPU)",
+            path.name,
+            ", ".join(kinds),
+            str(dtype).removeprefix("torch."),
+        )
 
 
 def dtype_for(dtype: str, device: torch.device) -> torch.dtype:

@@ -98,9 +98,13 @@ def test_hf_directories_cuda_and_tensor_parallel_ranks_are_not_quantized(
 ) -> None:
     with caplog.at_level(logging.INFO, logger="specbatch"):
         assert resolve_weight_mode("auto", "auto", tiny_model_dir, CPU) == FLOAT32
+    assert _records(caplog) == []
+    with caplog.at_level(logging.INFO, logger="specbatch"):
         cuda = resolve_weight_mode("auto", "auto", default_gguf, torch.device("cuda"))
         assert cuda == WeightMode(torch.bfloat16, None)
-    assert _records(caplog) == []
+    (record,) = _records(caplog)  # one line: the blocks are dequantised on CUDA
+    assert "on CUDA: its Q4_1, Q8_0 tensors are dequantised to bfloat16" in record
+    caplog.clear()
     with caplog.at_level(logging.INFO, logger="specbatch"):
         assert resolve_weight_mode("auto", "auto", default_gguf, CPU, 2) == FLOAT32
     (record,) = _records(caplog)
