@@ -22,8 +22,12 @@ def reference_attention(
     value_cache: torch.Tensor,
     inputs: AttentionInputs,
     scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """Writes k/v into the caches (in place) and returns ``[T, heads * dim]`` in float32."""
+    """Writes k/v into the caches (in place) and returns ``[T, heads * dim]`` in float32; with
+    ``window`` a query at position p sees p - window + 1 .. p only, with ``softcap`` its
+    scores are ``softcap * tanh(score / softcap)``."""
     block_size = inputs.block_size
     _, _, kv_heads, dim = key_cache.shape
     heads = q.shape[1] // dim
@@ -41,6 +45,8 @@ def reference_attention(
         for i in range(q_len):
             t = int(starts[b]) + i
             visible = list(range(first_new + i + 1))
+            if window is not None:
+                visible = [p for p in visible if p > first_new + i - window]
             if inputs.tree_mask is not None:
                 visible = list(range(first_new)) + [
                     first_new + j for j in range(q_len) if inputs.tree_mask[t, j]
@@ -52,6 +58,8 @@ def reference_attention(
             for h in range(heads):
                 query = q[t].view(heads, dim)[h].float()
                 scores = keys[:, h // group].float() @ query * scale
+                if softcap is not None:
+                    scores = torch.tanh(scores / softcap) * softcap
                 weights = torch.softmax(scores, dim=0)
                 out[t, h] = weights @ values[:, h // group].float()
     return out.view(q.shape[0], heads * dim)

@@ -23,7 +23,10 @@ from tests.kernels.reference_attention import (
 
 
 def run_backend(
-    backend: TorchAttentionBackend, step: RandomStep, inputs: AttentionInputs
+    backend: TorchAttentionBackend,
+    step: RandomStep,
+    inputs: AttentionInputs,
+    window: int | None = None,
 ) -> torch.Tensor:
     """The backend on a step, with q/k/v in its [T, heads, dim] layout; [T, heads * dim] out."""
     t, dim = step.q.shape[0], backend.head_dim
@@ -34,6 +37,7 @@ def run_backend(
         step.v.view(t, -1, dim),
         (step.key_cache, step.value_cache),
         metadata,
+        window=window,
     )
     return out.reshape(t, -1)
 
@@ -312,3 +316,102 @@ def test_the_eight_lane_path_gives_the_sixteen_lane_bits(
     assert sixteen.load() is not None
     monkeypatch.setattr(cpu_paged, "NATIVE", sixteen)
     assert torch.equal(run_backend(backend, step, step.inputs), native)
+
+
+WINDOWED = [
+    # (heads, kv_heads, dim, block_size): the vector path, and the generic one (dim 24)
+    (9, 3, 64, 16),
+    (4, 2, 24, 16),
+]
+
+
+@pytest.mark.parametrize("backend_class", BACKENDS)
+@pytest.mark.parametrize(("heads", "kv_heads", "dim", "block_size"), WINDOWED)
+@pytest.mark.parametrize("window", [1, 5, 40, 100_000])
+@pytest.mark.parametrize("softcap", [None, 2.5])
+def test_sliding_window_and_soft_cap_match_reference(
+    backend_class: type[TorchAttentionBackend],
+    heads: int,
+    kv_heads: int,
+    dim: int,
+    block_size: int,
+    window: int,
+    softcap: float | None,
+) -> None:
+    """A sliding layer's queries see their last ``window`` positions (1: themselves; more
+    than the sequence: all) across block and 256-position chunk edges, scores soft-capped."""
+    rng = np.random.default_rng(window + dim)
+    kinds = ["prefill", "decode", "chunk", "verify", "long-decode", "long-verify"]
+    step = random_step(rng, kinds, heads, kv_heads, dim, block_size)
+    scale = dim**-0.5
+    expected = reference_attention(
+        step.q, step.k, step.v, step.key_cache.clone(), step.value_cache.clone(), step.inputs,
+        scale, window, softcap,
+    )  # fmt: skip
+    backend = backend_class(heads, kv_heads, dim, scale)
+    backend.softcap = softcap
+    got = run_backend(backend, step, step.inputs, window)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_a_windowed_sequence_gives_the_same_bits_alone_and_in_any_chunk() -> None:
+    """With a window of 40 over 300 positions: the last token's row alone in a decode, in a
+    short last chunk and in the whole prefill, the same bits."""
+    heads, kv_heads, dim, block, length = 9, 3, 64, 16, 300
+    gen = torch.Generator().manual_seed(3)
+    blocks = -(-length // block)
+    table = np.random.default_rng(3).permutation(blocks + 3)[None, :blocks].astype(np.int64)
+    key_cache = torch.randn(blocks + 3, block, kv_heads, dim, generator=gen)
+    value_cache = torch.randn(blocks + 3, block, kv_heads, dim, generator=gen)
+    positions = np.arange(length)
+    slots = table[0, positions // block] * block + positions % block
+    q = torch.randn(length, heads, dim, generator=gen)
+    k = key_cache.view(-1, kv_heads, dim)[torch.from_numpy(slots)].clone()
+    v = value_cache.view(-1, kv_heads, dim)[torch.from_numpy(slots)].clone()
+    backend = CpuPagedBackend(heads, kv_heads, dim, dim**-0.5)
+    backend.softcap = 4.0
+
+    def last_row(chunk: int) -> torch.Tensor:
+        inputs = AttentionInputs(
+            np.array([chunk]), np.array([length]), table, slots[length - chunk :], block
+        )
+        metadata = backend.build_metadata(inputs, torch.device("cpu"))
+        rows = slice(length - chunk, length)
+        out = backend.forward(q[rows], k[rows], v[rows], (key_cache, value_cache), metadata, 40)
+        return out[-1]
+
+    whole = last_row(length)
+    for chunk in (1, 3, 39, 41, 200):
+        assert torch.equal(last_row(chunk), whole), chunk
+
+
+def test_trees_cannot_attend_a_window() -> None:
+    rng = np.random.default_rng(4)
+    step = random_step(rng, ["verify", "verify"], 4, 2, 16, 16, tree=True)
+    for backend_class in BACKENDS:
+        with pytest.raises(ValueError, match="sliding window"):
+            run_backend(backend_class(4, 2, 16, 0.25), step, step.inputs, window=3)
+
+
+def test_the_eight_lane_path_gives_the_sixteen_lane_bits_in_a_window() -> None:
+    """The AVX2 build's 8-lane halves against its 16-lane build (-DSIXTEEN_LANES) with a
+    window and soft-capped scores: the same bits."""
+    rng = np.random.default_rng(6)
+    kinds = ["prefill", "decode", "chunk", "verify", "long-decode", "long-verify"]
+    step = random_step(rng, kinds, 9, 3, 64, 16)
+    backend = CpuPagedBackend(9, 3, 64, 0.125)
+    backend.softcap = 3.0
+    outputs = []
+    for extra in ((), ("-DSIXTEEN_LANES",)):
+        library = NativeLibrary(
+            cpu_paged.SOURCE, (*cpu_paged.FLAGS, "-mno-avx512f", *extra), "an AVX2 build",
+            "the test fails", cpu_paged._declare,
+        )  # fmt: skip
+        assert library.load() is not None
+        original = cpu_paged.NATIVE
+        cpu_paged.NATIVE = library
+        try:
+            outputs.append(run_backend(backend, dataclasses.replace(step), step.inputs, 13))
+        finally:
+            cpu_paged.NATIVE = original
+    assert torch.equal(outputs[0], outputs[1])

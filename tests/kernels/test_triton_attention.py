@@ -22,7 +22,9 @@ MIXES = {
 }
 
 
-def run(backend: TritonAttentionBackend, step, inputs: AttentionInputs) -> torch.Tensor:  # type: ignore[no-untyped-def]
+def run(
+    backend: TritonAttentionBackend, step, inputs: AttentionInputs, window: int | None = None
+) -> torch.Tensor:  # type: ignore[no-untyped-def]
     t, dim = step.q.shape[0], backend.head_dim
     metadata = backend.build_metadata(inputs, DEVICE)
     cache = (step.key_cache.to(DEVICE), step.value_cache.to(DEVICE))
@@ -32,6 +34,7 @@ def run(backend: TritonAttentionBackend, step, inputs: AttentionInputs) -> torch
         step.v.view(t, -1, dim).to(DEVICE),
         cache,
         metadata,
+        window=window,
     )
     step.key_cache.copy_(cache[0].cpu())
     step.value_cache.copy_(cache[1].cpu())
@@ -80,6 +83,29 @@ def test_split_kv_equals_single_pass() -> None:
     backend.force_splits = 3
     got = run(backend, step, step.inputs)
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("window", [1, 5, 17, 1000])
+@pytest.mark.parametrize("softcap", [None, 3.0])
+def test_sliding_window_and_soft_cap(window: int, softcap: float | None) -> None:
+    """A sliding layer's queries see their last ``window`` positions (one: themselves only;
+    more than the sequence: all), whatever the mix, and soft-capped scores."""
+    rng = np.random.default_rng(window)
+    step = random_step(rng, ["prefill", "decode", "chunk", "verify", "decode"], 4, 2, 64, 16)
+    expected = reference_attention(
+        step.q, step.k, step.v, step.key_cache.clone(), step.value_cache.clone(), step.inputs,
+        0.125, window, softcap,
+    )  # fmt: skip
+    backend = TritonAttentionBackend(4, 2, 64, 0.125)
+    backend.softcap = softcap
+    got = run(backend, step, step.inputs, window)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    split = TritonAttentionBackend(4, 2, 64, 0.125)
+    split.softcap, split.force_splits = softcap, 3
+    split.decode_tiles = TileConfig(rows=16, block_n=16)
+    torch.testing.assert_close(
+        run(split, step, step.inputs, window), expected, rtol=1e-4, atol=1e-4
+    )
 
 
 def test_tree_mask() -> None:

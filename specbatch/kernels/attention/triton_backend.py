@@ -206,8 +206,6 @@ class TritonAttentionBackend(AttentionBackend):
         metadata: TritonMetadata,
         window: int | None = None,
     ) -> torch.Tensor:
-        if window is not None:
-            raise NotImplementedError("the Triton kernel has no sliding window yet")
         if kv_cache is None:
             raise RuntimeError("no KV cache bound to the model: call bind_kv_caches first")
         key_cache, value_cache = kv_cache
@@ -215,7 +213,7 @@ class TritonAttentionBackend(AttentionBackend):
         if write is not None:
             write()
         out = torch.empty(q.shape[0], self.num_heads, self.head_dim, dtype=q.dtype, device=q.device)
-        self.attend(q, key_cache, value_cache, out, metadata)
+        self.attend(q, key_cache, value_cache, out, metadata, window)
         return out
 
     def write_launch(
@@ -249,9 +247,11 @@ class TritonAttentionBackend(AttentionBackend):
         value_cache: torch.Tensor,
         out: torch.Tensor,
         metadata: TritonMetadata,
+        window: int | None = None,
     ) -> None:
         """The attention launch alone (K/V already in the cache)."""
-        for launch in self.attention_launches(q, key_cache, value_cache, out, metadata):
+        launches = self.attention_launches(q, key_cache, value_cache, out, metadata, window=window)
+        for launch in launches:
             launch()
 
     def attention_launches(
@@ -262,6 +262,7 @@ class TritonAttentionBackend(AttentionBackend):
         out: torch.Tensor,
         metadata: TritonMetadata,
         interpreted: bool = _INTERPRETED,
+        window: int | None = None,
     ) -> list[KernelLaunch]:
         """The attention kernel (and the split-KV reduction) for one step, not yet launched.
 
@@ -285,6 +286,8 @@ class TritonAttentionBackend(AttentionBackend):
                 torch.empty(shape, dtype=torch.float32, device=q.device),
             ]
         tree = metadata.tree_mask
+        if tree is not None and window is not None:
+            raise ValueError("tree-shaped queries cannot attend a sliding window")
         shared = {
             "NUM_KV_HEADS": self.num_kv_heads,
             "HEAD_DIM": self.head_dim,
@@ -312,6 +315,8 @@ class TritonAttentionBackend(AttentionBackend):
                     tree if tree is not None else metadata.seq_lens,
                     *parts,
                     self.scale,
+                    window or 0,
+                    self.softcap or 1.0,
                     q.stride(0),
                     q.stride(1),
                     out.stride(0),
@@ -324,6 +329,8 @@ class TritonAttentionBackend(AttentionBackend):
                     "BLOCK_SIZE": metadata.block_size,
                     "BLOCK_N": tiles.block_n,
                     "HAS_TREE": tree is not None,
+                    "HAS_WINDOW": window is not None,
+                    "HAS_SOFTCAP": self.softcap is not None,
                     "DOT_PRECISION": "ieee" if q.dtype == torch.float32 else "tf32",
                     "DOT_FP32": interpreted or q.dtype == torch.float32,
                 },

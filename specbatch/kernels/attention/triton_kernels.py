@@ -67,6 +67,8 @@ def paged_attention_kernel(
     part_max_ptr,
     part_sum_ptr,
     scale,
+    window,  # positions a query sees, itself included (HAS_WINDOW)
+    softcap,  # scores become softcap tanh(score / softcap) (HAS_SOFTCAP)
     stride_q_token,
     stride_q_head,
     stride_o_token,
@@ -83,6 +85,8 @@ def paged_attention_kernel(
     BLOCK_N: tl.constexpr,  # KV positions per tile
     NUM_SPLITS: tl.constexpr,
     HAS_TREE: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,  # a sliding layer's (never with a tree)
+    HAS_SOFTCAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,  # "ieee" for exact float32, "tf32" for speed
     DOT_FP32: tl.constexpr,  # upcast 16-bit tiles before tl.dot (the CPU interpreter needs it)
 ):
@@ -119,6 +123,9 @@ def paged_attention_kernel(
     per_split = tl.cdiv(tl.cdiv(last_pos, BLOCK_N), NUM_SPLITS) * BLOCK_N
     kv_begin = split * per_split
     kv_end = tl.minimum(kv_begin + per_split, last_pos)
+    if HAS_WINDOW:  # tiles before the first query's window: nothing to see there
+        lowest = tl.maximum(first_new + q_first - window + 1, 0)
+        kv_begin = tl.maximum(kv_begin, lowest // BLOCK_N * BLOCK_N)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -141,7 +148,11 @@ def paged_attention_kernel(
         else:
             q_tile, k_tile, v_tile = q, k, v
         scores = tl.dot(q_tile, tl.trans(k_tile), input_precision=DOT_PRECISION) * scale
+        if HAS_SOFTCAP:  # tanh(y) = 1 - 2 / (exp(2y) + 1)
+            scores = softcap * (1.0 - 2.0 / (tl.exp(2.0 * scores / softcap) + 1.0))
         visible = row_real[:, None] & kv_valid[None, :] & (kv_pos[None, :] <= q_pos[:, None])
+        if HAS_WINDOW:
+            visible = visible & (kv_pos[None, :] > q_pos[:, None] - window)
         if HAS_TREE:
             new = kv_pos[None, :] - first_new  # which new token a column is (if >= 0)
             tree = tl.load(
