@@ -74,23 +74,16 @@ class QuantizedWeight:
                 f"in_features={in_features}, got {raw.dtype} {list(raw.shape)}"
             )
         n, groups = raw.shape[0], -(-blocks // GROUP)
-        cells = np.zeros((-(-n // PANEL) * PANEL, groups * GROUP, BLOCK_BYTES[kind]), np.uint8)
-        cells[:n, :blocks] = raw.reshape(n, blocks, -1)
-        cells = cells.reshape(cells.shape[0], groups, GROUP, -1)
-        if kind == "q4_1":  # lane j of a record: the four blocks' qs[j]
-            codes = cells[..., 4:].transpose(0, 1, 3, 2)
-            scales = np.stack([_fp16(cells, 0), _fp16(cells, 2)], axis=-1)
-        else:
-            codes, scales = cells[..., 2:], _fp16(cells, 0)
-        records = np.concatenate(
-            [
-                np.ascontiguousarray(codes).reshape(*cells.shape[:2], -1),
-                np.ascontiguousarray(scales).view(np.uint8).reshape(*cells.shape[:2], -1),
-            ],
-            axis=-1,
-        )
-        panels = records.reshape(-1, PANEL, groups, records.shape[-1]).transpose(0, 2, 1, 3)
-        data = torch.from_numpy(np.ascontiguousarray(panels).reshape(panels.shape[0], -1))
+        record = _CODE_BYTES[kind] + GROUP * _SCALES[kind] * 4
+        panels = np.empty((-(-n // PANEL), groups * PANEL * record), np.uint8)
+        # in runs of rows (whole panels): the repacking's temporaries stay small (a 262k-row
+        # embedding repacked at once had doubled the load's peak memory)
+        for start in range(0, n, _REPACK_ROWS):
+            rows = raw[start : start + _REPACK_ROWS]
+            panels[start // PANEL : start // PANEL + -(-len(rows) // PANEL)] = _panels(
+                rows, kind, blocks, groups
+            )
+        data = torch.from_numpy(panels)
         return cls(kind, in_features, n, data)
 
     @staticmethod
@@ -179,6 +172,32 @@ class QuantizedWeight:
     @property
     def _record_bytes(self) -> int:
         return _CODE_BYTES[self.kind] + GROUP * _SCALES[self.kind] * 4
+
+
+_REPACK_ROWS = 4096  # a multiple of PANEL
+
+
+def _panels(raw: np.ndarray, kind: str, blocks: int, groups: int) -> np.ndarray:
+    """Rows of a tensor's bytes (uint8 [rows, blocks * block bytes]) as their panels (the
+    layout of ``QuantizedWeight.data``; the last panel padded with zero rows)."""
+    n = raw.shape[0]
+    cells = np.zeros((-(-n // PANEL) * PANEL, groups * GROUP, BLOCK_BYTES[kind]), np.uint8)
+    cells[:n, :blocks] = raw.reshape(n, blocks, -1)
+    cells = cells.reshape(cells.shape[0], groups, GROUP, -1)
+    if kind == "q4_1":  # lane j of a record: the four blocks' qs[j]
+        codes = cells[..., 4:].transpose(0, 1, 3, 2)
+        scales = np.stack([_fp16(cells, 0), _fp16(cells, 2)], axis=-1)
+    else:
+        codes, scales = cells[..., 2:], _fp16(cells, 0)
+    records = np.concatenate(
+        [
+            np.ascontiguousarray(codes).reshape(*cells.shape[:2], -1),
+            np.ascontiguousarray(scales).view(np.uint8).reshape(*cells.shape[:2], -1),
+        ],
+        axis=-1,
+    )
+    panels = records.reshape(-1, PANEL, groups, records.shape[-1]).transpose(0, 2, 1, 3)
+    return np.ascontiguousarray(panels).reshape(panels.shape[0], -1)
 
 
 def quantize_q8_0(weight: np.ndarray) -> np.ndarray:
