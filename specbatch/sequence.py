@@ -98,6 +98,9 @@ class Sequence:
     num_computed_tokens: int = 0
     num_cached_prompt_tokens: int = 0  # prompt tokens found in the prefix cache
     block_table: list[int] = field(default_factory=list)
+    # the sliding-window layers' blocks (cache/window_cache.py), where the model has its own
+    # cache group for them
+    window_table: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None

@@ -35,7 +35,11 @@ class _HashState:
 
 
 class KVCacheManager:
-    """Block tables for sequences, drawn from one :class:`BlockPool`."""
+    """Block tables for sequences, drawn from one :class:`BlockPool` (the table a sequence
+    keeps as ``table``: its ``block_table``, or a sliding-window group's
+    ``window_table``, ``cache/window_cache.py``)."""
+
+    table = "block_table"
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
         if block_size < 1:
@@ -67,7 +71,7 @@ class KVCacheManager:
         At least the last token is always left to compute (its logits are needed), so a prompt
         is never matched whole.
         """
-        if not self.enable_prefix_caching or seq.block_table:
+        if not self.enable_prefix_caching or self.blocks(seq):
             return []
         blocks: list[int] = []
         parent = 0
@@ -94,12 +98,14 @@ class KVCacheManager:
         can preempt and retry.
         """
         prefix = cached_prefix or []
-        computed = seq.num_computed_tokens + len(prefix) * self.block_size
-        needed = self.blocks_for(computed + num_new_tokens + num_lookahead)
-        new_blocks = needed - len(seq.block_table) - len(prefix)
-        revived = sum(1 for b in prefix if self.pool.ref_counts[b] == 0)
-        if max(new_blocks, 0) + revived > self.pool.num_free:
+        if not self.can_allocate(seq, num_new_tokens, num_lookahead, prefix):
             return False
+        computed = seq.num_computed_tokens + len(prefix) * self.block_size
+        new_blocks = (
+            self.blocks_for(computed + num_new_tokens + num_lookahead)
+            - len(self.blocks(seq))
+            - len(prefix)
+        )
         for block in prefix:
             self.pool.share(block)
         if prefix:
@@ -107,11 +113,26 @@ class KVCacheManager:
             for _ in prefix:
                 state.last_hash = hash(self._key(seq, state.num_committed_blocks, state.last_hash))
                 state.num_committed_blocks += 1
-            seq.block_table.extend(prefix)
+            self.blocks(seq).extend(prefix)
             seq.num_computed_tokens = computed
         if new_blocks > 0:
-            seq.block_table.extend(self.pool.allocate(new_blocks))
+            self.blocks(seq).extend(self.pool.allocate(new_blocks))
         return True
+
+    def can_allocate(
+        self,
+        seq: CacheSequence,
+        num_new_tokens: int,
+        num_lookahead: int = 0,
+        cached_prefix: list[int] | None = None,
+    ) -> bool:
+        """Whether :meth:`allocate` would succeed (it changes nothing)."""
+        prefix = cached_prefix or []
+        computed = seq.num_computed_tokens + len(prefix) * self.block_size
+        needed = self.blocks_for(computed + num_new_tokens + num_lookahead)
+        new_blocks = needed - len(self.blocks(seq)) - len(prefix)
+        revived = sum(1 for b in prefix if self.pool.ref_counts[b] == 0)
+        return max(new_blocks, 0) + revived <= self.pool.num_free
 
     def commit(self, seq: CacheSequence) -> None:
         """Index the sequence's blocks that became full of computed, final tokens."""
@@ -122,7 +143,7 @@ class KVCacheManager:
         while state.num_committed_blocks < full:
             index = state.num_committed_blocks
             key = self._key(seq, index, state.last_hash)
-            self.pool.register(seq.block_table[index], key)
+            self.pool.register(self.blocks(seq)[index], key)
             state.last_hash = hash(key)
             state.num_committed_blocks += 1
 
@@ -134,17 +155,22 @@ class KVCacheManager:
         """
         state = self._hash_state.get(seq.seq_id)
         keep = max(self.blocks_for(num_tokens), state.num_committed_blocks if state else 0)
-        if keep < len(seq.block_table):
-            tail = seq.block_table[keep:]
-            del seq.block_table[keep:]
+        if keep < len(self.blocks(seq)):
+            tail = self.blocks(seq)[keep:]
+            del self.blocks(seq)[keep:]
             self.pool.release(tail[::-1])
 
     def free(self, seq: CacheSequence) -> None:
         """Return all of a finished, aborted or preempted sequence's blocks."""
         # Reverse order: the tail (least shareable) blocks are evicted first.
-        self.pool.release(seq.block_table[::-1])
-        seq.block_table.clear()
+        self.pool.release(self.blocks(seq)[::-1])
+        self.blocks(seq).clear()
         self._hash_state.pop(seq.seq_id, None)
+
+    def blocks(self, seq: CacheSequence) -> list[int]:
+        """The sequence's table of this manager's blocks."""
+        table: list[int] = getattr(seq, self.table)
+        return table
 
     def _key(self, seq: CacheSequence, block_index: int, parent: int) -> BlockKey:
         start = block_index * self.block_size

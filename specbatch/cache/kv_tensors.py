@@ -23,22 +23,28 @@ def allocate_kv_caches(
     block_size: int,
     dtype: torch.dtype,
     device: torch.device | str,
+    window_blocks: int | None = None,
 ) -> list[LayerKVCache]:
-    """Zeroed ``[num_blocks, block_size, kv_heads, head_dim]`` key and value tensors per layer.
+    """Zeroed ``[num_blocks, block_size, kv_heads, head_dim]`` key and value tensors per layer
+    (``window_blocks`` for each sliding-window layer, where they have their own cache group).
 
     Zeros, not garbage: padded attention columns are masked, but a NaN in masked memory would
     still poison ``0 * NaN`` in the value product. On the CPU the zeros cost nothing until used:
     each tensor is an anonymous memory map, whose pages the kernel provides zeroed on first
     write, so the process holds the blocks it has used, not the whole reservation.
     """
-    shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
 
-    def zeros() -> torch.Tensor:
+    def zeros(blocks: int) -> torch.Tensor:
+        shape = (blocks, block_size, config.num_key_value_heads, config.head_dim)
         if torch.device(device).type == "cpu":
             return lazy_zeros(shape, dtype)
         return torch.zeros(shape, dtype=dtype, device=device)
 
-    return [(zeros(), zeros()) for _ in range(config.num_hidden_layers)]
+    def blocks_of(layer: int) -> int:
+        windowed = window_blocks is not None and config.layer_window(layer) is not None
+        return window_blocks if windowed and window_blocks is not None else num_blocks
+
+    return [(zeros(blocks_of(i)), zeros(blocks_of(i))) for i in range(config.num_hidden_layers)]
 
 
 def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from specbatch.cache.kv_cache_manager import KVCacheManager
+from specbatch.cache.window_cache import HybridKVCache, WindowCacheManager
 from specbatch.config import EngineConfig
 from specbatch.engine.intake import RequestIntake, check_priority
 from specbatch.engine.logprobs import ranked_logprobs
@@ -89,10 +90,18 @@ class LLMEngine:
         )
         self.draft_model, self.max_model_len = models.draft, models.max_model_len
         self.speculative_config = models.speculation  # "auto" resolved; None: off
-        self.num_kv_blocks = allocate_cache(config, models)
-        self.cache = KVCacheManager(
+        self.num_kv_blocks, window_blocks = allocate_cache(config, models)
+        self.cache: KVCacheManager | HybridKVCache = KVCacheManager(
             self.num_kv_blocks, config.block_size, config.enable_prefix_caching
         )
+        if window_blocks is not None:  # the sliding layers keep their window only
+            window = WindowCacheManager(
+                window_blocks,
+                config.block_size,
+                config.enable_prefix_caching,
+                self.model.config.sliding_window or 1,
+            )
+            self.cache = HybridKVCache(self.cache, window)
         self.runner: ModelRunner | TensorParallelRunner = ModelRunner(
             self.model, config.block_size, capture_graphs(config, models)
         )
@@ -428,7 +437,13 @@ def _token_run(
     seq = s.seq
     tokens = seq.token_ids[seq.num_computed_tokens :][: s.num_new_tokens]
     return TokenRun(
-        tokens + drafted, seq.num_computed_tokens, seq.block_table, len(drafted), 0, parents
+        tokens + drafted,
+        seq.num_computed_tokens,
+        seq.block_table,
+        len(drafted),
+        0,
+        parents,
+        seq.window_table or None,  # the sliding layers' own group, where the model has one
     )
 
 

@@ -108,8 +108,28 @@ def load_models(config: EngineConfig) -> Models:
     )
 
 
-def allocate_cache(config: EngineConfig, models: Models) -> int:
-    """Size the paged cache from the budget, allocate it, bind it to the target; block count."""
+def window_group_blocks(config: EngineConfig, models: Models, num_blocks: int) -> int | None:
+    """The sliding-window layers' own pool (``cache/window_cache.py``): blocks enough for
+    ``max_num_seqs`` sequences' windows plus a step's chunk and drafts each, at most the full
+    pool's; None where they share the full pool (no sliding layer; tensor-parallel ranks and
+    CUDA graphs keep one table per sequence)."""
+    model_config = models.model.config
+    window = model_config.sliding_window
+    if (
+        window is None
+        or "sliding" not in model_config.layer_types
+        or models.model.tp is not None
+        or models.device.type != "cpu"
+    ):
+        return None
+    span = window - 1 + config.max_num_batched_tokens + models.num_speculative_tokens
+    per_sequence = ceil_div(span, config.block_size) + 1
+    return min(num_blocks, config.max_num_seqs * per_sequence)
+
+
+def allocate_cache(config: EngineConfig, models: Models) -> tuple[int, int | None]:
+    """Size the paged cache from the budget, allocate it, bind it to the target; its block
+    count, and the sliding layers' own pool's (None: they share it)."""
     k = models.num_speculative_tokens
     draft_bytes = 0
     if models.draft is not None:
@@ -135,8 +155,11 @@ def allocate_cache(config: EngineConfig, models: Models) -> int:
         extra_bytes_per_block=draft_bytes,
         reserved_bytes=reserved,
     )
+    window_blocks = window_group_blocks(config, models, num_blocks)
     models.model.bind_kv_caches(
-        allocate_kv_caches(cache_config, num_blocks, config.block_size, models.dtype, models.device)
+        allocate_kv_caches(
+            cache_config, num_blocks, config.block_size, models.dtype, models.device, window_blocks
+        )
     )
     per_block = kv_bytes_per_block(cache_config, config.block_size, models.dtype)
     logger.info(
@@ -148,7 +171,14 @@ def allocate_cache(config: EngineConfig, models: Models) -> int:
         models.device,
         ", committed as blocks are first used" if models.device.type == "cpu" else "",
     )
-    return num_blocks
+    if window_blocks is not None:
+        logger.info(
+            "KV cache of the sliding-window layers: %d blocks (their window of %d positions "
+            "kept per sequence)",
+            window_blocks,
+            models.model.config.sliding_window,
+        )
+    return num_blocks, window_blocks
 
 
 def capture_graphs(config: EngineConfig, models: Models) -> CudaGraphRunner | None:

@@ -280,6 +280,10 @@ typedef struct {
     attention_fn attention;
     write_fn write;
     const float *cos_local, *sin_local; /* sliding layers' own rotary (Gemma 3), or NULL */
+    /* sliding layers' own cache group (cache/window_cache.py): their slots and block tables,
+     * or NULL (every layer reads the step's) */
+    const int64_t *window_slots, *window_tables;
+    int64_t window_bt_stride;
 } LayerStep;
 
 /* Each token's `heads` heads of head_dim at rows + t * row_width normalised in place (the
@@ -332,10 +336,15 @@ int decoder_layer(const Layer *L, const LayerStep *S, float *x) {
     const int local = L->local_rope && S->cos_local != NULL;
     rotary(qkv, T, L->heads + L->kv_heads, L->rotary_dim, qkv_n, hd,
            local ? S->cos_local : S->cos, local ? S->sin_local : S->sin, 0);
+    /* a sliding layer with its own cache group reads and writes through that group's tables */
+    const int own_group = L->window > 0 && S->window_slots != NULL;
+    const int64_t *slots = own_group ? S->window_slots : S->slots;
+    const int64_t *tables = own_group ? S->window_tables : S->block_tables;
+    const int64_t bt_stride = own_group ? S->window_bt_stride : S->bt_stride;
     S->write(qkv + q_size, qkv_n, qkv + q_size + kv, qkv_n, L->key_cache, L->value_cache,
-             S->slots, T, kv, (int64_t)sizeof(float));
+             slots, T, kv, (int64_t)sizeof(float));
     status |= S->attention(qkv, qkv_n, hd, attn, q_size, hd, L->key_cache, L->value_cache, 0,
-                           S->q_start, S->q_len, S->seq_len, S->block_tables, S->bt_stride,
+                           S->q_start, S->q_len, S->seq_len, tables, bt_stride,
                            S->tree, S->tree_stride, S->num_seqs, L->heads, L->kv_heads, hd,
                            L->block_size, S->chunk, L->scale, L->window, L->softcap, S->threads);
     status |= run_linear(&L->o, attn, T, q_size, H, o, S->threads);

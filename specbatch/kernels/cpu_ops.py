@@ -227,6 +227,9 @@ class LayerStepSpec(ctypes.Structure):
         ("write", ctypes.c_void_p),
         ("cos_local", ctypes.c_void_p),
         ("sin_local", ctypes.c_void_p),
+        ("window_slots", ctypes.c_void_p),
+        ("window_tables", ctypes.c_void_p),
+        ("window_bt_stride", ctypes.c_int64),
     ]
 
 

@@ -24,7 +24,7 @@ from typing import Protocol, cast
 import torch
 
 from specbatch.kernels import cpu_ops
-from specbatch.kernels.attention import AttentionBackend, LayerKVCache, cpu_paged
+from specbatch.kernels.attention import AttentionBackend, GroupedMetadata, LayerKVCache, cpu_paged
 from specbatch.kernels.attention.cpu_paged import CpuPagedBackend, KernelQueries
 from specbatch.kernels.weight_forms import FusedPart, WeightForm
 
@@ -167,23 +167,38 @@ class FusedLayers:
     ) -> cpu_ops.LayerStepSpec | None:
         """The step's part of the fused layers' arguments (``local``: the cos/sin of sliding
         layers with their own rotary), or None where they do not apply."""
-        queries = getattr(metadata, "queries", None)
-        if queries is None or torch.is_grad_enabled() or not self.applies():
+        grouped = isinstance(metadata, GroupedMetadata)
+        full = metadata.full if isinstance(metadata, GroupedMetadata) else metadata
+        queries = getattr(full, "queries", None)
+        window = None
+        if isinstance(metadata, GroupedMetadata):
+            window = getattr(metadata.window, "queries", None)
+        if queries is None or (grouped and window is None):
             return None
-        cache = self._layer_list()[0].kv_cache
-        dtype = self.model.dtype
-        if cache is None or cache[0].dtype != dtype or x.dtype != dtype:
+        if torch.is_grad_enabled() or not self.applies():
             return None
-        if queries.max_slot >= cache[0].shape[0] * cache[0].shape[1]:
-            raise IndexError(f"KV slot {queries.max_slot} is outside the cache")
-        if queries.tree is not None and any(layer.window for layer in self._layer_list()):
+        layers, dtype = self._layer_list(), self.model.dtype
+        for layer in layers:  # each group's queries against its own cache
+            cache = layer.kv_cache
+            if cache is None or cache[0].dtype != dtype or x.dtype != dtype:
+                return None
+            mine = window if window is not None and layer.window else queries
+            if mine.max_slot >= cache[0].shape[0] * cache[0].shape[1]:
+                raise IndexError(f"KV slot {mine.max_slot} is outside the cache")
+        if queries.tree is not None and any(layer.window for layer in layers):
             raise ValueError("tree-shaped queries cannot attend a sliding window")
         assert self._kernels is not None
-        spec = _step_spec(
-            cast(KernelQueries, queries), cos, sin, x, cache[0].shape[1], self._kernels
-        )
+        block = layers[0].kv_cache[0].shape[1]  # type: ignore[index]
+        spec = _step_spec(cast(KernelQueries, queries), cos, sin, x, block, self._kernels)
         if local is not None:
             spec.cos_local, spec.sin_local = local[0].data_ptr(), local[1].data_ptr()
+        if window is not None:
+            tables, stride = window.sequence_args[3:5]
+            spec.window_slots, spec.window_tables, spec.window_bt_stride = (
+                window.slots_pointer,
+                tables,
+                stride,
+            )
         return spec
 
     def run(self, step: cpu_ops.LayerStepSpec, x: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specbatch.kernels import cpu_ops
-from specbatch.kernels.attention import AttentionBackend, LayerKVCache
+from specbatch.kernels.attention import AttentionBackend, GroupedMetadata, LayerKVCache
 from specbatch.kernels.fused_layers import FusedLayer
 from specbatch.kernels.linear import Linear
 from specbatch.models.config import ModelConfig
@@ -81,6 +81,8 @@ class LlamaAttention(nn.Module):
         ):
             qk = self._rotated(qk, cos, sin)
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
+        if isinstance(metadata, GroupedMetadata):  # its cache group's layout
+            metadata = metadata.for_layer(self.window)
         out = self.backend.forward(
             qk[:, : self.num_heads],
             qk[:, self.num_heads :],

@@ -33,6 +33,8 @@ class TokenRun:
     # The drafts as a tree: draft i follows draft ``draft_parents[i]`` (an earlier one), or
     # the run's first token for -1. None: a chain.
     draft_parents: Sequence[int] | None = None
+    # The sliding layers' blocks where they have their own cache group (cache/window_cache.py)
+    window_table: Sequence[int] | None = None
 
     def __post_init__(self) -> None:
         parents = self.draft_parents
@@ -85,6 +87,7 @@ class TokenRun:
             self.num_drafts,
             self.num_unslotted + fillers,
             self.draft_parents,
+            self.window_table,
         )
 
 
@@ -105,6 +108,9 @@ class FlatBatch:
     positions: np.ndarray  # [T]
     attention: AttentionInputs
     query_start: np.ndarray  # [B + 1]: run b owns flat rows query_start[b]:query_start[b + 1]
+    # the sliding layers' layout where they have their own cache group (its block tables and
+    # slots; the same queries)
+    window_attention: AttentionInputs | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -133,9 +139,7 @@ def flatten(runs: Sequence[TokenRun], block_size: int) -> FlatBatch:
     # a sequence holds: their table entries read block 0, never past the table).
     ends = ceil_div(starts + query_lens, block_size)
     width = max(max((len(r.block_table) for r in runs), default=1), int(ends.max(initial=1)), 1)
-    block_tables = np.zeros((len(runs), width), dtype=np.int64)
-    for b, run in enumerate(runs):
-        block_tables[b, : len(run.block_table)] = run.block_table
+    block_tables = _tables([r.block_table for r in runs], width)
 
     run_of_token = np.repeat(np.arange(len(runs)), query_lens)
     offsets = np.arange(total) - query_start[:-1][run_of_token]  # index in the run: the slot
@@ -149,21 +153,36 @@ def flatten(runs: Sequence[TokenRun], block_size: int) -> FlatBatch:
             rows = slice(int(query_start[b]), int(query_start[b + 1]))
             positions[rows] = starts[b] + runs[b].offsets()
     slot_positions = starts[run_of_token] + offsets
-    slots = cache_slots(block_tables, slot_positions, block_size, rows=run_of_token)
     unslotted = np.fromiter((r.num_unslotted for r in runs), dtype=np.int64, count=len(runs))
     filler = offsets >= (query_lens - unslotted)[run_of_token]
-    held = np.fromiter((len(r.block_table) for r in runs), dtype=np.int64, count=len(runs))
-    if np.any(~filler & (slot_positions // block_size >= held[run_of_token])):
-        raise ValueError("a token to compute lies past its sequence's blocks")
-    slots[filler] = PAD_SLOT
+
+    def layout(tables: np.ndarray, held: list[int]) -> AttentionInputs:
+        slots = cache_slots(tables, slot_positions, block_size, rows=run_of_token)
+        if np.any(~filler & (slot_positions // block_size >= np.array(held)[run_of_token])):
+            raise ValueError("a token to compute lies past its sequence's blocks")
+        slots[filler] = PAD_SLOT
+        return AttentionInputs(
+            query_lens=query_lens,
+            seq_lens=starts + query_lens,
+            block_tables=tables,
+            slot_mapping=slots,
+            block_size=block_size,
+            tree_mask=tree_mask,
+            kv_lens=starts + query_lens - unslotted if unslotted.any() else None,
+        )
+
     input_ids = np.fromiter((t for r in runs for t in r.token_ids), dtype=np.int64, count=total)
-    attention = AttentionInputs(
-        query_lens=query_lens,
-        seq_lens=starts + query_lens,
-        block_tables=block_tables,
-        slot_mapping=slots,
-        block_size=block_size,
-        tree_mask=tree_mask,
-        kv_lens=starts + query_lens - unslotted if unslotted.any() else None,
-    )
-    return FlatBatch(input_ids, positions, attention, query_start)
+    attention = layout(block_tables, [len(r.block_table) for r in runs])
+    window = None
+    if runs and runs[0].window_table is not None:
+        window_tables = [r.window_table or () for r in runs]
+        window = layout(_tables(window_tables, width), [len(t) for t in window_tables])
+    return FlatBatch(input_ids, positions, attention, query_start, window)
+
+
+def _tables(tables: Sequence[Sequence[int]], width: int) -> np.ndarray:
+    """The runs' block tables as rows of ``width`` (padded with block 0)."""
+    out = np.zeros((len(tables), width), dtype=np.int64)
+    for b, table in enumerate(tables):
+        out[b, : len(table)] = table
+    return out

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from specbatch.cache.kv_tensors import move_slots
+from specbatch.kernels.attention import GroupedMetadata
 from specbatch.models.llama import LlamaForCausalLM
 from specbatch.runner.flat_batch import FlatBatch, LogitRows, TokenRun, flatten
 
@@ -68,6 +69,9 @@ class ModelRunner:
                 hidden = self.graphs.forward_hidden(batch)
             else:
                 metadata = self.model.backend.build_metadata(batch.attention, self.device)
+                if batch.window_attention is not None:  # the sliding layers' cache group
+                    window = self.model.backend.build_metadata(batch.window_attention, self.device)
+                    metadata = GroupedMetadata(metadata, window)
                 input_ids = torch.from_numpy(batch.input_ids).to(self.device)
                 positions = torch.from_numpy(batch.positions).to(self.device)
                 hidden = self.model(input_ids, positions, metadata)

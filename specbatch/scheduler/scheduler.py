@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from specbatch.cache.kv_cache_manager import KVCacheManager
+from specbatch.cache.window_cache import HybridKVCache
 from specbatch.sequence import Sequence, SequenceStatus
 
 
@@ -97,7 +98,7 @@ class Scheduler:
     def __init__(
         self,
         config: SchedulerConfig,
-        cache: KVCacheManager,
+        cache: KVCacheManager | HybridKVCache,
         draft_planner: DraftPlanner | None = None,
     ) -> None:
         self.config = config

@@ -50,6 +50,7 @@ def compile_case(case: dict[str, Any]) -> list[CompileReport]:
     heads, kv_heads, dim = case["heads"], case["kv_heads"], case["dim"]
     dtype = DTYPES[case.get("dtype", "bf16")]
     backend = TritonAttentionBackend(heads, kv_heads, dim, dim**-0.5)
+    backend.softcap = case.get("softcap")
     if case.get("splits", 1) > 1:
         backend.force_splits = case["splits"]
     if case.get("decode_tiles"):
@@ -71,7 +72,10 @@ def compile_case(case: dict[str, Any]) -> list[CompileReport]:
     out = torch.empty(tokens, heads, dim, dtype=dtype)
     write = backend.write_launch(k, v, cache[0], cache[1], metadata)
     assert write is not None
-    launches = [write, *backend.attention_launches(q, cache[0], cache[1], out, metadata, False)]
+    attention = backend.attention_launches(
+        q, cache[0], cache[1], out, metadata, False, window=case.get("window")
+    )
+    launches = [write, *attention]
     return [compile_launch(launch, case["arch"]) for launch in launches]
 
 

@@ -50,6 +50,7 @@ CASES = [
     ("chunk", 8, 1, 64, 16),
     ("decodes", 6, 2, 128, 32),
     ("verify", 4, 4, 128, 16),
+    ("mixed", 4, 1, 256, 16),  # Gemma 3 270M's heads
 ]
 
 

@@ -58,6 +58,20 @@ VARIANTS = [
     {"id": f"variant-{i}", "heads": 32, "kv_heads": 8, "dim": 128, "arch": 90, **v}
     for i, v in enumerate(VARIANTS)
 ]
+# The new families' shapes: Gemma 3 270M's heads (4 of 256 dims, one KV head) with a sliding
+# window, Gemma 2's soft-capped scores; Qwen3's 128-dim heads with a window
+VARIANTS += [
+    {"id": f"family-{i}-{arch}", "arch": arch, "dtype": "bf16", **v}
+    for i, v in enumerate(
+        [
+            {"heads": 4, "kv_heads": 1, "dim": 256, "kind": "decode", "window": 512},
+            {"heads": 4, "kv_heads": 1, "dim": 256, "kind": "prefill", "window": 512},
+            {"heads": 4, "kv_heads": 1, "dim": 256, "kind": "mixed", "softcap": 50.0},
+            {"heads": 16, "kv_heads": 8, "dim": 128, "kind": "verify", "window": 4096},
+        ]
+    )
+    for arch in (90, 80)
+]
 # The tiles benchmarks/gpu_check.py times (the defaults are in MAIN).
 CANDIDATES = [
     {"id": f"{kind}-{i}-{dim}", "heads": 32, "kv_heads": 8, "dim": dim, "kind": kind, "arch": 90,

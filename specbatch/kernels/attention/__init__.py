@@ -4,6 +4,7 @@ from specbatch.kernels.attention.base import (
     PAD_SLOT,
     AttentionBackend,
     AttentionInputs,
+    GroupedMetadata,
     LayerKVCache,
 )
 from specbatch.kernels.attention.registry import attention_backend_class, available_backends
@@ -12,6 +13,7 @@ __all__ = [
     "PAD_SLOT",
     "AttentionBackend",
     "AttentionInputs",
+    "GroupedMetadata",
     "LayerKVCache",
     "attention_backend_class",
     "available_backends",

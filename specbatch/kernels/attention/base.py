@@ -69,6 +69,19 @@ class AttentionInputs:
         return np.concatenate([[0], np.cumsum(self.query_lens)]).astype(np.int64)
 
 
+@dataclass
+class GroupedMetadata:
+    """A step's metadata where the sliding-window layers have their own cache group
+    (``cache/window_cache.py``): ``full`` for the other layers, ``window`` for them (the same
+    queries through their own block tables and slots)."""
+
+    full: Any
+    window: Any
+
+    def for_layer(self, window: int | None) -> Any:
+        return self.full if window is None else self.window
+
+
 class AttentionBackend(ABC):
     """Stateless paged attention for one model shape (head counts, head size).
 

@@ -53,6 +53,9 @@ class TileConfig:
 DECODE_TILES = TileConfig(rows=_MIN_ROWS, block_n=64)
 # Steps with a prefill chunk or long verifies: FlashAttention-style square-ish tiles.
 PREFILL_TILES = TileConfig(rows=64, block_n=32)
+# ... for heads wider than 128 (Gemma's 256): twice the warps, so that the 64 x 256 float32
+# accumulator fits the registers (4 warps spilled 80 bytes a thread on sm_80)
+WIDE_PREFILL_TILES = TileConfig(rows=64, block_n=32, num_warps=8)
 # What benchmarks/gpu_check.py times against the defaults (each compiles unspilled for sm_90).
 TILE_CANDIDATES = {
     "decode": [
@@ -125,6 +128,8 @@ class TritonAttentionBackend(AttentionBackend):
         group = self.num_heads // self.num_kv_heads
         max_query = int(inputs.query_lens.max()) if len(inputs.query_lens) else 1
         tiles = self.prefill_tiles if max_query * group > _MIN_ROWS else self.decode_tiles
+        if tiles is PREFILL_TILES and self.head_dim > 128:
+            tiles = WIDE_PREFILL_TILES
         block_m = max(tiles.rows, _MIN_ROWS, _pow2(group))
         block_q = max(1, block_m // group)
         programs = ceil_div(inputs.query_lens.astype(np.int64), block_q)
