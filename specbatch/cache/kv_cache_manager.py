@@ -48,6 +48,9 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks)
         self.enable_prefix_caching = enable_prefix_caching
         self._hash_state: dict[int, _HashState] = {}
+        # seq -> leading table entries it does not hold (a window group's released blocks;
+        # none in a full group)
+        self._unheld: dict[int, int] = {}
 
     @property
     def num_blocks(self) -> int:
@@ -131,7 +134,8 @@ class KVCacheManager:
         computed = seq.num_computed_tokens + len(prefix) * self.block_size
         needed = self.blocks_for(computed + num_new_tokens + num_lookahead)
         new_blocks = needed - len(self.blocks(seq)) - len(prefix)
-        revived = sum(1 for b in prefix if self.pool.ref_counts[b] == 0)
+        held = prefix[self._first_held(prefix) :]
+        revived = sum(1 for b in held if self.pool.ref_counts[b] == 0)
         return max(new_blocks, 0) + revived <= self.pool.num_free
 
     def commit(self, seq: CacheSequence) -> None:
@@ -155,6 +159,7 @@ class KVCacheManager:
         """
         state = self._hash_state.get(seq.seq_id)
         keep = max(self.blocks_for(num_tokens), state.num_committed_blocks if state else 0)
+        keep = max(keep, self.unheld(seq))
         if keep < len(self.blocks(seq)):
             tail = self.blocks(seq)[keep:]
             del self.blocks(seq)[keep:]
@@ -163,9 +168,18 @@ class KVCacheManager:
     def free(self, seq: CacheSequence) -> None:
         """Return all of a finished, aborted or preempted sequence's blocks."""
         # Reverse order: the tail (least shareable) blocks are evicted first.
-        self.pool.release(self.blocks(seq)[::-1])
+        self.pool.release(self.blocks(seq)[self.unheld(seq) :][::-1])
         self.blocks(seq).clear()
         self._hash_state.pop(seq.seq_id, None)
+        self._unheld.pop(seq.seq_id, None)
+
+    def unheld(self, seq: CacheSequence) -> int:
+        """The leading entries of the sequence's table it no longer holds."""
+        return self._unheld.get(seq.seq_id, 0)
+
+    def _first_held(self, prefix: list[int]) -> int:
+        """The first entry of a cached prefix the sequence will hold (a full group: all)."""
+        return 0
 
     def blocks(self, seq: CacheSequence) -> list[int]:
         """The sequence's table of this manager's blocks."""

@@ -38,10 +38,6 @@ class WindowCacheManager(KVCacheManager):
         if window < 1:
             raise ValueError(f"window must be >= 1, got {window}")
         self.window = window
-        self._unheld: dict[int, int] = {}  # seq -> leading entries it does not hold
-
-    def unheld(self, seq: CacheSequence) -> int:
-        return self._unheld.get(seq.seq_id, 0)
 
     def release_outside(self, seq: CacheSequence) -> None:
         """Give back the blocks before the next token's window."""
@@ -70,20 +66,6 @@ class WindowCacheManager(KVCacheManager):
                 return [_UNHELD if i < lowest else found[i] for i in range(count)]  # type: ignore[misc]
         return []
 
-    def can_allocate(
-        self,
-        seq: CacheSequence,
-        num_new_tokens: int,
-        num_lookahead: int = 0,
-        cached_prefix: list[int] | None = None,
-    ) -> bool:
-        held = self._held(seq, cached_prefix or [])
-        computed = seq.num_computed_tokens + len(cached_prefix or []) * self.block_size
-        needed = self.blocks_for(computed + num_new_tokens + num_lookahead)
-        new_blocks = needed - len(self.blocks(seq)) - len(cached_prefix or [])
-        revived = sum(1 for b in held if self.pool.ref_counts[b] == 0)
-        return max(new_blocks, 0) + revived <= self.pool.num_free
-
     def allocate(
         self,
         seq: CacheSequence,
@@ -95,7 +77,7 @@ class WindowCacheManager(KVCacheManager):
         if not self.can_allocate(seq, num_new_tokens, num_lookahead, prefix):
             return False
         if prefix:  # adopt the cached window (the entries before it are not held)
-            for block in self._held(seq, prefix):
+            for block in prefix[self._first_held(prefix) :]:
                 self.pool.share(block)
             state = self._hash_state.setdefault(seq.seq_id, _HashState())
             for _ in prefix:
@@ -110,26 +92,6 @@ class WindowCacheManager(KVCacheManager):
         if new_blocks > 0:
             self.blocks(seq).extend(self.pool.allocate(new_blocks))
         return True
-
-    def truncate(self, seq: CacheSequence, num_tokens: int) -> None:
-        table = self.blocks(seq)
-        state = self._hash_state.get(seq.seq_id)
-        keep = max(self.blocks_for(num_tokens), state.num_committed_blocks if state else 0)
-        keep = max(keep, self.unheld(seq))
-        if keep < len(table):
-            tail = table[keep:]
-            del table[keep:]
-            self.pool.release(tail[::-1])
-
-    def free(self, seq: CacheSequence) -> None:
-        table = self.blocks(seq)
-        self.pool.release(table[self.unheld(seq) :][::-1])
-        table.clear()
-        self._hash_state.pop(seq.seq_id, None)
-        self._unheld.pop(seq.seq_id, None)
-
-    def _held(self, seq: CacheSequence, prefix: list[int]) -> list[int]:
-        return prefix[self._first_held(prefix) :] if prefix else []
 
     def _first_held(self, prefix: list[int]) -> int:
         """The first entry of a window prefix the sequence holds (before it: ``_UNHELD``)."""
