@@ -12,6 +12,7 @@ table; it never sees text or tensors. Invariants:
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -77,14 +78,10 @@ class KVCacheManager:
         if not self.enable_prefix_caching or self.blocks(seq):
             return []
         blocks: list[int] = []
-        parent = 0
-        for index in range((len(seq.token_ids) - 1) // self.block_size):
-            key = self._key(seq, index, parent)
-            block = self.pool.lookup(key)
+        for block in self._cached_chain(seq, (len(seq.token_ids) - 1) // self.block_size):
             if block is None:
                 break
             blocks.append(block)
-            parent = hash(key)
         return blocks
 
     def allocate(
@@ -101,23 +98,32 @@ class KVCacheManager:
         can preempt and retry.
         """
         prefix = cached_prefix or []
+        if not self._extend(seq, num_new_tokens, num_lookahead, prefix):
+            return False
+        seq.num_computed_tokens += len(prefix) * self.block_size
+        return True
+
+    def _extend(
+        self, seq: CacheSequence, num_new_tokens: int, num_lookahead: int, prefix: list[int]
+    ) -> bool:
+        """:meth:`allocate` but for moving the computed count past the adopted prefix."""
         if not self.can_allocate(seq, num_new_tokens, num_lookahead, prefix):
             return False
-        computed = seq.num_computed_tokens + len(prefix) * self.block_size
-        new_blocks = (
-            self.blocks_for(computed + num_new_tokens + num_lookahead)
-            - len(self.blocks(seq))
-            - len(prefix)
-        )
-        for block in prefix:
-            self.pool.share(block)
         if prefix:
+            first_held = self._first_held(len(prefix))
+            for block in prefix[first_held:]:
+                self.pool.share(block)
             state = self._hash_state.setdefault(seq.seq_id, _HashState())
             for _ in prefix:
                 state.last_hash = hash(self._key(seq, state.num_committed_blocks, state.last_hash))
                 state.num_committed_blocks += 1
+            if first_held:
+                self._unheld[seq.seq_id] = first_held
             self.blocks(seq).extend(prefix)
-            seq.num_computed_tokens = computed
+        computed = seq.num_computed_tokens + len(prefix) * self.block_size
+        new_blocks = self.blocks_for(computed + num_new_tokens + num_lookahead) - len(
+            self.blocks(seq)
+        )
         if new_blocks > 0:
             self.blocks(seq).extend(self.pool.allocate(new_blocks))
         return True
@@ -134,7 +140,7 @@ class KVCacheManager:
         computed = seq.num_computed_tokens + len(prefix) * self.block_size
         needed = self.blocks_for(computed + num_new_tokens + num_lookahead)
         new_blocks = needed - len(self.blocks(seq)) - len(prefix)
-        held = prefix[self._first_held(prefix) :]
+        held = prefix[self._first_held(len(prefix)) :]
         revived = sum(1 for b in held if self.pool.ref_counts[b] == 0)
         return max(new_blocks, 0) + revived <= self.pool.num_free
 
@@ -177,14 +183,24 @@ class KVCacheManager:
         """The leading entries of the sequence's table it no longer holds."""
         return self._unheld.get(seq.seq_id, 0)
 
-    def _first_held(self, prefix: list[int]) -> int:
-        """The first entry of a cached prefix the sequence will hold (a full group: all)."""
+    def _first_held(self, num_blocks: int) -> int:
+        """The first entry of a cached prefix of ``num_blocks`` blocks the sequence will hold
+        (a full group: all)."""
         return 0
 
     def blocks(self, seq: CacheSequence) -> list[int]:
         """The sequence's table of this manager's blocks."""
         table: list[int] = getattr(seq, self.table)
         return table
+
+    def _cached_chain(self, seq: CacheSequence, num_blocks: int) -> Iterator[int | None]:
+        """The cached block (or None) for each of the sequence's first ``num_blocks`` full
+        blocks, looked up by their chained keys."""
+        parent = 0
+        for index in range(num_blocks):
+            key = self._key(seq, index, parent)
+            yield self.pool.lookup(key)
+            parent = hash(key)
 
     def _key(self, seq: CacheSequence, block_index: int, parent: int) -> BlockKey:
         start = block_index * self.block_size

@@ -20,7 +20,7 @@ manager interface the scheduler knows: every allocation is taken from both or fr
 from __future__ import annotations
 
 from specbatch.cache.block_pool import BlockPool
-from specbatch.cache.kv_cache_manager import CacheSequence, KVCacheManager, _HashState
+from specbatch.cache.kv_cache_manager import CacheSequence, KVCacheManager
 
 _UNHELD = 0  # what a window-table entry the sequence does not hold points at
 
@@ -54,14 +54,9 @@ class WindowCacheManager(KVCacheManager):
         window)."""
         if not self.enable_prefix_caching or self.blocks(seq) or num_blocks == 0:
             return []
-        found: list[int | None] = []
-        parent = 0
-        for index in range(num_blocks):
-            key = self._key(seq, index, parent)
-            found.append(self.pool.lookup(key))
-            parent = hash(key)
+        found = list(self._cached_chain(seq, num_blocks))
         for count in range(num_blocks, 0, -1):
-            lowest = max(0, count * self.block_size - self.window + 1) // self.block_size
+            lowest = self._first_held(count)
             if all(block is not None for block in found[lowest:count]):
                 return [_UNHELD if i < lowest else found[i] for i in range(count)]  # type: ignore[misc]
         return []
@@ -73,30 +68,14 @@ class WindowCacheManager(KVCacheManager):
         num_lookahead: int = 0,
         cached_prefix: list[int] | None = None,
     ) -> bool:
-        prefix = cached_prefix or []
-        if not self.can_allocate(seq, num_new_tokens, num_lookahead, prefix):
-            return False
-        if prefix:  # adopt the cached window (the entries before it are not held)
-            for block in prefix[self._first_held(prefix) :]:
-                self.pool.share(block)
-            state = self._hash_state.setdefault(seq.seq_id, _HashState())
-            for _ in prefix:
-                state.last_hash = hash(self._key(seq, state.num_committed_blocks, state.last_hash))
-                state.num_committed_blocks += 1
-            self._unheld[seq.seq_id] = self._first_held(prefix)
-            self.blocks(seq).extend(prefix)
-        computed = seq.num_computed_tokens + len(prefix) * self.block_size
-        new_blocks = self.blocks_for(computed + num_new_tokens + num_lookahead) - len(
-            self.blocks(seq)
-        )
-        if new_blocks > 0:
-            self.blocks(seq).extend(self.pool.allocate(new_blocks))
-        return True
+        """As the full group's, adopting a window prefix (:meth:`window_prefix`) without moving
+        the computed count: :class:`HybridKVCache` lets the full group move it."""
+        return self._extend(seq, num_new_tokens, num_lookahead, cached_prefix or [])
 
-    def _first_held(self, prefix: list[int]) -> int:
-        """The first entry of a window prefix the sequence holds (before it: ``_UNHELD``)."""
-        count = len(prefix)
-        return max(0, count * self.block_size - self.window + 1) // self.block_size
+    def _first_held(self, num_blocks: int) -> int:
+        """The first entry of a window prefix of ``num_blocks`` blocks the sequence holds: the
+        block of the resume point's window's first position (before it: ``_UNHELD``)."""
+        return max(0, num_blocks * self.block_size - self.window + 1) // self.block_size
 
 
 class HybridKVCache:
