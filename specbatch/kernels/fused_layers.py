@@ -178,14 +178,19 @@ class FusedLayers:
         if torch.is_grad_enabled() or not self.applies():
             return None
         layers, dtype = self._layer_list(), self.model.dtype
-        for layer in layers:  # each group's queries against its own cache
+        # every layer of a cache group has caches of one shape: its first stands for it
+        sliding = next((layer for layer in layers if layer.window), None)
+        full_layer = next((layer for layer in layers if not layer.window), None)
+        groups = ((full_layer, queries), (sliding, queries if window is None else window))
+        for layer, mine in groups:  # each group's queries against its own cache
+            if layer is None:
+                continue
             cache = layer.kv_cache
             if cache is None or cache[0].dtype != dtype or x.dtype != dtype:
                 return None
-            mine = window if window is not None and layer.window else queries
             if mine.max_slot >= cache[0].shape[0] * cache[0].shape[1]:
                 raise IndexError(f"KV slot {mine.max_slot} is outside the cache")
-        if queries.tree is not None and any(layer.window for layer in layers):
+        if queries.tree is not None and sliding is not None:
             raise ValueError("tree-shaped queries cannot attend a sliding window")
         assert self._kernels is not None
         block = layers[0].kv_cache[0].shape[1]  # type: ignore[index]
