@@ -76,7 +76,7 @@ static inline void store_floats(void *base, int bf16, int64_t offset, int64_t n,
     }
 }
 
-#define MAX_DIM 512 /* rotary head dims, and SiLU-gate chunks */
+#define MAX_DIM 512 /* rotary head dims, and gated-activation chunks */
 
 /* Rotate the first `heads` heads of each row in place (HF's half-split layout): element d
  * becomes x[d] cos[d] + x[(d + half) mod dim] sin[d], with rotate-half's sign already in sin,
@@ -102,12 +102,22 @@ void rotary(void *x, int64_t tokens, int64_t heads, int64_t dim, int64_t row_str
     }
 }
 
-/* out[t] = silu(gate) * up for rows [gate | up] of 2 * width elements, in float32 (rounded once
+/* out[t] = act(gate) * up for rows [gate | up] of 2 * width elements, in float32 (rounded once
  * for bfloat16 rows), 16 lanes at a time over chunks of MAX_DIM (the tail's extra lanes are
- * computed on zeros and not stored). exp16 saturates at both ends, so 1 + exp(-gate) is finite
- * and at least 1 for every finite gate. */
-void silu_mul(const void *gate_up, int64_t tokens, int64_t width, void *out, int bf16,
-              int num_threads) {
+ * computed on zeros and not stored). act is silu (SwiGLU), or with `gelu` tanh-GELU (Gemma's
+ * GeGLU): gelu_tanh(g) = g / 2 (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))), tanh(u) = 1 - 2 /
+ * (exp(2u) + 1). exp16 saturates at both ends, so 1 + exp(-gate) is finite and at least 1 for
+ * every finite gate, and tanh stays in [-1, 1]. */
+static inline v16f silu16(v16f g) { return g / (1.0f + exp16(-g)); }
+
+static inline v16f gelu_tanh16(v16f g) {
+    const v16f u = 0.7978845608028654f * (g + 0.044715f * (g * g * g));
+    const v16f tanh_u = 1.0f - 2.0f / (exp16(2.0f * u) + 1.0f);
+    return 0.5f * g * (1.0f + tanh_u);
+}
+
+void glu_mul(const void *gate_up, int64_t tokens, int64_t width, void *out, int bf16, int gelu,
+             int num_threads) {
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (tokens > 16)
     for (int64_t t = 0; t < tokens; t++) {
         v16f gate[MAX_DIM / 16], up[MAX_DIM / 16], result[MAX_DIM / 16];
@@ -118,32 +128,7 @@ void silu_mul(const void *gate_up, int64_t tokens, int64_t width, void *out, int
             load_floats(gate_up, bf16, t * 2 * width + i, n, (float *)gate);
             load_floats(gate_up, bf16, t * 2 * width + width + i, n, (float *)up);
             for (int64_t j = 0; j < (n + 15) / 16; j++)
-                result[j] = gate[j] / (1.0f + exp16(-gate[j])) * up[j];
-            store_floats(out, bf16, t * width + i, n, (const float *)result);
-        }
-    }
-}
-
-/* out[t] = gelu_tanh(gate) * up for rows [gate | up] (Gemma's GeGLU), as silu_mul: gelu_tanh(g)
- * = g / 2 (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))), tanh(u) = 1 - 2 / (exp(2u) + 1) with
- * exp16 (saturating: tanh stays in [-1, 1]). */
-void gelu_mul(const void *gate_up, int64_t tokens, int64_t width, void *out, int bf16,
-              int num_threads) {
-#pragma omp parallel for num_threads(num_threads) schedule(static) if (tokens > 16)
-    for (int64_t t = 0; t < tokens; t++) {
-        v16f gate[MAX_DIM / 16], up[MAX_DIM / 16], result[MAX_DIM / 16];
-        for (int64_t i = 0; i < width; i += MAX_DIM) {
-            const int64_t n = width - i < MAX_DIM ? width - i : MAX_DIM;
-            memset(gate, 0, sizeof gate);
-            memset(up, 0, sizeof up);
-            load_floats(gate_up, bf16, t * 2 * width + i, n, (float *)gate);
-            load_floats(gate_up, bf16, t * 2 * width + width + i, n, (float *)up);
-            for (int64_t j = 0; j < (n + 15) / 16; j++) {
-                const v16f g = gate[j];
-                const v16f u = 0.7978845608028654f * (g + 0.044715f * (g * g * g));
-                const v16f tanh_u = 1.0f - 2.0f / (exp16(2.0f * u) + 1.0f);
-                result[j] = 0.5f * g * (1.0f + tanh_u) * up[j];
-            }
+                result[j] = (gelu ? gelu_tanh16(gate[j]) : silu16(gate[j])) * up[j];
             store_floats(out, bf16, t * width + i, n, (const float *)result);
         }
     }
@@ -351,10 +336,7 @@ int decoder_layer(const Layer *L, const LayerStep *S, float *x) {
     add_output(x, o, h, T, H, L->post_attn, L->eps, S->threads);
     rms_norm(x, T, H, H, L->norm2, L->eps, h, 0, S->threads);
     status |= run_linear(&L->gate_up, h, T, H, 2 * inter, gate_up, S->threads);
-    if (L->gelu)
-        gelu_mul(gate_up, T, inter, act, 0, S->threads);
-    else
-        silu_mul(gate_up, T, inter, act, 0, S->threads);
+    glu_mul(gate_up, T, inter, act, 0, L->gelu, S->threads);
     status |= run_linear(&L->down, act, T, inter, H, o, S->threads);
     add_output(x, o, h, T, H, L->post_mlp, L->eps, S->threads);
     free(memory);
@@ -382,7 +364,7 @@ static inline uint16_t add_bf16(uint16_t a, uint16_t b) {
 /* decoder_layer for a bfloat16 model (Layer's pointers are to bfloat16 weights, bias, caches;
  * LayerStep's cos/sin bfloat16, each QuantLinear's kernel a bf16_linear_fn), rounding to
  * bfloat16 wherever its per-op path does: each product's output, the bias and residual adds,
- * the norms' and SiLU-gate's outputs, the attention output (the queries widened to float32 for
+ * the norms' and gated activation's outputs, the attention output (the queries widened to float32 for
  * the kernel, as the backend does). */
 int decoder_layer_bf16(const Layer *L, const LayerStep *S, uint16_t *x) {
     const int64_t T = S->tokens, H = L->hidden, hd = L->head_dim;
@@ -426,7 +408,7 @@ int decoder_layer_bf16(const Layer *L, const LayerStep *S, uint16_t *x) {
     for (int64_t i = 0; i < T * H; i++) x[i] = add_bf16(x[i], o[i]);
     rms_norm(x, T, H, H, L->norm2, L->eps, h, 1, S->threads);
     status |= bf16_linear(&L->gate_up, h, T, H, 2 * inter, gate_up, S->threads);
-    silu_mul(gate_up, T, inter, act, 1, S->threads);
+    glu_mul(gate_up, T, inter, act, 1, 0, S->threads);
     status |= bf16_linear(&L->down, act, T, inter, H, o, S->threads);
     for (int64_t i = 0; i < T * H; i++) x[i] = add_bf16(x[i], o[i]);
     free(memory);

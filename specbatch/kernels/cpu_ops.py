@@ -1,12 +1,13 @@
 """Per-layer CPU operations in C (``cpu_ops.c``) for float32 and bfloat16 rows: RMSNorm, rotary,
-SiLU-gate, and a whole decoder layer in one call when every linear's form has a C kernel.
+the gated activation (SwiGLU, GeGLU), and a whole decoder layer in one call when every linear's
+form has a C kernel.
 
 At decode sizes torch spends more on dispatching a layer's small ops than on their work; one
 ctypes call does each, and ``decoder_layer`` runs a whole layer (norms, quantized linears,
 rotary, K/V write, attention, residuals) without returning to Python (``kernels/fused_layers.py``
 has what that saves). The layer calls the very kernels the per-op path calls (by address: each
-weight form's, ``paged_attention``, ``write_kv``) and this file's own RMSNorm, rotary and
-SiLU-gate, which the per-op path also uses on CPU rows, so the two give the same bits (tested).
+weight form's, ``paged_attention``, ``write_kv``) and this file's own RMSNorm, rotary and gated
+activation, which the per-op path also uses on CPU rows, so the two give the same bits (tested).
 Where no compiler works, callers keep torch's implementations (these functions return
 None/False).
 """
@@ -34,9 +35,10 @@ def _declare(library: ctypes.CDLL) -> None:
     library.rotary.argtypes = [
         pointer, i64, i64, i64, i64, i64, pointer, pointer, ctypes.c_int
     ]  # fmt: skip
-    for activation in (library.silu_mul, library.gelu_mul):
-        activation.restype = None
-        activation.argtypes = [pointer, i64, i64, pointer, ctypes.c_int, ctypes.c_int]
+    library.glu_mul.restype = None
+    library.glu_mul.argtypes = [
+        pointer, i64, i64, pointer, ctypes.c_int, ctypes.c_int, ctypes.c_int
+    ]  # fmt: skip
     library.set_sgemm_compute.restype = None
     library.set_sgemm_compute.argtypes = [pointer]
     library.decoder_layer.restype = ctypes.c_int
@@ -131,7 +133,7 @@ def rotary_(
     return True
 
 
-def silu_mul(gate_up: torch.Tensor, width: int, gelu: bool = False) -> torch.Tensor | None:
+def glu_mul(gate_up: torch.Tensor, width: int, gelu: bool = False) -> torch.Tensor | None:
     """``silu(gate) * up`` (with ``gelu``: ``gelu_tanh(gate) * up``, Gemma's GeGLU) for CPU rows
     ``[gate | up]`` of ``2 * width`` (float32, or bfloat16 computed in float32); None where
     this path does not apply."""
@@ -144,12 +146,13 @@ def silu_mul(gate_up: torch.Tensor, width: int, gelu: bool = False) -> torch.Ten
     ):
         return None
     out = torch.empty(gate_up.shape[0], width, dtype=gate_up.dtype)
-    (library.gelu_mul if gelu else library.silu_mul)(
+    library.glu_mul(
         gate_up.data_ptr(),
         gate_up.shape[0],
         width,
         out.data_ptr(),
         int(gate_up.dtype == torch.bfloat16),
+        int(gelu),
         torch.get_num_threads(),
     )
     return out

@@ -4,7 +4,7 @@ float32 in a float32 model, AMX tiles in a bfloat16 one.
 
 ``cpu_ops.decoder_layer`` runs a layer (norms, projections, rotary, K/V write, attention,
 residuals) without returning to Python; it calls the very kernels the per-op path calls (by
-address: each form's own) and the same C norm, rotary and SiLU-gate, so both paths give the
+address: each form's own) and the same C norm, rotary and gated activation, so both paths give the
 same bits (``tests/models/test_gguf_quantized.py``, ``tests/models/test_fused_float_layers.py``).
 On SmolLM2 a batch-1 decode forward takes 4.9 ms fused against 7.7 ms per op (``python
 benchmarks/verify_cost.py --modes gguf gguf-per-op --batch-sizes 1``): ~90 us per layer had

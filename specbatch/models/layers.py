@@ -122,7 +122,7 @@ class LlamaMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         if not torch.is_grad_enabled():  # CPU inference: one C call
-            activation = cpu_ops.silu_mul(gate_up, self.intermediate_size, self.gelu)
+            activation = cpu_ops.glu_mul(gate_up, self.intermediate_size, self.gelu)
             if activation is not None:
                 return self.down_proj(activation)
         gate, up = gate_up.split(self.intermediate_size, dim=-1)

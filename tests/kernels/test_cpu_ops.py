@@ -67,12 +67,12 @@ def test_rotary_matches_torch() -> None:
 def test_silu_mul_matches_torch() -> None:
     gen = torch.Generator().manual_seed(4)
     gate_up = torch.randn(33, 2 * 96, generator=gen) * 4
-    got = cpu_ops.silu_mul(gate_up, 96)
+    got = cpu_ops.glu_mul(gate_up, 96)
     assert got is not None
     gate, up = gate_up.double().split(96, dim=-1)
     expected = (F.silu(gate) * up).float()
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
-    assert cpu_ops.silu_mul(gate_up.T, 16) is None  # not contiguous rows
+    assert cpu_ops.glu_mul(gate_up.T, 16) is None  # not contiguous rows
 
 
 def test_bfloat16_rows_follow_hf_llamas_arithmetic() -> None:
@@ -99,7 +99,7 @@ def test_bfloat16_rows_follow_hf_llamas_arithmetic() -> None:
     torch.testing.assert_close(rotated.view(3, 5, 64).float(), expected, rtol=1e-2, atol=1e-2)
 
     gate_up = torch.randn(4, 2 * 96, generator=gen).to(torch.bfloat16)
-    activation = cpu_ops.silu_mul(gate_up, 96)
+    activation = cpu_ops.glu_mul(gate_up, 96)
     assert activation is not None
     gate, up = gate_up.float().split(96, dim=-1)
     torch.testing.assert_close(activation.float(), F.silu(gate) * up, rtol=1e-2, atol=1e-2)
