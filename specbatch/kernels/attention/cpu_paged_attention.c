@@ -47,15 +47,17 @@ typedef struct {
 } Step;
 
 /* softcap tanh(x / softcap) as 1 - 2 / (exp(2 y) + 1) for y = x / softcap (exp saturates, so
- * the quotient stays finite), on one float and on 16 lanes: the same operations. */
-static inline float capped(float x, float softcap) {
-    const float e = exp1f(2.0f * (x / softcap));
-    return softcap * (1.0f - 2.0f / (e + 1.0f));
-}
+ * the quotient stays finite), on one float, 16 lanes and 8: the same operations. */
+#define CAPPED(exp, x, softcap) ((softcap) * (1.0f - 2.0f / (exp(2.0f * ((x) / (softcap))) + 1.0f)))
+static inline float capped(float x, float softcap) { return CAPPED(exp1f, x, softcap); }
+static inline v16f capped16(v16f x, float softcap) { return CAPPED(exp16, x, softcap); }
+#ifdef HALVES
+static inline v8f capped8(v8f x, float softcap) { return CAPPED(exp8, x, softcap); }
+#endif
 
-static inline v16f capped16(v16f x, float softcap) {
-    const v16f e = exp16(2.0f * (x / softcap));
-    return softcap * (1.0f - 2.0f / (e + 1.0f));
+/* A score as the softmax takes it: soft-capped where the layer caps. */
+static inline float score(const Step *st, float x) {
+    return st->softcap > 0.0f ? capped(x, st->softcap) : x;
 }
 
 /* Partial attention of one work unit (a chunk of positions), not yet normalised. */
@@ -153,11 +155,7 @@ static void attend_chunk(const Step *st, int64_t s, int64_t from, int64_t to, in
                 scores[(r - r0) * width + j] = start + j <= last_position(st, s, r) &&
                                                 start + j >= first_position(st, s, r) &&
                                                 visible(st, s, r, start + j)
-                                            ? (st->softcap > 0.0f
-                                                   ? capped(dot(queries + r * dim, k + kvh * dim,
-                                                                dim),
-                                                            st->softcap)
-                                                   : dot(queries + r * dim, k + kvh * dim, dim))
+                                            ? score(st, dot(queries + r * dim, k + kvh * dim, dim))
                                             : -INFINITY;
             }
         }
@@ -295,10 +293,7 @@ static inline __attribute__((always_inline)) void attend_row16(
         const int64_t n = count - 16 * g < 16 ? count - 16 * g : 16;
         Halves sums = scores16(query, keys + 16 * g * per_row + kv_vec, per_row, per_head, n);
         if (st->softcap > 0.0f)
-            for (int h = 0; h < 2; h++) {
-                const v8f e = exp8(2.0f * ((v8f)sums.h[h] / st->softcap));
-                sums.h[h] = (__m256)(st->softcap * (1.0f - 2.0f / (e + 1.0f)));
-            }
+            for (int h = 0; h < 2; h++) sums.h[h] = (__m256)capped8((v8f)sums.h[h], st->softcap);
         const int32_t shown = (int32_t)(n + 16 * g < seen ? n + 16 * g : seen);
         for (int h = 0; h < 2; h++) {
             const v8i index = lane + (int32_t)(16 * g + 8 * h);
