@@ -195,8 +195,6 @@ def _vocab_size(gguf_file: GGUFFile, arch: str) -> int:
     if embedding is not None and len(embedding.shape) == 2:
         label = "GGUF tensor token_embd.weight (its rows)"
         return check_size(label, embedding.shape[0], SIZE_LIMITS["vocab_size"])
-    if gguf_file.get(f"{arch}.vocab_size") is not None:
-        return _size(gguf_file, f"{arch}.vocab_size", "vocab_size")
     tokens = gguf_file.get("tokenizer.ggml.tokens")
     if not isinstance(tokens, list):
         raise ModelLoadError(

@@ -256,7 +256,8 @@ class LlamaForCausalLM(nn.Module):
         self.fused.reconsider()
 
     def quantized_digest(self) -> str:
-        """sha256 over every block-held weight's bytes, in module order (the tied head once)."""
+        """sha256 over every repacked Q4_1/Q8_0 weight's bytes (what :meth:`quantize_for_cpu`
+        makes), in module order (the tied head once)."""
         digest = hashlib.sha256()
         for form in self.weight_forms():
             if isinstance(form, QuantizedWeight):

@@ -5,8 +5,6 @@ bits as the repacked Q4_1/Q8_0 kernel, and the dense fallback where no compiler 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import numpy as np
 import pytest
 import torch
@@ -25,13 +23,6 @@ ROW_COUNTS = [1, 2, 3, 4, 5, 8, 17, 70]  # in registers up to 4 (AVX-512) or 2, 
 @pytest.fixture(scope="module", autouse=True)
 def _kernels_built() -> None:
     assert gguf_blocks.load_library() is not None
-
-
-@pytest.fixture
-def two_threads() -> Iterator[None]:
-    before = torch.get_num_threads()
-    yield
-    torch.set_num_threads(before)
 
 
 def finite_blocks(kind: BlockType, n: int, k: int, seed: int) -> np.ndarray:

@@ -5,7 +5,7 @@ registry's sizes, refused inputs, and gguf's values where no compiler works."""
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from functools import cache
 
 import gguf
@@ -61,13 +61,6 @@ OTHER_BUILDS = {
 def _kernels_built() -> None:
     """The C library must build here: a silent fallback would test the reference twice."""
     assert gguf_blocks.load_library() is not None
-
-
-@pytest.fixture
-def two_threads() -> Iterator[None]:
-    before = torch.get_num_threads()
-    yield
-    torch.set_num_threads(before)
 
 
 def random_fp16(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:

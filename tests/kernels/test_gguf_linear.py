@@ -4,8 +4,6 @@ against float64, a row's bits independent of its batch, the thread count and the
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import gguf
 import numpy as np
 import pytest
@@ -24,13 +22,6 @@ BATCHES = [1, 2, 3, 5, 17, 64]  # in registers (Q4_1 to 6 rows, Q8_0 to 2), then
 def _kernel_built() -> None:
     """The C kernel must build here: a silent fallback would test the reference twice."""
     assert gguf_linear.kernel_available()
-
-
-@pytest.fixture
-def two_threads() -> Iterator[None]:
-    before = torch.get_num_threads()
-    yield
-    torch.set_num_threads(before)
 
 
 def random_fp16(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
