@@ -20,14 +20,16 @@ if TYPE_CHECKING:
 def _add_speculative_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--speculative",
-        choices=["auto", "off", "ngram", "draft", "eagle", "hybrid"],
+        choices=["auto", "off", "ngram", "suffix", "draft", "eagle", "hybrid"],
         default="auto",
         help="speculative decoding proposer (default: auto; 'eagle' drafts with a head on the "
         "target's own features, --draft-model being a head directory or the shipped head; "
         "'hybrid' is n-gram prompt lookup "
-        "where the text repeats and the draft model elsewhere; 'auto' is hybrid with "
-        "--draft-model or for a model the shipped draft fits (SmolLM2-135M-Instruct, "
-        "recognised by shape and vocabulary), else n-gram; 'draft' and 'hybrid' without "
+        "where the text repeats and the draft model elsewhere; 'suffix' is n-gram prompt "
+        "lookup plus a store of recent requests' prompts and outputs (speculation across "
+        "requests, also kept by hybrid and auto unless --suffix-store-tokens 0); 'auto' is "
+        "hybrid with --draft-model or for a model the shipped draft fits (SmolLM2-135M-Instruct, "
+        "recognised by shape and vocabulary), else suffix; 'draft' and 'hybrid' without "
         "--draft-model use the shipped draft). Unless --fixed-k, a goodput controller gives "
         "each sequence, each step, the drafts that make the step fastest per token (often "
         "none with many concurrent sequences): outputs are the same as with 'off'",
@@ -58,6 +60,13 @@ def _add_speculative_args(parser: argparse.ArgumentParser) -> None:
         "2 for hybrid)",
     )
     parser.add_argument(
+        "--suffix-store-tokens",
+        type=int,
+        default=None,
+        help="tokens of recent finished requests kept for speculation across requests "
+        "(default 262144 for auto, suffix and hybrid; 0: none)",
+    )
+    parser.add_argument(
         "-k",
         "--num-speculative-tokens",
         type=int,
@@ -73,8 +82,13 @@ def speculative_config(args: argparse.Namespace) -> dict[str, object]:
     unused = [
         flag
         for flag, given, used_by in (
-            ("--fixed-k", args.fixed_k, ("auto", "ngram", "draft", "eagle", "hybrid")),
-            ("--ngram-min", args.ngram_min is not None, ("auto", "ngram", "hybrid")),
+            ("--fixed-k", args.fixed_k, ("auto", "ngram", "suffix", "draft", "eagle", "hybrid")),
+            ("--ngram-min", args.ngram_min is not None, ("auto", "ngram", "suffix", "hybrid")),
+            (
+                "--suffix-store-tokens",
+                args.suffix_store_tokens is not None,
+                ("auto", "suffix", "hybrid"),
+            ),
             ("--draft-model", args.draft_model is not None, ("auto", "draft", "eagle", "hybrid")),
             (
                 "--draft-confidence",
@@ -84,7 +98,7 @@ def speculative_config(args: argparse.Namespace) -> dict[str, object]:
             (
                 "-k",
                 args.num_speculative_tokens is not None,
-                ("auto", "ngram", "draft", "eagle", "hybrid"),
+                ("auto", "ngram", "suffix", "draft", "eagle", "hybrid"),
             ),
         )
         if given and method not in used_by
@@ -98,6 +112,8 @@ def speculative_config(args: argparse.Namespace) -> dict[str, object]:
         config["num_speculative_tokens"] = args.num_speculative_tokens
     if args.fixed_k:
         config["adaptive_k"] = False
+    if args.suffix_store_tokens is not None:
+        config["suffix_store_tokens"] = args.suffix_store_tokens
     if args.ngram_min is not None:  # else the method's default (1-4 for ngram, 2-4 for hybrid)
         config.update(prompt_lookup_min=args.ngram_min, prompt_lookup_max=max(4, args.ngram_min))
     if method in ("auto", "draft", "eagle", "hybrid"):

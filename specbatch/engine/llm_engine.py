@@ -427,6 +427,11 @@ class LLMEngine:
         self.stats.num_running = len(self.scheduler.running)
         self.stats.num_waiting = len(self.scheduler.waiting)
         self.stats.kv_cache_usage = self.scheduler.kv_cache_usage
+        store = self.speculator.store_stats()
+        if store is not None:
+            stats = self.stats
+            stats.suffix_store_tokens, stats.suffix_store_requests = store.tokens, store.documents
+            stats.suffix_lookups, stats.suffix_hits = store.lookups, store.hits
 
 
 def _token_run(

@@ -32,6 +32,16 @@ class EngineStats:
     # that accepted it (acceptance by depth is their ratio; a tree's depth is its levels)
     num_drafts_per_pos: list[int] = field(default_factory=list)
     num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+    # per way of drafting (lookup1..3, suffix, draft, forced, external): draft tokens
+    # verified and those accepted
+    num_draft_tokens_by_way: dict[str, int] = field(default_factory=dict)
+    num_accepted_tokens_by_way: dict[str, int] = field(default_factory=dict)
+    # the store of other requests' tokens (speculation across requests; 0 without one):
+    # tokens and requests held, lookups and those that found a match
+    suffix_store_tokens: int = 0
+    suffix_store_requests: int = 0
+    suffix_lookups: int = 0
+    suffix_hits: int = 0
     num_running: int = 0
     num_waiting: int = 0
     kv_cache_usage: float = 0.0
@@ -53,6 +63,11 @@ class EngineStats:
         self.num_forced_accepted_tokens += step.num_forced_accepted_tokens
         for depth, accepted in step.depths:
             self._count_depth(depth, accepted)
+        for way, (drafts, accepted) in step.by_way.items():
+            by_way = self.num_draft_tokens_by_way
+            by_way[way] = by_way.get(way, 0) + drafts
+            by_way = self.num_accepted_tokens_by_way
+            by_way[way] = by_way.get(way, 0) + accepted
         report = step.report
         if report is None or not report.candidates:
             return
@@ -75,8 +90,8 @@ class EngineStats:
     @classmethod
     def combined(cls, parts: list[EngineStats]) -> EngineStats:
         """Several engines' stats as one (data-parallel replicas): counts and queue lengths
-        add up, per-depth counts add position by position, the cache's usage is the mean; the
-        last plan is the busiest replica's (most candidates)."""
+        add up (each replica's store too), per-depth and per-way counts add up, the cache's
+        usage is the mean; the last plan is the busiest replica's (most candidates)."""
         total = cls()
         for part in parts:
             for name, value in vars(part).items():
@@ -89,6 +104,12 @@ class EngineStats:
                 mine.extend([0] * (len(theirs) - len(mine)))
                 for depth, count in enumerate(theirs):
                     mine[depth] += count
+            for total_by_way, part_by_way in (
+                (total.num_draft_tokens_by_way, part.num_draft_tokens_by_way),
+                (total.num_accepted_tokens_by_way, part.num_accepted_tokens_by_way),
+            ):
+                for way, count in part_by_way.items():
+                    total_by_way[way] = total_by_way.get(way, 0) + count
         if parts:
             total.kv_cache_usage = sum(p.kv_cache_usage for p in parts) / len(parts)
             total.last_plan = max(parts, key=lambda p: p.last_plan.candidates).last_plan

@@ -79,6 +79,16 @@ class _EngineCollector(Collector):
                 stats.num_tree_moves,
             ),
             (
+                "specbatch_spec_suffix_lookups",
+                "Lookups in the store of other requests' tokens (speculation across requests).",
+                stats.suffix_lookups,
+            ),
+            (
+                "specbatch_spec_suffix_hits",
+                "Lookups in the store that found a match.",
+                stats.suffix_hits,
+            ),
+            (
                 "specbatch_spec_controller_planned_steps",
                 "Steps whose drafts the goodput controller chose.",
                 stats.num_planned_steps,
@@ -113,6 +123,22 @@ class _EngineCollector(Collector):
             for position, count in enumerate(counts):
                 family.add_metric([*values, str(position)], count)
             yield family
+        for name, doc, by_way in (
+            (
+                "specbatch_spec_decode_num_draft_tokens_by_way",
+                "Draft tokens verified, by way of drafting (lookup1..3, suffix, draft, forced).",
+                stats.num_draft_tokens_by_way,
+            ),
+            (
+                "specbatch_spec_decode_num_accepted_tokens_by_way",
+                "Draft tokens accepted, by way of drafting.",
+                stats.num_accepted_tokens_by_way,
+            ),
+        ):
+            family = CounterMetricFamily(name, doc, labels=[*labels, "way"])
+            for way, count in sorted(by_way.items()):
+                family.add_metric([*values, way], count)
+            yield family
         rate = stats.num_accepted_tokens / stats.num_draft_tokens if stats.num_draft_tokens else 0.0
         gauges: list[tuple[str, str, float]] = [
             ("specbatch_num_requests_running", "Sequences running.", stats.num_running),
@@ -123,6 +149,16 @@ class _EngineCollector(Collector):
                 stats.kv_cache_usage,
             ),
             ("specbatch_spec_decode_acceptance_rate", "Accepted / proposed draft tokens.", rate),
+            (
+                "specbatch_spec_suffix_store_tokens",
+                "Tokens held in the store of other requests' tokens.",
+                stats.suffix_store_tokens,
+            ),
+            (
+                "specbatch_spec_suffix_store_requests",
+                "Requests held in that store.",
+                stats.suffix_store_requests,
+            ),
             (
                 "specbatch_spec_decode_mean_accepted_length",
                 "Tokens emitted per verify step with drafts (accepted drafts + 1).",

@@ -9,7 +9,9 @@ from typing import Any
 from specbatch.errors import ConfigError
 from specbatch.spec_decode.tuning import SpeculationTuning, parse_dataclass
 
-METHODS = ("auto", "off", "draft_model", "eagle", "ngram", "hybrid", "external")
+METHODS = ("auto", "off", "draft_model", "eagle", "ngram", "suffix", "hybrid", "external")
+# the methods that may keep a store of other requests' tokens (``suffix_store_tokens``)
+STORE_METHODS = ("auto", "suffix", "hybrid")
 DRAFT_METHODS = ("draft_model", "eagle", "hybrid")
 # k when the config does not say: for fixed k, what the benchmarks in docs/notes.md were
 # measured with (with the confidence stop a draft model's k is only a ceiling); under the
@@ -20,6 +22,9 @@ DEFAULT_NUM_SPECULATIVE_TOKENS = 4
 DEFAULT_ADAPTIVE_NUM_SPECULATIVE_TOKENS = 8
 # Measured on the shipped draft (docs/distillation.md): 0.3-0.7 all beat 0 (always k) clearly.
 DEFAULT_DRAFT_CONFIDENCE = 0.5
+# The store's default size in tokens: a few hundred requests' prompts and outputs (its memory
+# is bounded by tests/spec_decode/test_suffix_store.py).
+DEFAULT_SUFFIX_STORE_TOKENS = 1 << 18
 TREE_KINDS = ("siblings", "dynamic")
 DRAFT_DTYPES = ("auto", "float32", "bfloat16", "float16", "q8_0")
 
@@ -35,12 +40,19 @@ class SpeculativeConfig:
     the context end). ``"hybrid"`` drafts by prompt lookup where the sequence repeats earlier
     text (a suffix of at least ``prompt_lookup_min`` tokens found earlier; 2 by default, 1 for
     ``"ngram"``) and elsewhere with the draft ``model`` or a shorter match, per sequence
-    whichever has paid better. ``"external"`` means the application passes its own
+    whichever has paid better. ``"suffix"`` is prompt lookup plus a store of the last
+    ``suffix_store_tokens`` tokens of finished requests (their prompts and outputs;
+    SuffixDecoding): where the sequence's suffix occurred in other requests, what followed the
+    occurrences of its longest match, scored by frequency, is a way of its own beside the
+    sequence's own lookups. ``"hybrid"`` and ``"auto"`` keep the store too
+    (``suffix_store_tokens=0``: none); ``"ngram"`` is prompt lookup alone. ``"external"``
+    means the application passes its own
     :class:`~specbatch.spec_decode.proposers.base.Proposer` to ``LLMEngine(config, proposer=...)``.
 
     ``"auto"`` (the default, also what ``None`` means) is ``"hybrid"`` with the shipped draft
     for a target it was made for (SmolLM2-135M-Instruct, recognised by shape and vocabulary) or
-    with ``model`` when one is given, and ``"ngram"`` for any other target. ``"off"`` is the
+    with ``model`` when one is given, and ``"suffix"`` (``"ngram"`` without a store) for any
+    other target. ``"off"`` is the
     plain path: no proposer, no draft slots.
 
     ``draft_confidence_threshold`` (draft models only) makes k a ceiling: a sequence stops
@@ -93,6 +105,7 @@ class SpeculativeConfig:
     draft_confidence_threshold: float | None = None  # 0.5 for draft models, else 0
     adaptive_k: bool = True
     lookup_tree: bool = False
+    suffix_store_tokens: int | None = None  # None: DEFAULT_SUFFIX_STORE_TOKENS where kept
     draft_tree: bool | None = None  # None: on under the controller, off under CUDA graphs
     draft_tree_depth: int | None = None  # a fixed tree (adaptive_k=False): its depth
     draft_tree_kind: str | None = None  # None: dynamic for a draft head, else siblings
@@ -126,6 +139,7 @@ class SpeculativeConfig:
                 else DEFAULT_NUM_SPECULATIVE_TOKENS
             )
             object.__setattr__(self, "num_speculative_tokens", default_k)
+        self._check_store()
         if self.method == "auto":
             self._check_k()
             self._check_lookup_tree()
@@ -150,7 +164,7 @@ class SpeculativeConfig:
             )
         if self.prompt_lookup_min is None:
             object.__setattr__(self, "prompt_lookup_min", 2 if self.method == "hybrid" else 1)
-        if self.method in ("ngram", "hybrid"):
+        if self.method in ("ngram", "suffix", "hybrid"):
             low, high = self.prompt_lookup_min, self.prompt_lookup_max
             if not (isinstance(low, int) and isinstance(high, int) and 1 <= low <= high):
                 raise ConfigError(
@@ -166,7 +180,7 @@ class SpeculativeConfig:
 
     def _check_lookup_tree(self) -> None:
         for key, methods in (
-            ("lookup_tree", ("auto", "ngram", "hybrid")),
+            ("lookup_tree", ("auto", "ngram", "suffix", "hybrid")),
             ("draft_tree", ("auto", *DRAFT_METHODS)),
         ):
             value = getattr(self, key)
@@ -202,6 +216,30 @@ class SpeculativeConfig:
                 "adaptive_k=false with draft_tree_depth"
             )
 
+    def _check_store(self) -> None:
+        tokens = self.suffix_store_tokens
+        if tokens is None:
+            default = DEFAULT_SUFFIX_STORE_TOKENS if self.method in STORE_METHODS else 0
+            object.__setattr__(self, "suffix_store_tokens", default)
+            return
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+            raise ConfigError(f"suffix_store_tokens must be an integer >= 0, got {tokens!r}")
+        if tokens and self.method not in STORE_METHODS:
+            raise ConfigError(
+                f"suffix_store_tokens is for methods {STORE_METHODS}, not {self.method!r}"
+            )
+        if self.method == "suffix" and tokens < 64:
+            raise ConfigError(
+                f"method 'suffix' needs a store of at least 64 tokens, got {tokens} "
+                "(method 'ngram' is prompt lookup without one)"
+            )
+
+    @property
+    def store_tokens(self) -> int:
+        """``suffix_store_tokens``, resolved (0: no store)."""
+        assert self.suffix_store_tokens is not None
+        return self.suffix_store_tokens
+
     def _check_draft_dtype(self) -> None:
         value = self.draft_dtype
         if value not in DRAFT_DTYPES:
@@ -225,9 +263,11 @@ class SpeculativeConfig:
         was made for it and is preferred): hybrid with a draft, else ngram."""
         if self.method != "auto":
             return self
-        method = "hybrid" if self.model is not None or shipped_draft_fits else "ngram"
+        method = "hybrid" if self.model is not None or shipped_draft_fits else "suffix"
+        if method == "suffix" and not self.store_tokens:
+            method = "ngram"
         values = {f.name: getattr(self, f.name) for f in fields(self)}
-        if method == "ngram":  # no draft model to branch
+        if method != "hybrid":  # no draft model to branch
             values["draft_tree"] = values["draft_tree_depth"] = values["draft_tree_kind"] = None
             values["draft_dtype"] = "auto"
         return SpeculativeConfig(**{**values, "method": method})
@@ -237,7 +277,7 @@ class SpeculativeConfig:
         attention of ``why`` cannot place); a ``ConfigError`` where trees were asked for."""
         if self.lookup_tree or self.draft_tree:
             raise ConfigError(f"speculation trees (lookup_tree, draft_tree) cannot run on {why}")
-        if not self.enabled or self.method in ("ngram", "external"):
+        if not self.enabled or self.method in ("ngram", "suffix", "external"):
             return self
         values = {f.name: getattr(self, f.name) for f in fields(self)}
         return SpeculativeConfig(**{**values, "draft_tree": False})

@@ -30,6 +30,7 @@ from specbatch.spec_decode.proposers.shipped import (
     drafts_for,
     shipped_head_available,
 )
+from specbatch.spec_decode.proposers.suffix import SuffixStore
 from specbatch.spec_decode.speculator import Speculator
 from specbatch.tokenizer import Tokenizer, load_tokenizer
 
@@ -216,14 +217,24 @@ def build_proposer(
     assert spec.prompt_lookup_min is not None  # set by SpeculativeConfig.__post_init__
     # the hybrid weighs short matches against the draft model: its lookup goes down to 1 token
     shortest = 1 if spec.method == "hybrid" else spec.prompt_lookup_min
+    tuning = spec.tuning
+    store = None
+    if spec.store_tokens:
+        store = SuffixStore(
+            spec.store_tokens,
+            tuning.suffix_key,
+            tuning.suffix_match,
+            tuning.suffix_occurrences,
+        )
     lookup = NgramProposer(
         spec.prompt_lookup_min,
         spec.prompt_lookup_max,
         shortest,
         trees=spec.lookup_tree,
-        width=spec.tuning.tree_width,
+        width=tuning.tree_width,
+        store=store,
     )
-    if spec.method == "ngram":
+    if spec.method in ("ngram", "suffix"):
         return lookup
     assert draft is not None
     network: DraftNetwork

@@ -18,6 +18,7 @@ from specbatch.spec_decode.control.choices import (
     EXTERNAL,
     FORCED,
     LOOKUP_WAYS,
+    SUFFIX,
     Candidate,
     Choice,
     PlanReport,
@@ -73,12 +74,12 @@ class SeqPlan:
 
 @dataclass(frozen=True)
 class DraftPlan:
-    """A step's plan: per sequence that drafts its ``SeqPlan``, per sequence whose lookup is
-    judged against what the target emits its ``Shadow``, and the controller's report (None:
-    not planned by the controller this step)."""
+    """A step's plan: per sequence that drafts its ``SeqPlan``, per sequence whose lookups
+    (its own, the store's) are judged against what the target emits their shadows, and the
+    controller's report (None: not planned by the controller this step)."""
 
     seqs: dict[int, SeqPlan] = field(default_factory=dict)
-    shadows: dict[int, Shadow] = field(default_factory=dict)
+    shadows: dict[int, list[Shadow]] = field(default_factory=dict)
     report: PlanReport | None = None
 
     def rows(self, seq_id: int) -> int:
@@ -102,20 +103,25 @@ class SpecCounters:
     num_forced_draft_tokens: int = 0  # drafts that were a constraint's forced tokens
     num_forced_accepted_tokens: int = 0
     depths: list[tuple[int, int]] = field(default_factory=list)  # (depth, accepted)
+    # per way (a lookup's, the store's, the network's, forced...): draft tokens, accepted
+    by_way: dict[str, tuple[int, int]] = field(default_factory=dict)
     report: PlanReport | None = None
 
     def count(
-        self, drafts: int, accepted: int, depth: int | None, path: list[int], forced: bool
+        self, drafts: int, accepted: int, depth: int | None, path: list[int], way: str | None
     ) -> None:
-        """A verify of ``drafts`` drafts (a tree's, ``depth`` levels deep; None: a chain;
-        ``forced``: a constraint's forced tokens) that accepted ``accepted`` of them along
+        """A verify of ``drafts`` drafts of ``way`` (None: no plan named it; a tree's,
+        ``depth`` levels deep; None: a chain) that accepted ``accepted`` of them along
         ``path`` (their indices, root-most first)."""
         self.num_drafts += 1
         self.num_draft_tokens += drafts
         self.num_accepted_tokens += accepted
-        if forced:
+        if way == FORCED:
             self.num_forced_draft_tokens += drafts
             self.num_forced_accepted_tokens += accepted
+        if way is not None:
+            before = self.by_way.get(way, (0, 0))
+            self.by_way[way] = (before[0] + drafts, before[1] + accepted)
         if depth is not None:
             self.num_tree_drafts += 1
             self.num_tree_moves += sum(node != d for d, node in enumerate(path))
@@ -154,20 +160,22 @@ class Planner:
             # the step carries no drafts (speculation must not cost time to first token)
             controller.plain_step()
             return DraftPlan()
-        matches = self._matches(decodes)
-        candidates = self._candidates(decodes, matches)
+        matches, stored = self._matches(decodes), self._stored(decodes)
+        candidates = self._candidates(decodes, matches, stored)
         tokens = sum(s.num_new_tokens for s in out.scheduled)
         pairs = sum(pairs_of(s.seq.num_computed_tokens, s.num_new_tokens) for s in out.scheduled)
         planned = controller.plan(candidates, tokens, len(out.scheduled), pairs, budget)
         seqs: dict[int, SeqPlan] = {}
-        shadows: dict[int, Shadow] = {}
+        shadows: dict[int, list[Shadow]] = {}
         for s, candidate, choice in zip(decodes, candidates, planned.choices, strict=True):
             seq_id, match = s.seq.seq_id, matches.get(s.seq.seq_id)
             if choice.way is not None:
-                seqs[seq_id] = self._planned(choice, candidate, match, planned.prices)
-            shadow = self._shadow(s.seq, match, choice)
-            if shadow is not None:
-                shadows[seq_id] = shadow
+                seqs[seq_id] = self._planned(
+                    choice, candidate, match, stored.get(seq_id), planned.prices
+                )
+            judged = self._shadows(s.seq, match, stored.get(seq_id), choice)
+            if judged:
+                shadows[seq_id] = judged
         return DraftPlan(seqs, shadows, planned.report)
 
     def _fixed_plan(self, decodes: list[ScheduledSequence]) -> DraftPlan:
@@ -186,9 +194,9 @@ class Planner:
             else:
                 free.append(s)
         decodes = free
-        matches = self._matches(decodes)
+        matches, stored = self._matches(decodes), self._stored(decodes)
         if self.controller is not None:  # (a fixed tree's chains are no deeper than it)
-            candidates = self._candidates(decodes, matches, self.tree_depth)
+            candidates = self._candidates(decodes, matches, stored, self.tree_depth)
             choices = self.controller.choose_ways(candidates)
         else:
             choices = [Choice(self._only_way(matches.get(s.seq.seq_id)), 0) for s in decodes]
@@ -196,6 +204,8 @@ class Planner:
             seq_id, slots = s.seq.seq_id, s.num_lookahead
             if choice.way in LOOKUP_WAYS:
                 seqs[seq_id] = SeqPlan(choice.way, slots, matches[seq_id], depth, choice=choice)
+            elif choice.way == SUFFIX:
+                seqs[seq_id] = SeqPlan(SUFFIX, slots, stored[seq_id], depth, choice=choice)
             elif choice.way is not None:
                 node_price = None if depth is None else 0.0
                 seqs[seq_id] = SeqPlan(
@@ -220,10 +230,18 @@ class Planner:
             for s in decodes
         }
 
+    def _stored(self, decodes: list[ScheduledSequence]) -> dict[int, LookupMatch]:
+        """What the store of other requests found for each decode, if the proposer has one."""
+        lookup = self.proposer.lookup if self.proposer is not None else None
+        if lookup is None or lookup.store is None:
+            return {}
+        return {s.seq.seq_id: lookup.suffix_match(s.seq, s.num_lookahead) for s in decodes}
+
     def _candidates(
         self,
         decodes: list[ScheduledSequence],
         matches: dict[int, LookupMatch],
+        stored: dict[int, LookupMatch],
         depth: int | None = None,
     ) -> list[Candidate]:
         """Each decode as the controller sees it (its slots at most ``depth``)."""
@@ -234,6 +252,7 @@ class Planner:
             match = matches.get(seq.seq_id, LookupMatch([], 0))
             catch_up = network.catch_up(seq) if network is not None else 1
             forced = seq.constraint.forced() if seq.constraint is not None else []
+            suffix = stored.get(seq.seq_id)
             candidates.append(
                 Candidate(
                     seq.seq_id,
@@ -243,18 +262,27 @@ class Planner:
                     match.n,
                     catch_up,
                     forced=forced,
+                    suffix=[] if suffix is None else suffix.tokens,
                 )
             )
         return candidates
 
     def _planned(
-        self, choice: Choice, candidate: Candidate, match: LookupMatch | None, prices: Prices
+        self,
+        choice: Choice,
+        candidate: Candidate,
+        match: LookupMatch | None,
+        stored: LookupMatch | None,
+        prices: Prices,
     ) -> SeqPlan:
-        """A sequence's plan from the controller's choice: a lookup's match, or a network's
-        priced chain (with slots for siblings where a row costs under a token)."""
+        """A sequence's plan from the controller's choice: a lookup's match (its own, the
+        store's), or a network's priced chain (with slots for siblings where a row costs under
+        a token)."""
         assert choice.way is not None
         if choice.way in LOOKUP_WAYS:
             return SeqPlan(choice.way, choice.drafts, match, choice=choice)
+        if choice.way == SUFFIX:
+            return SeqPlan(SUFFIX, choice.drafts, stored, choice=choice)
         if choice.way == FORCED:
             return SeqPlan(FORCED, choice.drafts, LookupMatch(candidate.forced, 0), choice=choice)
         network = self.proposer.network if self.proposer is not None else None
@@ -269,21 +297,36 @@ class Planner:
             )
         return SeqPlan(DRAFT, choice.drafts, row_price=price, choice=choice)
 
-    def _shadow(self, seq: Sequence, match: LookupMatch | None, choice: Choice) -> Shadow | None:
-        """What the step's lookup is judged by: an unused lookup against what the target
-        emits, or a used one's rest past the plan's drafts (else nothing ever measures the
-        positions past them, and no plan drafts that deep). A probe's step teaches nothing
-        past the plan; a lookup tree's rest is not one continuation."""
-        if match is None or not match.tokens:
+    def _shadows(
+        self, seq: Sequence, match: LookupMatch | None, stored: LookupMatch | None, choice: Choice
+    ) -> list[Shadow]:
+        """What the step's lookups (the sequence's own, the store's) are judged by."""
+        judged = []
+        for way, found in (
+            (None if match is None else lookup_way(match.n), match),
+            (SUFFIX, stored),
+        ):
+            shadow = self._shadow(seq, way, found, choice)
+            if shadow is not None:
+                judged.append(shadow)
+        return judged
+
+    def _shadow(
+        self, seq: Sequence, way: str | None, match: LookupMatch | None, choice: Choice
+    ) -> Shadow | None:
+        """What a lookup of ``way`` is judged by: unused, against what the target emits, or
+        used, its rest past the plan's drafts (else nothing ever measures the positions past
+        them, and no plan drafts that deep). A probe's step teaches nothing past the plan; a
+        lookup tree's rest is not one continuation."""
+        if way is None or match is None or not match.tokens:
             return None
-        if not (choice.way in LOOKUP_WAYS and choice.learned):
-            return Shadow(lookup_way(match.n), match.tokens, seq.num_tokens)
+        if not (choice.way == way and choice.learned):
+            return Shadow(way, match.tokens, seq.num_tokens)
         lookup = self.proposer.lookup if self.proposer is not None else None
         trees = lookup is not None and lookup.trees
         offset = choice.drafts
         if choice.planned is None and len(match.tokens) > offset and not trees:
-            assert choice.way is not None
-            return Shadow(choice.way, match.tokens[offset:], seq.num_tokens + offset, offset)
+            return Shadow(way, match.tokens[offset:], seq.num_tokens + offset, offset)
         return None
 
 
@@ -293,7 +336,10 @@ def ways_of(proposer: Proposer | None) -> tuple[str, ...]:
         return ()
     if proposer.lookup is None and proposer.network is None:
         return (EXTERNAL,)
-    lookups = LOOKUP_WAYS if proposer.lookup is not None else ()
+    lookup = proposer.lookup
+    lookups: tuple[str, ...] = LOOKUP_WAYS if lookup is not None else ()
+    if lookup is not None and lookup.store is not None:
+        lookups += (SUFFIX,)
     return lookups + ((DRAFT,) if proposer.network is not None else ())
 
 

@@ -40,6 +40,7 @@ from specbatch.spec_decode.proposers.base import (
     Proposer,
     with_point_masses,
 )
+from specbatch.spec_decode.proposers.suffix import StoreStats
 from specbatch.spec_decode.verification.chain import VerifyResult, verify
 from specbatch.spec_decode.verification.tree import DraftTree, node_depths, tree_rows, verify_tree
 
@@ -262,10 +263,12 @@ class Speculator:
             depth = None if tree is None else max(node_depths(tree), default=0)
             if drafted:
                 planned = None if plan is None else plan.seqs.get(s.seq.seq_id)
-                forced = planned is not None and planned.way == FORCED
-                counters.count(len(drafted), accepted, depth, result.path(i), forced)
+                way = None if planned is None else planned.way
+                counters.count(len(drafted), accepted, depth, result.path(i), way)
             self._verified(s, plan, len(drafted), accepted, depth)
         for seq in finished:
+            if self.proposer is not None:
+                self.proposer.on_finished(seq)
             self.forget(seq)
         if self.controller is not None:
             self._observe_step(runs, proposal, clock)
@@ -301,8 +304,9 @@ class Speculator:
                 expected = choice.expected[min(judged, len(choice.expected)) - 1]
                 accepted = min(num_accepted, judged)
                 controller.observe_verify(seq.seq_id, way, judged, accepted, expected)
-        shadow = None if plan is None else plan.shadows.get(seq.seq_id)
-        if shadow is not None and controller is not None:
+        shadows = () if plan is None or controller is None else plan.shadows.get(seq.seq_id, [])
+        for shadow in shadows:
+            assert controller is not None
             emitted = seq.token_ids[shadow.start : shadow.start + len(shadow.tokens)]
             judged = min(len(emitted), len(shadow.tokens))
             right = 0
@@ -330,6 +334,12 @@ class Speculator:
             drafts = sum(len(t) for t in proposal.tokens)
             controller.observe_external(drafts, proposal.seconds)
         controller.observe_step(tokens, len(runs), pairs, seconds - proposal.seconds, share)
+
+    def store_stats(self) -> StoreStats | None:
+        """The counters of the proposer's store of other requests' tokens (None: none)."""
+        lookup = self.proposer.lookup if self.proposer is not None else None
+        store = None if lookup is None else lookup.store
+        return None if store is None else store.stats()
 
     def forget(self, seq: Sequence) -> None:
         """The sequence's cache is gone (finished, aborted, preempted): so is its draft state."""

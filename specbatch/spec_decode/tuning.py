@@ -88,12 +88,25 @@ class SpeculationTuning:
     # 1.19x against 1.49x / 1.11x at batch 1, 1.10x / 0.99x against 1.13x / 0.98x at batch 8;
     # set on an AVX-512 BF16 host, where trees paid).
     tree_width: int = 4
+    # The store of other requests' tokens (``proposers/suffix.py``): the shortest match it
+    # looks up (its index's key), the longest it compares, and the latest occurrences of a
+    # key it follows (the branches of its tries).
+    suffix_key: int = 2
+    suffix_match: int = 16
+    suffix_occurrences: int = 32
 
     def __post_init__(self) -> None:
         for name in ("hurdle", "bandwidth", "small_bandwidth", "prior_weight"):
             _check(name, getattr(self, name), float, low=0.0, open_low=name != "hurdle")
         _check("probe_every", self.probe_every, int, low=0)
-        for name in ("step_window", "refit_every", "tree_width"):
+        for name in (
+            "step_window",
+            "refit_every",
+            "tree_width",
+            "suffix_key",
+            "suffix_match",
+            "suffix_occurrences",
+        ):
             _check(name, getattr(self, name), int, low=1)
         for name in (
             "contended_share",

@@ -135,6 +135,10 @@ SPECS = [
     {"method": "hybrid", "num_speculative_tokens": 4, "adaptive_k": False, "draft": True},
     {"method": "hybrid", "draft": True},  # the goodput controller
     {"method": "ngram", "lookup_tree": True, "num_speculative_tokens": 6, "adaptive_k": False},
+    # the store of other requests' tokens: the second wave drafts from the first's outputs
+    {"method": "suffix", "num_speculative_tokens": 4, "adaptive_k": False},
+    {"method": "suffix", "lookup_tree": True, "num_speculative_tokens": 6, "adaptive_k": False},
+    {"method": "suffix"},
     {
         "method": "draft_model",
         "num_speculative_tokens": 5,
@@ -163,6 +167,8 @@ def test_speculation_gives_the_constrained_output_of_speculation_off(
     assert stats.num_draft_tokens > 0, stats
     assert stats.num_accepted_tokens > 0, stats
     assert stats.num_forced_accepted_tokens > 0, stats  # the grammar's forced tokens drafted
+    if spec["method"] == "suffix":  # the store's drafts were verified
+        assert stats.num_draft_tokens_by_way.get("suffix", 0) > 0, stats.num_draft_tokens_by_way
 
 
 @pytest.mark.skipif(

@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 LOOKUP_WAYS = ("lookup1", "lookup2", "lookup3")  # by match length: 1, 2, 3 or more tokens
+# a match in the store of other requests' tokens (``proposers/suffix.py``): free, a point mass
+SUFFIX = "suffix"
 DRAFT = "draft"
 EXTERNAL = "external"
 # a constraint's only continuation (its forced tokens): free to propose, and the masked target
@@ -23,7 +25,8 @@ class Candidate:
     """A sequence that samples this step and may get drafts.
 
     ``context``: keys its first draft row attends to; ``lookup``: what prompt lookup would
-    draft (empty: no match) and ``lookup_n`` the matched suffix length."""
+    draft (empty: no match) and ``lookup_n`` the matched suffix length; ``suffix``: what the
+    store of other requests would (empty: no match, or no store)."""
 
     seq_id: int
     slots: int
@@ -32,6 +35,18 @@ class Candidate:
     lookup_n: int = 0
     catch_up: int = 1  # rows the draft model computes for it before its first draft
     forced: list[int] = field(default_factory=list)  # its constraint's only continuation
+    suffix: list[int] = field(default_factory=list)
+
+    def copied(self, way: str) -> list[int] | None:
+        """What a way that copies tokens (a lookup of the matched length, the store, a
+        constraint's forced tokens) would draft; None for a way that drafts its own."""
+        if way in LOOKUP_WAYS:
+            return self.lookup if self.lookup and way == lookup_way(self.lookup_n) else []
+        if way == SUFFIX:
+            return self.suffix
+        if way == FORCED:
+            return self.forced
+        return None
 
 
 @dataclass(frozen=True)

@@ -51,13 +51,11 @@ from specbatch.spec_decode.control.choices import (
     DRAFT,
     EXTERNAL,
     FORCED,
-    LOOKUP_WAYS,
     Candidate,
     Choice,
     ControllerPlan,
     PlanReport,
     Prices,
-    lookup_way,
     probe_free,
     report_of,
 )
@@ -211,22 +209,17 @@ class GoodputController:
         first = np.zeros(usable.shape)
         seq_ids = [c.seq_id for c in candidates]
         for w, way in enumerate(ways):
-            if way == FORCED:
-                usable[:, w] = [min(c.slots, len(c.forced)) for c in candidates]
-                first[:, w] = acceptance.firsts(way, seq_ids)
-            elif way not in LOOKUP_WAYS:
+            copies = [c.copied(way) for c in candidates]
+            if copies[0] is None:  # a way that drafts its own: every slot
                 usable[:, w] = slots
                 first[:, w] = acceptance.firsts(way, seq_ids)
-        # each candidate with a match: its lookup's way (by match length) and what it drafts
-        lookups: dict[int, list[int]] = {}
-        index_of = {way: w for w, way in enumerate(ways)}
-        for i, c in enumerate(candidates):
-            match = index_of.get(lookup_way(c.lookup_n)) if c.lookup else None
-            if match is not None:
-                lookups.setdefault(match, []).append(i)
-                usable[i, match] = min(c.slots, len(c.lookup))
-        for w, index in lookups.items():
-            first[index, w] = acceptance.firsts(ways[w], [seq_ids[i] for i in index])
+                continue
+            # a way that copies (a lookup of the matched length, the store, forced tokens):
+            # the candidates with something to copy, as much as their slots take
+            index = [i for i, copy in enumerate(copies) if copy]
+            if index:
+                usable[index, w] = [min(slots[i], len(copies[i] or ())) for i in index]
+                first[index, w] = acceptance.firsts(way, [seq_ids[i] for i in index])
         follow = np.cumprod(acceptance.follow_rows(ways, most), axis=1)
         positions = np.arange(most)
         valid = positions[None, None, :] < usable[:, :, None]

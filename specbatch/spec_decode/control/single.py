@@ -21,12 +21,10 @@ from typing import TYPE_CHECKING
 from specbatch.spec_decode.control.choices import (
     DRAFT,
     FORCED,
-    LOOKUP_WAYS,
     Candidate,
     Choice,
     ControllerPlan,
     Prices,
-    lookup_way,
     probe_free,
     report_of,
 )
@@ -92,15 +90,11 @@ def _ways(
 ) -> list[_Way]:
     """Per way, its drafts' chances and seconds (``_Options`` for one candidate)."""
     acceptance = controller.acceptance
-    matched = lookup_way(candidate.lookup_n) if candidate.lookup else None
     proposing = controller.proposing_seconds(ways, draft_fit)
     out = []
     for way, extra in zip(ways, proposing, strict=True):
-        usable = candidate.slots
-        if way == FORCED:
-            usable = min(usable, len(candidate.forced))
-        elif way in LOOKUP_WAYS:
-            usable = min(usable, len(candidate.lookup)) if way == matched else 0
+        copies = candidate.copied(way)
+        usable = candidate.slots if copies is None else min(candidate.slots, len(copies))
         if not usable:  # (a lookup without a match): no position is read
             out.append(_Way([], [], [], []))
             continue

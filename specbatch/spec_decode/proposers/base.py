@@ -16,15 +16,19 @@ from typing import Protocol
 import torch
 
 from specbatch.sequence import Sequence
+from specbatch.spec_decode.proposers.suffix import SuffixStore
 
 
 @dataclass(frozen=True)
 class LookupMatch:
     """What prompt lookup found for a sequence: the tokens after the latest earlier occurrence
-    of its suffix, and that suffix's length (``n``)."""
+    of its suffix, and that suffix's length (``n``). A match in the store of other requests
+    (``suffix.SuffixStore``) holds what followed each occurrence it found
+    (``continuations``, latest first), and ``tokens`` is their heaviest path."""
 
     tokens: list[int]
     n: int
+    continuations: list[list[int]] | None = None
 
 
 @dataclass
@@ -97,6 +101,15 @@ class LookupPart(Protocol):
         """The sequence's match (no tokens: none)."""
         ...
 
+    @property
+    def store(self) -> SuffixStore | None:
+        """Its store of other requests' tokens, if it has one."""
+        ...
+
+    def suffix_match(self, seq: Sequence, max_drafts: int) -> LookupMatch:
+        """The sequence's match in the store (no tokens: none, or no store)."""
+        ...
+
 
 class NetworkPart(Protocol):
     """A drafting network as a planner uses it."""
@@ -140,6 +153,10 @@ class Proposer(ABC):
     # Optional hooks: a stateless proposer (n-gram) keeps these no-ops.
     def on_verified(self, seq: Sequence) -> None:  # noqa: B027
         """The target accepted drafts: ``seq.num_computed_tokens`` is the valid prefix now."""
+
+    def on_finished(self, seq: Sequence) -> None:  # noqa: B027
+        """The sequence finished (not aborted): its prompt and output are final, for a
+        proposer that learns across requests (called before :meth:`forget`)."""
 
     def forget(self, seq: Sequence) -> None:  # noqa: B027
         """The sequence finished, was aborted or preempted (its cache is gone)."""

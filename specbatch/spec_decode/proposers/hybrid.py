@@ -72,6 +72,9 @@ class HybridProposer(Proposer):
     def on_verified(self, seq: Sequence) -> None:
         self._network.on_verified(seq)
 
+    def on_finished(self, seq: Sequence) -> None:
+        self._lookup.on_finished(seq)
+
     def forget(self, seq: Sequence) -> None:
         self._lookup.forget(seq)
         self._network.forget(seq)

@@ -20,6 +20,7 @@ from specbatch.spec_decode.proposers.base import (
     Proposal,
     Proposer,
 )
+from specbatch.spec_decode.proposers.suffix import SuffixStore
 from specbatch.spec_decode.verification.tree import DraftTree
 
 
@@ -64,18 +65,26 @@ def ngram_ends(tokens: np.ndarray, n: int, limit: int) -> list[int]:
 
 def continuation_tree(tokens: SequenceT[int], ends: SequenceT[int], max_nodes: int) -> DraftTree:
     """The trie of what followed each occurrence (``ends``, latest first), cut to its best
-    ``max_nodes`` nodes: those the most occurrences pass through (the likeliest to be the
-    text's), then the shallower (a path is right only if its parent is), then the latest
-    occurrence's. A child never ranks before its parent, so they form a tree; nodes in
-    creation order (topological: one occurrence gives its chain)."""
+    ``max_nodes`` nodes (:func:`frequency_tree` of the continuations)."""
+    return frequency_tree([tokens[end : end + max_nodes] for end in ends], max_nodes)[0]
+
+
+def frequency_tree(
+    continuations: SequenceT[SequenceT[int]], max_nodes: int
+) -> tuple[DraftTree, list[int]]:
+    """The trie of the ``continuations`` (latest first), cut to its best ``max_nodes`` nodes:
+    those the most continuations pass through (the likeliest to be the text's), then the
+    shallower (a path is right only if its parent is), then the latest's; and per kept node
+    that count. A child never ranks before its parent, so they form a tree; nodes in
+    creation order (topological: one continuation gives its chain)."""
     index: dict[tuple[int, int], int] = {}  # (parent, token) -> node
     node_tokens: list[int] = []
     parents: list[int] = []
     depths: list[int] = []
     counts: list[int] = []
-    for end in ends:
+    for continuation in continuations:
         parent = -1
-        for depth, token in enumerate(tokens[end : end + max_nodes]):
+        for depth, token in enumerate(continuation[:max_nodes]):
             node = index.get((parent, token))
             if node is None:
                 node = index[(parent, token)] = len(node_tokens)
@@ -88,10 +97,33 @@ def continuation_tree(tokens: SequenceT[int], ends: SequenceT[int], max_nodes: i
     ranked = sorted(range(len(node_tokens)), key=lambda i: (-counts[i], depths[i], i))
     keep = sorted(ranked[:max_nodes])
     renumber = {old: new for new, old in enumerate(keep)}
-    return DraftTree(
+    tree = DraftTree(
         [node_tokens[i] for i in keep],
         [-1 if parents[i] < 0 else renumber[parents[i]] for i in keep],
     )
+    return tree, [counts[i] for i in keep]
+
+
+def heaviest_chain(continuations: SequenceT[SequenceT[int]]) -> list[int]:
+    """The path of the continuations' trie that takes, from the root down, the child the
+    most of them pass through (on a tie the one of the latest: the first given), found
+    without building the trie (a plan asks for it for every decode, every step)."""
+    alive = list(continuations)
+    chain: list[int] = []
+    depth = 0
+    while alive:
+        counts: dict[int, int] = {}
+        for continuation in alive:
+            if depth < len(continuation):
+                token = continuation[depth]
+                counts[token] = counts.get(token, 0) + 1
+        if not counts:
+            break
+        token = max(counts, key=counts.__getitem__)  # (the first inserted of the maxima)
+        chain.append(token)
+        alive = [c for c in alive if depth < len(c) and c[depth] == token]
+        depth += 1
+    return chain
 
 
 def is_chain(parents: SequenceT[int]) -> bool:
@@ -141,7 +173,8 @@ class NgramIndex:
 
 
 class NgramProposer(Proposer):
-    """Draft tokens copied from the sequence's own prompt and output (no draft model)."""
+    """Draft tokens copied from the sequence's own prompt and output and, with a ``store``,
+    from other requests' (no draft model)."""
 
     def __init__(
         self,
@@ -150,15 +183,19 @@ class NgramProposer(Proposer):
         shortest: int | None = None,
         trees: bool = False,
         width: int = 4,
+        store: SuffixStore | None = None,
     ) -> None:
         """``shortest`` (at most ``min_n``): the shortest match :meth:`match` may be asked
         for (the hybrid asks down to 1 token). ``trees``: propose the continuations of the
-        latest ``width`` earlier occurrences as a tree (:meth:`tree`)."""
+        latest ``width`` earlier occurrences as a tree (:meth:`tree`), and a store's match
+        as its trie. ``store``: recent finished requests, looked up by :meth:`suffix_match`
+        and fed by :meth:`on_finished`."""
         self.min_n = min_n
         self.max_n = max_n
         self.shortest = min_n if shortest is None else min(shortest, min_n)
         self.trees = trees
         self.width = width
+        self.store = store
         self._indices: dict[int, NgramIndex] = {}
 
     @property
@@ -188,14 +225,28 @@ class NgramProposer(Proposer):
             ends = ngram_ends(np.asarray(seq.token_ids, dtype=np.int64), n, self.width)
         return continuation_tree(seq.token_ids, ends, max_nodes)
 
+    def suffix_match(self, seq: Sequence, max_drafts: int) -> LookupMatch:
+        """The store's match for the sequence (no tokens: none, or no store): the heaviest
+        path of what followed the occurrences of its longest suffix in other requests."""
+        if self.store is None:
+            return LookupMatch([], 0)
+        hit = self.store.lookup(seq.token_ids, max_drafts)
+        if not hit.n:
+            return LookupMatch([], 0)
+        return LookupMatch(heaviest_chain(hit.continuations), hit.n, hit.continuations)
+
     def drafts(
         self, seq: Sequence, match: LookupMatch, max_drafts: int
     ) -> tuple[list[int], list[int] | None]:
         """A match's drafts: its chain or, with ``trees``, the tree of the occurrences of its
-        last ``n`` tokens, and the tree's parents (None for a chain)."""
+        last ``n`` tokens (a store's match: of the continuations it found), and the tree's
+        parents (None for a chain)."""
         if not (self.trees and match.tokens and max_drafts > 1):
             return match.tokens[:max_drafts], None
-        tree = self.tree(seq, max_drafts, match.n)
+        if match.continuations is not None:
+            tree = frequency_tree(match.continuations, max_drafts)[0]
+        else:
+            tree = self.tree(seq, max_drafts, match.n)
         return tree.tokens, None if is_chain(tree.parents) else tree.parents
 
     def propose(self, requests: list[DraftRequest]) -> Proposal:
@@ -208,6 +259,10 @@ class NgramProposer(Proposer):
             tokens.append(drafted)
             parents.append(tree)
         return Proposal(tokens, parents=parents if any(p is not None for p in parents) else None)
+
+    def on_finished(self, seq: Sequence) -> None:
+        if self.store is not None:
+            self.store.insert(seq.token_ids)
 
     def forget(self, seq: Sequence) -> None:
         self._indices.pop(seq.seq_id, None)
