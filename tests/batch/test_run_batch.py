@@ -317,3 +317,25 @@ def test_the_output_must_be_a_batch_result_file(tiny_model_dir: Path, tmp_path: 
         BatchJob(make_engine(tiny_model_dir), MODEL_NAME, progress=False).run(source, out)
     with pytest.raises(ConfigError, match="must not be the input"):
         BatchJob(make_engine(tiny_model_dir), MODEL_NAME, progress=False).run(source, source)
+
+
+def test_the_store_learns_across_the_files_lines(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Lines that repeat earlier lines' prompts (a batch job's repeated work): the later ones
+    draft from what the earlier ones generated (the store of other requests' tokens), and
+    every result is the one speculation off gives."""
+    prompts = [[7 + i, 40 + 3 * i, 90, 91, 17 * i % 250 + 3, 5] for i in range(6)]
+    lines = [completion(f"r{i}", prompts[i % 6], max_tokens=24) for i in range(18)]
+    source = write_lines(tmp_path / "in.jsonl", lines)
+    texts = {}
+    for spec in ({"method": "off"}, {"method": "suffix"}):
+        engine = make_engine(tiny_model_dir, speculative_config=spec, max_num_seqs=2)
+        out = tmp_path / f"out-{spec['method']}.jsonl"
+        BatchJob(engine, MODEL_NAME, progress=False).run(source, out)
+        texts[spec["method"]] = {
+            r["custom_id"]: r["response"]["body"]["choices"][0]["text"] for r in read_results(out)
+        }
+        if spec["method"] == "suffix":
+            stats = engine.stats
+            assert stats.suffix_store_requests == 18
+            assert stats.num_accepted_tokens_by_way.get("suffix", 0) > 24, stats
+    assert texts["suffix"] == texts["off"]

@@ -114,6 +114,12 @@ def test_concurrent_requests_are_answered_as_one_engine_answers(
     assert per_replica["1"] > 0
     assert per_replica["all"] == per_replica["0"] + per_replica["1"]
     assert per_replica["all"] == sum(a.usage.completion_tokens for a in answers)
+    # each replica keeps its own store of the requests it finished (the default keeps one)
+    held = served.metric("specbatch_spec_suffix_store_requests")
+    assert held["0"] > 0
+    assert held["1"] > 0
+    assert held["all"] == held["0"] + held["1"]
+    assert held["all"] == sum(r.stats.num_requests_finished for r in served.engine.replicas)
 
 
 def test_a_prompt_goes_to_the_replica_holding_its_prefix(served: DataParallelServer) -> None:
@@ -300,12 +306,18 @@ def test_stats_combined_are_the_sum() -> None:
     parts[0].num_running, parts[1].num_running = 2, 3
     parts[0].num_drafts_per_pos, parts[1].num_drafts_per_pos = [4, 2], [1, 1, 1]
     parts[0].kv_cache_usage, parts[1].kv_cache_usage = 0.2, 0.4
+    parts[0].num_accepted_tokens_by_way = {"suffix": 3, "lookup1": 1}
+    parts[1].num_accepted_tokens_by_way = {"suffix": 4, "draft": 2}
+    parts[0].suffix_store_requests, parts[1].suffix_store_requests = 10, 12
     total = EngineStats.combined(parts)
+    assert total.num_accepted_tokens_by_way == {"suffix": 7, "lookup1": 1, "draft": 2}
+    assert total.suffix_store_requests == 22
     assert total.num_generation_tokens == 12
     assert total.num_running == 5
     assert total.num_drafts_per_pos == [5, 3, 1]
     assert total.kv_cache_usage == pytest.approx(0.3)
     assert parts[0].num_drafts_per_pos == [4, 2]  # the parts are left as they were
+    assert parts[0].num_accepted_tokens_by_way == {"suffix": 3, "lookup1": 1}
 
 
 def test_bad_data_parallel_settings_are_refused(tiny_model_dir: Path) -> None:
