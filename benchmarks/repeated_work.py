@@ -6,10 +6,11 @@ default's ``suffix`` way) against the same default without it, prompt lookup alo
 
 Workloads, built here (greedy, so every engine emits the same tokens; checked):
 
-* ``extraction``: a ``specbatch run-batch`` file of chat requests, one instruction and one JSON
-  schema (in the prompt) over varied synthetic personnel records; run by ``BatchJob`` (what
-  ``run-batch`` runs) with ``max_num_seqs`` the batch size. The store learns across the
-  file's lines: the answers share their keys, punctuation and phrasing.
+* ``extraction``: a ``specbatch run-batch`` file of chat requests, one question and one JSON
+  schema (``response_format``: the keys are the grammar's forced tokens) over varied
+  synthetic personnel records (three wordings); run by ``BatchJob`` (what ``run-batch``
+  runs) with ``max_num_seqs`` the batch size. The store learns across the file's lines: the
+  answers share their shape and, often, their values' wording.
 * ``agent``: conversations that re-send their whole history each turn (an agent loop); the
   user asks for one edit of a Python function per turn (rename, add a docstring, a type hint,
   a guard...), the assistant's answer goes into the next turn's history. ``--conversations``
@@ -40,7 +41,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import print_conditions
-from specbatch import LLM, SamplingParams
+from specbatch import LLM, SamplingParams, StructuredOutputsParams
 from specbatch.batch import BatchJob
 from specbatch.models.default_model import served_model_name
 
@@ -67,6 +68,7 @@ SCHEMA = {
         "started": {"type": "integer"},
     },
     "required": ["name", "age", "city", "job", "company", "started"],
+    "additionalProperties": False,
 }
 
 
@@ -84,8 +86,8 @@ def extraction_prompt(rng: random.Random) -> str:
         ]
     )
     return (
-        "Extract the person's details from the record as JSON matching this schema, and "
-        f"nothing else.\nSchema: {json.dumps(SCHEMA)}\nRecord: {record}"
+        f"Record: {record}\n\nWhat are this person's name, age, city, job, company, and the "
+        "year they started? Answer in JSON."
     )
 
 
@@ -128,6 +130,10 @@ def run_extraction(
                 "messages": [{"role": "user", "content": extraction_prompt(rng)}],
                 "max_tokens": max_tokens,
                 "temperature": 0,
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "person", "schema": SCHEMA},
+                },
             }
             line = {
                 "custom_id": f"r{i}",
@@ -169,6 +175,69 @@ def run_agent(
     return tokens, time.perf_counter() - start, texts
 
 
+def store_split(requests: int, max_tokens: int) -> None:
+    """Whether data-parallel replicas should share what their stores learn: the extraction
+    workload's requests (generated once, speculation off) replayed in order into one store
+    (every request seen), two stores by turns (least-loaded routing of uniform requests),
+    and two stores by record template (routing that keeps similar requests together). Per
+    output position, the store's chain (the lookup the ``suffix`` way would draft) against
+    the true continuation: the share of positions with a match whose first draft is right,
+    and the mean run of right drafts (up to 8) over every position."""
+    from specbatch.spec_decode.proposers.ngram import heaviest_chain
+    from specbatch.spec_decode.proposers.suffix import SuffixStore
+    from specbatch.spec_decode.tuning import SpeculationTuning
+
+    llm = LLM(speculative_config={"method": "off"}, max_num_seqs=16)
+    rng = random.Random(0)
+    texts = [extraction_prompt(rng) for _ in range(requests)]
+    # the record's wording (extraction_prompt's three): the first to one store, the others
+    # to the other
+    templates = [0 if "lives in" in t else 1 for t in texts]
+    # (the grammar's forced tokens are drafted as their own way; the store is judged on all)
+    tokenizer = llm.get_tokenizer()
+    prompts = [tokenizer.encode_chat([{"role": "user", "content": t}])[1] for t in texts]
+    params = SamplingParams(
+        temperature=0,
+        max_tokens=max_tokens,
+        structured_outputs=StructuredOutputsParams(json=SCHEMA),
+    )
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    streams = [(p, list(o.outputs[0].token_ids)) for p, o in zip(prompts, outputs, strict=True)]
+    tuning = SpeculationTuning()
+    routings = {
+        "one store": lambda i: 0,
+        "two, by turns": lambda i: i % 2,
+        "two, by template": lambda i: templates[i],
+    }
+    for name, route in routings.items():
+        stores = [
+            SuffixStore(1 << 18, tuning.suffix_key, tuning.suffix_match, tuning.suffix_occurrences)
+            for _ in range(2)
+        ]
+        matched = first_right = right = positions = 0
+        for i, (prompt, output) in enumerate(streams):
+            store = stores[route(i)]
+            for t in range(len(output)):
+                hit = store.lookup(prompt + output[:t], 8)
+                positions += 1
+                if not hit.n:
+                    continue
+                matched += 1
+                chain = heaviest_chain(hit.continuations)
+                run = 0
+                while run < len(chain) and t + run < len(output) and chain[run] == output[t + run]:
+                    run += 1
+                first_right += run > 0
+                right += run
+            store.insert(prompt + output)
+        print(
+            f"store split, {name}: {matched / positions:.3f} of positions matched, "
+            f"{first_right / max(matched, 1):.3f} of those with the first draft right, "
+            f"{right / positions:.2f} right drafts per position",
+            flush=True,
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workloads", nargs="+", default=["extraction", "agent"])
@@ -178,7 +247,17 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=20)
     parser.add_argument("--max-tokens", type=int, default=160)
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument(
+        "--store-split",
+        type=int,
+        default=0,
+        help="only replay this many extraction requests into one store and two (see "
+        "store_split), no timing",
+    )
     args = parser.parse_args()
+    if args.store_split:
+        store_split(args.store_split, args.max_tokens)
+        return
     print_conditions(
         "repeated work across requests: the store on, off, prompt lookup alone, speculation off",
         model="the default (SmolLM2-135M-Instruct GGUF, exact mode)",

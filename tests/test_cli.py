@@ -91,13 +91,19 @@ def test_speculative_flags() -> None:
 
     assert not resolved(["generate", "x", "--speculative", "off"]).enabled
     # 'auto' (the default, generate and serve alike): hybrid with the shipped draft where it
-    # fits, n-gram elsewhere; the goodput controller on unless --fixed-k
+    # fits, n-gram with the store of other requests elsewhere; the goodput controller on
+    # unless --fixed-k
     assert resolved(["generate", "x", "-k", "6"]) == SpeculativeConfig(
         "hybrid", 6, prompt_lookup_min=2, draft_confidence_threshold=0.5
     )
     assert resolved(["serve", "-k", "6"], shipped_draft_fits=False) == SpeculativeConfig(
-        "ngram", 6, prompt_lookup_min=1, prompt_lookup_max=4
+        "suffix", 6, prompt_lookup_min=1, prompt_lookup_max=4
     )
+    no_store = ["serve", "--suffix-store-tokens", "0"]
+    assert resolved(no_store, shipped_draft_fits=False).method == "ngram"
+    assert resolved(no_store).store_tokens == 0
+    small = ["generate", "x", "--speculative", "suffix", "--suffix-store-tokens", "4096"]
+    assert resolved(small).store_tokens == 4096
     given = ["generate", "x", "--draft-model", "d", "--ngram-min", "3"]
     assert resolved(given, shipped_draft_fits=False) == SpeculativeConfig(
         "hybrid", 8, model="d", prompt_lookup_min=3, prompt_lookup_max=4
@@ -118,6 +124,7 @@ def test_speculative_flags() -> None:
         (["--speculative", "off", "--fixed-k"], "--fixed-k"),
         (["--speculative", "draft", "--ngram-min", "2"], "--ngram-min"),
         (["--speculative", "ngram", "--draft-model", "d"], "--draft-model"),
+        (["--speculative", "ngram", "--suffix-store-tokens", "9"], "--suffix-store-tokens"),
     ):
         with pytest.raises(ConfigError, match=f"{unused} has no effect"):
             speculative_config(parser.parse_args(["generate", "x", *flags]))
@@ -130,13 +137,13 @@ def test_auto_recognises_the_default_model_by_its_content(
 ) -> None:
     from specbatch.engine import setup
 
-    monkeypatch.setattr(setup, "shipped_draft_preferred", lambda: True)
+    monkeypatch.setattr(setup, "shipped_draft_available", lambda: True)
     by_path = EngineConfig(model=str(default_gguf), num_kv_blocks=16)
     assert setup.load_models(by_path).speculation == SpeculativeConfig("auto").resolved(True)
     other = EngineConfig(model=str(tiny_model_dir), num_kv_blocks=16)
     models = setup.load_models(other)
     assert models.speculation is not None
-    assert models.speculation.method == "ngram"
+    assert models.speculation.method == "suffix"
     assert models.draft is None
 
 

@@ -77,7 +77,8 @@ def test_paths_and_defaults() -> None:
         SpeculativeConfig("auto", 6)
     )
     assert SpeculativeConfig().resolved(True).method == "hybrid"
-    assert SpeculativeConfig().resolved(False).method == "ngram"
+    assert SpeculativeConfig().resolved(False).method == "suffix"  # lookup, and the store
+    assert SpeculativeConfig(suffix_store_tokens=0).resolved(False).method == "ngram"
     assert SpeculativeConfig(model="/a/draft").resolved(False).method == "hybrid"
     assert EngineConfig(dtype="bf16", attention_backend="torch").dtype == "bf16"
 
