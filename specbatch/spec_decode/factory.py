@@ -23,12 +23,10 @@ from specbatch.spec_decode.proposers.head import EagleHead, HeadNetwork, is_head
 from specbatch.spec_decode.proposers.hybrid import HybridProposer
 from specbatch.spec_decode.proposers.ngram import NgramProposer
 from specbatch.spec_decode.proposers.shipped import (
-    HEAD_PREFERRED_BY_DEFAULT,
     check_shipped_q8_0,
     default_draft_path,
     default_head_path,
     drafts_for,
-    shipped_head_available,
 )
 from specbatch.spec_decode.proposers.suffix import SuffixStore
 from specbatch.spec_decode.speculator import Speculator
@@ -52,8 +50,8 @@ def load_draft_model(
     """The draft of an ``eagle``, ``draft_model`` or ``hybrid`` config (None for other
     methods): a draft head (``eagle``; the hybrid's too when ``model`` is a head directory) or a
     draft model. Without a ``model`` the shipped one, which exists for the default target only
-    (recognised by its shape and vocabulary, not its path); the hybrid's is the shipped head
-    where it is preferred (``HEAD_PREFERRED_BY_DEFAULT``), else the shipped draft model. A
+    (recognised by its shape and vocabulary, not its path): the head for ``eagle``, the draft
+    model for the others. A
     draft model uses the target's attention backend."""
     if spec.method not in DRAFT_METHODS:
         return None
@@ -65,10 +63,7 @@ def load_draft_model(
                 f"{what} ships only for SmolLM2-135M-Instruct, and this target's shape or "
                 "vocabulary differs from it"
             )
-        head_default = spec.method == "eagle" or (
-            spec.method == "hybrid" and HEAD_PREFERRED_BY_DEFAULT and shipped_head_available()
-        )
-        path = default_head_path() if head_default else default_draft_path()
+        path = default_head_path() if spec.method == "eagle" else default_draft_path()
     else:
         path = resolve_model_path(spec.model)
     if is_head_dir(path):

@@ -15,21 +15,19 @@ from specbatch.models.config import ModelConfig
 from specbatch.models.llama import LlamaForCausalLM
 from specbatch.tokenizer import Tokenizer
 
-DRAFT_DIR = Path(__file__).resolve().parents[2] / "assets" / "smollm2-135m-draft"
-# Whether `specbatch generate` drafts with it by default (inside the hybrid proposer: prompt
-# lookup where the text repeats, this draft elsewhere). Measured in docs/distillation.md: the
+# The default (``"auto"``) drafts with it for its target, inside the hybrid proposer (prompt
+# lookup where the text repeats, this draft elsewhere): measured in docs/distillation.md, the
 # hybrid beats n-gram alone at batch 1 on the CPU; the draft alone is slower on some categories.
-PREFERRED_BY_DEFAULT = True
+DRAFT_DIR = Path(__file__).resolve().parents[2] / "assets" / "smollm2-135m-draft"
 DRAFT_SHA256 = "a76042d7f311b87bcd6f0060d624f235183848e7317708e6e24265f4e1632f10"
 # Its Q8_0 copy (made at load under a target of GGUF blocks: LlamaForCausalLM.quantize_for_cpu),
 # by LlamaForCausalLM.quantized_digest: the blocks a quantized draft multiplies are these.
 DRAFT_Q8_0_SHA256 = "ab675216951074c7cab2470a163ca106f89e3d10d59fe6991414a7b507aca5ee"
 # The shipped draft head (``specbatch train-head``, docs/distillation.md): what
-# ``{"method": "eagle"}`` drafts with by default, and whether the hybrid (``auto``) drafts
-# with it instead of the draft model beside prompt lookup.
+# ``{"method": "eagle"}`` drafts with by default (the hybrid's default is the draft model:
+# the head paid less beside prompt lookup, docs/distillation.md).
 HEAD_DIR = Path(__file__).resolve().parents[2] / "assets" / "smollm2-135m-head"
 HEAD_SHA256 = "4cfd0995adaa165fa6e3da6e37e0033db91788ca960ac9ec3feb3a920f3da84b"
-HEAD_PREFERRED_BY_DEFAULT = False
 # What the draft was distilled for: SmolLM2-135M-Instruct's shape, and the sha256 of its
 # vocabulary (every token's text, in id order; see vocabulary_digest). A target is recognised by
 # these, whatever its file is called or holds it (the GGUF, a dequantised HF directory).
@@ -67,20 +65,9 @@ def shipped_draft_available() -> bool:
     return bool(DRAFT_SHA256) and (DRAFT_DIR / "model.safetensors").is_file()
 
 
-def shipped_draft_preferred() -> bool:
-    """Whether ``specbatch generate --speculative auto`` (the default) should draft with the
-    shipped model (hybrid with prompt lookup) rather than with n-gram prompt lookup alone."""
-    return PREFERRED_BY_DEFAULT and shipped_draft_available()
-
-
 def default_draft_path() -> Path:
     """The verified shipped draft directory."""
     return _verified(DRAFT_DIR, DRAFT_SHA256, "draft model", "method 'ngram'")
-
-
-def shipped_head_available() -> bool:
-    """Whether this installation carries the trained draft head (checked in full at load)."""
-    return bool(HEAD_SHA256) and (HEAD_DIR / "model.safetensors").is_file()
 
 
 def default_head_path() -> Path:
