@@ -13,8 +13,7 @@ from specbatch.models.config import ModelConfig
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     """Bytes one block takes across all layers, keys and values."""
-    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim
-    return per_token * block_size * torch.empty((), dtype=dtype).element_size()
+    return config.kv_bytes_per_token(dtype) * block_size
 
 
 def allocate_kv_caches(

@@ -23,8 +23,8 @@ from specbatch.models.weight_mode import WeightMode
 from specbatch.parallel.world import ranks_on_this_host
 from specbatch.spec_decode.config import SpeculativeConfig
 from specbatch.spec_decode.factory import load_draft_model
-from specbatch.spec_decode.proposers.head import EagleHead, feature_bytes_per_block
-from specbatch.spec_decode.proposers.shipped import drafts_for, shipped_draft_preferred
+from specbatch.spec_decode.proposers.head import EagleHead
+from specbatch.spec_decode.proposers.shipped import drafts_for, shipped_draft_available
 from specbatch.tokenizer import Tokenizer, load_tokenizer
 from specbatch.utils import ceil_div
 
@@ -78,7 +78,7 @@ def load_models(config: EngineConfig) -> Models:
     positions = model.config.max_position_embeddings
     spec = config.speculation
     if spec is not None:
-        fits = shipped_draft_preferred() and drafts_for(model.config, tokenizer)
+        fits = shipped_draft_available() and drafts_for(model.config, tokenizer)
         spec = spec.resolved(fits)
         if "sliding" in model.config.layer_types:
             spec = spec.chains_only("the model's sliding-window layers")
@@ -131,11 +131,9 @@ def allocate_cache(config: EngineConfig, models: Models) -> tuple[int, int | Non
     """Size the paged cache from the budget, allocate it, bind it to the target; its block
     count, and the sliding layers' own pool's (None: they share it)."""
     k = models.num_speculative_tokens
-    draft_bytes = 0
+    draft_bytes = 0  # what the draft keeps per block beside the target's K/V
     if models.draft is not None:
-        draft_bytes = kv_bytes_per_block(models.draft.config, config.block_size, models.draft.dtype)
-    if isinstance(models.draft, EagleHead):  # and the target's features of every slot
-        draft_bytes += feature_bytes_per_block(models.draft, config.block_size)
+        draft_bytes = models.draft.cache_bytes_per_block(config.block_size)
     reserved = 0
     if models.model.tp is None:  # a sharded model's forward needs every rank
         reserved = profile_activation_bytes(

@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
+import torch
+
 from specbatch.errors import ModelLoadError
 
 _ROPE_TYPES = ("default", "linear", "llama3")
@@ -204,6 +206,11 @@ class ModelConfig:
     def query_scale(self) -> float:
         """What attention scores are multiplied by."""
         return self.head_dim**-0.5 if self.attention_scale is None else self.attention_scale
+
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        """Bytes one token's keys and values take across all layers in ``dtype``."""
+        per_token = 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim
+        return per_token * torch.empty((), dtype=dtype).element_size()
 
     def layer_window(self, layer: int) -> int | None:
         """The sliding window of layer ``layer``, or None where it attends every position."""

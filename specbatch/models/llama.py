@@ -122,6 +122,11 @@ class LlamaForCausalLM(nn.Module):
     def device(self) -> torch.device:
         return self.model.norm.weight.device
 
+    def cache_bytes_per_block(self, block_size: int) -> int:
+        """What its paged cache takes per block of ``block_size`` tokens (this rank's heads):
+        what a cache sized for it, as a draft beside a target, must reserve."""
+        return self.local_config.kv_bytes_per_token(self.dtype) * block_size
+
     def bind_kv_caches(self, kv_caches: list[LayerKVCache]) -> None:
         """Give each layer its ``(key_cache, value_cache)`` pair of the paged cache."""
         if len(kv_caches) != len(self.model.layers):

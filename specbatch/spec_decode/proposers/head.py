@@ -86,6 +86,12 @@ class EagleHead(nn.Module):
     def device(self) -> torch.device:
         return self.norm.weight.device
 
+    def cache_bytes_per_block(self, block_size: int) -> int:
+        """What it keeps per cache block of ``block_size`` tokens: its layer's keys and values
+        and its store of the target's features."""
+        features = block_size * self.config.hidden_size * self.dtype.itemsize
+        return self.config.kv_bytes_per_token(self.dtype) * block_size + features
+
     def attach_target(self, target: LlamaForCausalLM) -> None:
         """Embed tokens with ``target``'s embedding (the head must have been made for it)."""
         check_head_fits(self.config, target.config)
@@ -262,11 +268,6 @@ def load_head(
     head.attach_target(target)
     head.eval()
     return head
-
-
-def feature_bytes_per_block(head: EagleHead, block_size: int) -> int:
-    """What the head's store of the target's features takes per cache block."""
-    return block_size * head.config.hidden_size * head.dtype.itemsize
 
 
 class HeadNetwork(DraftNetwork):
