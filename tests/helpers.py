@@ -3,10 +3,11 @@ the engine runs, prompts and proposers that tests of speculation share."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ import torch
 from specbatch import LLM, LLMEngine, SamplingParams
 from specbatch.cache.kv_tensors import allocate_kv_caches
 from specbatch.kernels.attention import AttentionInputs
+from specbatch.kernels.fused_layers import FusedLayers
 from specbatch.models.llama import LlamaForCausalLM
 from specbatch.spec_decode.control.choices import (
     DRAFT,
@@ -399,6 +401,17 @@ def mixed_workload_logits(model: LlamaForCausalLM) -> list[torch.Tensor]:
     return outputs
 
 
+@contextlib.contextmanager
+def per_op_layers(model: LlamaForCausalLM) -> Iterator[None]:
+    """The model's layers run per op (its fused layers made disabled), then fused again (made
+    anew: the caches may have been bound meanwhile)."""
+    model.fused = FusedLayers(model, enabled=False)
+    try:
+        yield
+    finally:
+        model.fused = FusedLayers(model)
+
+
 def assert_fused_equals_per_op(
     model: LlamaForCausalLM, logits: Callable[[], list[torch.Tensor]]
 ) -> None:
@@ -406,12 +419,7 @@ def assert_fused_equals_per_op(
     tensor the same bit for bit."""
     assert model.fused.applies()
     fused = logits()
-    model.fused.enabled = False
-    model.fused.reconsider()
-    try:
+    with per_op_layers(model):
         per_op = logits()
-    finally:
-        model.fused.enabled = True
-        model.fused.reconsider()
     for a, b in zip(fused, per_op, strict=True):
         assert torch.equal(a, b)

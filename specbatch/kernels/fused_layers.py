@@ -98,9 +98,11 @@ class FusedLayers:
     """When a model's layers can run fused, and their arguments (per layer: built once per
     cache binding; per step: once per step)."""
 
-    def __init__(self, model: FusableModel) -> None:
+    def __init__(self, model: FusableModel, enabled: bool = True) -> None:
+        """``enabled=False``: the per-op path even where fused layers apply (the reference the
+        fused call is tested against: a model's ``fused`` replaced by one made so)."""
         self.model = model
-        self.enabled = True  # False: the per-op path even where fused layers apply
+        self.enabled = enabled
         self._applies: bool | None = None
         self._described: Sequence[FusedLayer] | None = None
         self._layers: list[cpu_ops.LayerSpec] | None = None

@@ -16,6 +16,7 @@ from specbatch.cache.window_cache import HybridKVCache
 from specbatch.engine import setup
 from specbatch.utils import ceil_div
 from tests.gguf_families import WINDOW, write_family_dir
+from tests.helpers import per_op_layers
 
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 SEEDED = SamplingParams(temperature=0.8, seed=7, max_tokens=32, ignore_eos=True)
@@ -73,9 +74,8 @@ def test_windowed_layers_keep_only_their_window_and_the_text(
     assert sum(o.metrics.num_preemptions for o in outputs) > 0
     assert engine.stats.num_accepted_tokens > 0
     assert engine.model.fused.applies()  # the fused layer read the window group's tables;
-    engine.model.fused.enabled = False  # the per-op layers pick their group's metadata
-    engine.model.fused.reconsider()
-    assert texts(llm, GREEDY, PROMPTS) == expected[0]
+    with per_op_layers(engine.model):  # the per-op layers pick their group's metadata
+        assert texts(llm, GREEDY, PROMPTS) == expected[0]
     # a sequence holds its window, a step's chunk and its drafts: never its whole length
     bound = ceil_div(WINDOW - 1 + COMMON["max_num_batched_tokens"] + 3, 8) + 1
     assert seen

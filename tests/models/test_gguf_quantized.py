@@ -27,6 +27,7 @@ from tests.helpers import (
     PagedHarness,
     assert_fused_equals_per_op,
     mixed_workload_logits,
+    per_op_layers,
     tiny_config,
     write_hf_checkpoint,
 )
@@ -202,9 +203,8 @@ def test_fused_layers_with_biases_match_the_plain_load(tmp_path: Path) -> None:
     expected = PagedHarness(plain).forward([(0, prompt)])[0]
     fused = PagedHarness(quantized).forward([(0, prompt)])[0]
     torch.testing.assert_close(fused, expected, rtol=0, atol=1e-4)
-    quantized.fused.enabled = False
-    quantized.fused.reconsider()
-    assert torch.equal(PagedHarness(quantized).forward([(0, prompt)])[0], fused)
+    with per_op_layers(quantized):
+        assert torch.equal(PagedHarness(quantized).forward([(0, prompt)])[0], fused)
 
 
 @pytest.mark.parametrize(
