@@ -102,7 +102,7 @@ class FusedLayers:
         """``enabled=False``: the per-op path even where fused layers apply (the reference the
         fused call is tested against: a model's ``fused`` replaced by one made so)."""
         self.model = model
-        self.enabled = enabled
+        self._enabled = enabled
         self._applies: bool | None = None
         self._described: Sequence[FusedLayer] | None = None
         self._layers: list[cpu_ops.LayerSpec] | None = None
@@ -141,7 +141,7 @@ class FusedLayers:
     def _model_fits(self) -> bool:
         model = self.model
         return (
-            self.enabled
+            self._enabled
             and model.device.type == "cpu"
             and model.dtype in (torch.float32, torch.bfloat16)
             and isinstance(model.backend, CpuPagedBackend)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -38,24 +39,36 @@ if TYPE_CHECKING:  # triton is optional: only CUDA engines build graphs
 _PROBE = "Hello, world! 12345 naïve café 你好 🙂\n    def f(x):\n        return x * 2"
 
 
-def load_draft_model(
+@dataclass(frozen=True)
+class DraftSource:
+    """Which draft a config drafts with and in what form, decided before anything loads:
+    its directory, whether it is a draft head, its dtype (a draft model's; a head runs in the
+    target's), whether its weights become Q8_0 blocks, and whether it is the shipped one."""
+
+    path: Path
+    head: bool
+    dtype: torch.dtype
+    quantize: bool
+    shipped: bool
+
+
+def resolve_draft(
     spec: SpeculativeConfig,
     target: LlamaForCausalLM,
     target_tokenizer: Tokenizer,
     dtype: torch.dtype,
     device: torch.device,
-    attention_backend: str | None = None,
     packed: bool = True,
-) -> LlamaForCausalLM | EagleHead | None:
+) -> DraftSource | None:
     """The draft of an ``eagle``, ``draft_model`` or ``hybrid`` config (None for other
-    methods): a draft head (``eagle``; the hybrid's too when ``model`` is a head directory) or a
-    draft model. Without a ``model`` the shipped one, which exists for the default target only
-    (recognised by its shape and vocabulary, not its path): the head for ``eagle``, the draft
-    model for the others. A
-    draft model uses the target's attention backend."""
+    methods), or a ``ConfigError`` naming why it cannot be: a draft head (``eagle``; the
+    hybrid's too when ``model`` is a head directory) or a draft model. Without a ``model`` the
+    shipped one, which exists for the default target only (recognised by its shape and
+    vocabulary, not its path): the head for ``eagle``, the draft model for the others."""
     if spec.method not in DRAFT_METHODS:
         return None
-    if spec.model is None:
+    shipped = spec.model is None
+    if shipped:
         if not drafts_for(target.config, target_tokenizer):
             what = "a draft head" if spec.method == "eagle" else "a draft"
             raise ConfigError(
@@ -82,7 +95,7 @@ def load_draft_model(
                 f"{path} is a draft head, which runs in the target's dtype: draft_dtype is for "
                 "draft models"
             )
-        return load_head(path, target, dtype, device)
+        return DraftSource(path, True, dtype, False, shipped)
     if spec.method == "eagle":
         raise ConfigError(
             f"speculative_config method 'eagle' needs a draft head directory ('specbatch "
@@ -92,11 +105,30 @@ def load_draft_model(
     if quantize and device.type != "cpu":
         raise ConfigError(f"draft_dtype 'q8_0' runs on the CPU only, not on {device}")
     draft_type = torch.float32 if quantize else draft_dtype(spec.draft_dtype, dtype, device, packed)
-    draft = load_model(path, draft_type, device, attention_backend)
-    check_draft_compatible(path, draft, target, target_tokenizer)
-    if quantize:
+    return DraftSource(path, False, draft_type, quantize, shipped)
+
+
+def load_draft_model(
+    spec: SpeculativeConfig,
+    target: LlamaForCausalLM,
+    target_tokenizer: Tokenizer,
+    dtype: torch.dtype,
+    device: torch.device,
+    attention_backend: str | None = None,
+    packed: bool = True,
+) -> LlamaForCausalLM | EagleHead | None:
+    """The draft :func:`resolve_draft` decides on, loaded (a draft model on the target's
+    attention backend, checked against the target's vocabulary and tokenizer)."""
+    source = resolve_draft(spec, target, target_tokenizer, dtype, device, packed)
+    if source is None:
+        return None
+    if source.head:
+        return load_head(source.path, target, source.dtype, device)
+    draft = load_model(source.path, source.dtype, device, attention_backend)
+    check_draft_compatible(source.path, draft, target, target_tokenizer)
+    if source.quantize:
         draft.quantize_for_cpu()
-        if spec.model is None:
+        if source.shipped:
             check_shipped_q8_0(draft)
     return draft
 
