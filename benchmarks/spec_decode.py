@@ -69,6 +69,7 @@ PROPOSER_OPTIONS = {
     "depth": int,
     "dkind": str,
     "ddtype": str,
+    "store": int,
 }
 
 
@@ -90,7 +91,8 @@ def proposer_config(spec: str, args: argparse.Namespace) -> dict[str, Any] | Non
     ``eagle:nodes=16,depth=5``, dkind: ``siblings`` or ``dynamic`` trees) as a
     speculative_config, the command-line defaults filling what the spec leaves out;
     None for a plain ``default`` (``default:k=8``: auto with that k; ``default:tree=1,dtree=1``:
-    auto with both trees; ``eagle`` without model: the shipped head). Any field of
+    auto with both trees; ``default:store=0``: auto without the store of other requests;
+    ``eagle`` without model: the shipped head). Any field of
     ``SpeculationTuning`` is an option too (``default:hurdle=0,probe_every=0``)."""
     name, _, rest = spec.partition(":")
     if name not in ("default", "ngram", "draft", "eagle", "hybrid"):
@@ -115,10 +117,10 @@ def _proposer_config(
     name: str, spec: str, options: dict[str, Any], args: argparse.Namespace
 ) -> dict[str, Any] | None:
     if name == "default":  # auto, with only what the spec names changed
-        if set(options) - {"k", "tree", "dtree", "model", "dkind", "ddtype"}:
+        if set(options) - {"k", "tree", "dtree", "model", "dkind", "ddtype", "store"}:
             raise SystemExit(
-                "--proposers: default takes only k, tree, dtree, dkind, ddtype and model, "
-                f"got {spec!r}"
+                "--proposers: default takes only k, tree, dtree, dkind, ddtype, store and "
+                f"model, got {spec!r}"
             )
         auto: dict[str, Any] = {}
         if "model" in options:
@@ -133,6 +135,8 @@ def _proposer_config(
             auto["draft_tree_kind"] = options["dkind"]
         if "ddtype" in options:
             auto["draft_dtype"] = options["ddtype"]
+        if "store" in options:
+            auto["suffix_store_tokens"] = options["store"]
         return auto or None
     config: dict[str, Any] = {
         "method": "draft_model" if name == "draft" else name,
