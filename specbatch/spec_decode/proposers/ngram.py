@@ -107,22 +107,29 @@ def frequency_tree(
 def heaviest_chain(continuations: SequenceT[SequenceT[int]]) -> list[int]:
     """The path of the continuations' trie that takes, from the root down, the child the
     most of them pass through (on a tie the one of the latest: the first given), found
-    without building the trie (a plan asks for it for every decode, every step)."""
-    alive = list(continuations)
+    without building the trie (a plan asks for it for every decode, every step): identical
+    continuations counted once with their number (repeated text gives many), and once a
+    single one is left, the rest of it."""
+    weights: dict[tuple[int, ...], int] = {}  # in order of first appearance: latest first
+    for continuation in continuations:
+        row = tuple(continuation)
+        weights[row] = weights.get(row, 0) + 1
+    alive = list(weights.items())
     chain: list[int] = []
     depth = 0
-    while alive:
+    while len(alive) > 1:
         counts: dict[int, int] = {}
-        for continuation in alive:
-            if depth < len(continuation):
-                token = continuation[depth]
-                counts[token] = counts.get(token, 0) + 1
+        for row, weight in alive:
+            if depth < len(row):
+                counts[row[depth]] = counts.get(row[depth], 0) + weight
         if not counts:
-            break
+            return chain
         token = max(counts, key=counts.__getitem__)  # (the first inserted of the maxima)
         chain.append(token)
-        alive = [c for c in alive if depth < len(c) and c[depth] == token]
+        alive = [(row, w) for row, w in alive if depth < len(row) and row[depth] == token]
         depth += 1
+    if alive:
+        chain += alive[0][0][depth:]
     return chain
 
 

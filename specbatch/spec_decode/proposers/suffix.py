@@ -26,6 +26,7 @@ thread sharing the store) never see a half-written store.
 from __future__ import annotations
 
 import threading
+from array import array
 from collections import deque
 from collections.abc import Sequence as SequenceT
 from dataclasses import dataclass
@@ -70,7 +71,8 @@ class SuffixStore:
         self._ring = np.full(capacity, SEPARATOR, dtype=np.int32)
         # per position (mod capacity): the position just past the previous occurrence of the
         # key that ends there (-1: none); links to positions evicted are never followed
-        self._previous = np.full(capacity, -1, dtype=np.int64)
+        # (an array of int64, not numpy's: a lookup reads its links one by one)
+        self._previous = array("q", [-1]) * capacity
         self._head = 0  # the oldest absolute position held
         self._tail = 0  # the next absolute position written
         self._documents: deque[tuple[int, int]] = deque()  # (start, stop) absolute, oldest first
@@ -128,7 +130,7 @@ class SuffixStore:
             ends: list[int] = []  # the latest occurrences held, latest first
             while end >= self._head and len(ends) < self.occurrences:
                 ends.append(end)
-                end = int(self._previous[end % self.capacity])
+                end = self._previous[end % self.capacity]
             if not ends:
                 return SuffixHit(0, [])
             found = np.array(ends, dtype=np.int64)
@@ -144,7 +146,7 @@ class SuffixStore:
             ahead = self._ring[(chosen[:, None] + np.arange(depth)[None, :]) % self.capacity]
             kept = np.cumprod(ahead != SEPARATOR, axis=1).sum(axis=1)
             self._hits += 1
-            rows = [row[:k].tolist() for row, k in zip(ahead, kept, strict=True)]
+            rows = [row[:k] for row, k in zip(ahead.tolist(), kept.tolist(), strict=True)]
             return SuffixHit(longest, rows)
 
     def stats(self) -> StoreStats:
