@@ -305,6 +305,8 @@ def main() -> None:
             for _ in range(args.repeats):
                 for timer in timers:
                     timer.reset()
+                for engine in engines.values():  # held out: no cell sees another's outputs
+                    forget_other_requests(engine)
                 if args.sequential:
                     repeat = {
                         name: run(engine, batch_prompts, args.max_tokens, batch)
@@ -325,6 +327,15 @@ def main() -> None:
     write_json(args.json, {"conditions": vars(args), "rows": rows})
     if args.plot:
         plot(rows, args)
+
+
+def forget_other_requests(engine: LLMEngine) -> None:
+    """Empty the engine's store of other requests' tokens, if it keeps one: a cell's prompts
+    recur (cycled to the batch, in every repeat, at every batch size), and drafts copied from
+    their own earlier outputs would measure the repeats, not the text."""
+    lookup = engine.proposer.lookup if engine.proposer is not None else None
+    if lookup is not None and lookup.store is not None:
+        lookup.store.clear()
 
 
 def new_engine(args: argparse.Namespace, name: str) -> LLMEngine:

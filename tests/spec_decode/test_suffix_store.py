@@ -187,3 +187,16 @@ def test_memory_stays_bounded_after_ten_thousand_requests() -> None:
     # position objects; the ring and its links, 12 bytes a token, were allocated before
     # tracing started)
     assert after < 160 * capacity, after
+
+
+def test_clear_forgets_every_document_and_the_store_fills_again() -> None:
+    store = SuffixStore(64, key_length=2)
+    store.insert([1, 2, 3, 4, 5])
+    assert store.lookup([1, 2], 3).n == 2
+    store.clear()
+    assert store.lookup([1, 2], 3) == SuffixHit(0, [])
+    assert (store.stats().tokens, store.stats().documents, store.keys()) == (0, 0, 0)
+    for _ in range(30):  # evictions after a clear find only what was written since
+        store.insert([1, 2, 7, 8, 9])
+    assert store.lookup([1, 2], 3).continuations[0] == [7, 8, 9]
+    assert store.stats().tokens <= 64

@@ -149,6 +149,14 @@ class SuffixStore:
             rows = [row[:k] for row, k in zip(ahead.tolist(), kept.tolist(), strict=True)]
             return SuffixHit(longest, rows)
 
+    def clear(self) -> None:
+        """Forget every document (the counters stay): a benchmark's held-out cell, or a
+        deployment that must not carry one tenant's requests into another's drafts."""
+        with self._lock:
+            self._head = self._tail
+            self._documents.clear()
+            self._latest.clear()
+
     def stats(self) -> StoreStats:
         with self._lock:
             return StoreStats(
