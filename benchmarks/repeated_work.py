@@ -193,7 +193,6 @@ def store_split(requests: int, max_tokens: int) -> None:
     # the record's wording (extraction_prompt's three): the first to one store, the others
     # to the other
     templates = [0 if "lives in" in t else 1 for t in texts]
-    # (the grammar's forced tokens are drafted as their own way; the store is judged on all)
     tokenizer = llm.get_tokenizer()
     prompts = [tokenizer.encode_chat([{"role": "user", "content": t}])[1] for t in texts]
     params = SamplingParams(
@@ -203,17 +202,13 @@ def store_split(requests: int, max_tokens: int) -> None:
     )
     outputs = llm.generate(prompts, params, use_tqdm=False)
     streams = [(p, list(o.outputs[0].token_ids)) for p, o in zip(prompts, outputs, strict=True)]
-    tuning = SpeculationTuning()
     routings = {
         "one store": lambda i: 0,
         "two, by turns": lambda i: i % 2,
         "two, by template": lambda i: templates[i],
     }
     for name, route in routings.items():
-        stores = [
-            SuffixStore(1 << 18, tuning.suffix_key, tuning.suffix_match, tuning.suffix_occurrences)
-            for _ in range(2)
-        ]
+        stores = [SuffixStore.tuned(1 << 18, SpeculationTuning()) for _ in range(2)]
         matched = first_right = right = positions = 0
         for i, (prompt, output) in enumerate(streams):
             store = stores[route(i)]

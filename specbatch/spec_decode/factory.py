@@ -244,21 +244,13 @@ def build_proposer(
     assert spec.prompt_lookup_min is not None  # set by SpeculativeConfig.__post_init__
     # the hybrid weighs short matches against the draft model: its lookup goes down to 1 token
     shortest = 1 if spec.method == "hybrid" else spec.prompt_lookup_min
-    tuning = spec.tuning
-    store = None
-    if spec.store_tokens:
-        store = SuffixStore(
-            spec.store_tokens,
-            tuning.suffix_key,
-            tuning.suffix_match,
-            tuning.suffix_occurrences,
-        )
+    store = SuffixStore.tuned(spec.store_tokens, spec.tuning) if spec.store_tokens else None
     lookup = NgramProposer(
         spec.prompt_lookup_min,
         spec.prompt_lookup_max,
         shortest,
         trees=spec.lookup_tree,
-        width=tuning.tree_width,
+        width=spec.tuning.tree_width,
         store=store,
     )
     if spec.method in ("ngram", "suffix"):

@@ -9,7 +9,7 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from specbatch.spec_decode.proposers.ngram import frequency_tree, heaviest_chain
+from specbatch.spec_decode.proposers.ngram import heaviest_chain
 from specbatch.spec_decode.proposers.suffix import SuffixHit, SuffixStore
 
 
@@ -93,17 +93,20 @@ def test_a_document_longer_than_the_store_keeps_its_end() -> None:
 
 
 def trie_heaviest_path(continuations: list[list[int]]) -> list[int]:
-    """The heaviest path read off the whole trie (``frequency_tree`` with every node)."""
-    tree, counts = frequency_tree(continuations, sum(len(c) for c in continuations))
-    best: dict[int, int] = {}
-    for node, parent in enumerate(tree.parents):
-        if parent not in best or counts[node] > counts[best[parent]]:
-            best[parent] = node
-    path, node = [], best.get(-1)
-    while node is not None:
-        path.append(tree.tokens[node])
-        node = best.get(node)
-    return path
+    """The heaviest path read off the whole trie, built node by node: per path, how many
+    continuations pass through it; from the root, the child with the most (the first made
+    on a tie: the latest continuation's)."""
+    counts: dict[tuple[int, ...], int] = {}  # a path -> continuations through it, in order made
+    for continuation in continuations:
+        for depth in range(1, len(continuation) + 1):
+            path = tuple(continuation[:depth])
+            counts[path] = counts.get(path, 0) + 1
+    path: tuple[int, ...] = ()
+    while True:
+        children = [p for p in counts if len(p) == len(path) + 1 and p[: len(path)] == path]
+        if not children:
+            return list(path)
+        path = max(children, key=counts.__getitem__)
 
 
 @pytest.mark.parametrize("seed", range(20))

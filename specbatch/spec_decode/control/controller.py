@@ -209,16 +209,16 @@ class GoodputController:
         first = np.zeros(usable.shape)
         seq_ids = [c.seq_id for c in candidates]
         for w, way in enumerate(ways):
-            copies = [c.copied(way) for c in candidates]
-            if copies[0] is None:  # a way that drafts its own: every slot
+            if candidates[0].copied(way) is None:  # a way that drafts its own: every slot
                 usable[:, w] = slots
                 first[:, w] = acceptance.firsts(way, seq_ids)
                 continue
             # a way that copies (a lookup of the matched length, the store, forced tokens):
             # the candidates with something to copy, as much as their slots take
+            copies = [c.copied(way) or [] for c in candidates]
             index = [i for i, copy in enumerate(copies) if copy]
             if index:
-                usable[index, w] = [min(slots[i], len(copies[i] or ())) for i in index]
+                usable[index, w] = [min(slots[i], len(copies[i])) for i in index]
                 first[index, w] = acceptance.firsts(way, [seq_ids[i] for i in index])
         follow = np.cumprod(acceptance.follow_rows(ways, most), axis=1)
         positions = np.arange(most)

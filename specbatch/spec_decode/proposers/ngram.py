@@ -66,17 +66,15 @@ def ngram_ends(tokens: np.ndarray, n: int, limit: int) -> list[int]:
 def continuation_tree(tokens: SequenceT[int], ends: SequenceT[int], max_nodes: int) -> DraftTree:
     """The trie of what followed each occurrence (``ends``, latest first), cut to its best
     ``max_nodes`` nodes (:func:`frequency_tree` of the continuations)."""
-    return frequency_tree([tokens[end : end + max_nodes] for end in ends], max_nodes)[0]
+    return frequency_tree([tokens[end : end + max_nodes] for end in ends], max_nodes)
 
 
-def frequency_tree(
-    continuations: SequenceT[SequenceT[int]], max_nodes: int
-) -> tuple[DraftTree, list[int]]:
+def frequency_tree(continuations: SequenceT[SequenceT[int]], max_nodes: int) -> DraftTree:
     """The trie of the ``continuations`` (latest first), cut to its best ``max_nodes`` nodes:
     those the most continuations pass through (the likeliest to be the text's), then the
-    shallower (a path is right only if its parent is), then the latest's; and per kept node
-    that count. A child never ranks before its parent, so they form a tree; nodes in
-    creation order (topological: one continuation gives its chain)."""
+    shallower (a path is right only if its parent is), then the latest's. A child never ranks
+    before its parent, so they form a tree; nodes in creation order (topological: one
+    continuation gives its chain)."""
     index: dict[tuple[int, int], int] = {}  # (parent, token) -> node
     node_tokens: list[int] = []
     parents: list[int] = []
@@ -97,11 +95,10 @@ def frequency_tree(
     ranked = sorted(range(len(node_tokens)), key=lambda i: (-counts[i], depths[i], i))
     keep = sorted(ranked[:max_nodes])
     renumber = {old: new for new, old in enumerate(keep)}
-    tree = DraftTree(
+    return DraftTree(
         [node_tokens[i] for i in keep],
         [-1 if parents[i] < 0 else renumber[parents[i]] for i in keep],
     )
-    return tree, [counts[i] for i in keep]
 
 
 def heaviest_chain(continuations: SequenceT[SequenceT[int]]) -> list[int]:
@@ -251,7 +248,7 @@ class NgramProposer(Proposer):
         if not (self.trees and match.tokens and max_drafts > 1):
             return match.tokens[:max_drafts], None
         if match.continuations is not None:
-            tree = frequency_tree(match.continuations, max_drafts)[0]
+            tree = frequency_tree(match.continuations, max_drafts)
         else:
             tree = self.tree(seq, max_drafts, match.n)
         return tree.tokens, None if is_chain(tree.parents) else tree.parents

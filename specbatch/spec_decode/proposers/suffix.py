@@ -33,6 +33,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from specbatch.spec_decode.tuning import SpeculationTuning
+
 SEPARATOR = -1  # after each document: no continuation or match crosses it
 
 
@@ -81,6 +83,11 @@ class SuffixStore:
         self._latest: dict[int, int] = {}
         self._lock = threading.Lock()
         self._inserted = self._lookups = self._hits = 0
+
+    @classmethod
+    def tuned(cls, capacity: int, tuning: SpeculationTuning) -> SuffixStore:
+        """A store of ``capacity`` tokens with the tuning's key, match and occurrences."""
+        return cls(capacity, tuning.suffix_key, tuning.suffix_match, tuning.suffix_occurrences)
 
     def insert(self, tokens: SequenceT[int]) -> None:
         """One finished request's prompt and output (its last ``capacity - 1`` tokens where
