@@ -116,6 +116,12 @@ class GoodputController:
     ) -> ControllerPlan:
         """``plan`` over arrays of candidates x ways x draft positions (a batch-1 step's plan
         is :func:`single.plan_one`'s: the same in plain floats, and this its reference)."""
+        if self.times.ready and base_seqs > 1:
+            plain = self._plain_unless_a_draft_pays(candidates, base_tokens, base_seqs, base_pairs)
+            if plain is not None and not (budget > 0 and self._probe_next()):
+                if budget > 0:  # (a plan with room, counted as ``probe_due`` counts it)
+                    self.plans_since_probe += 1
+                return plain
         options = self._options(candidates, base_tokens, base_seqs, base_pairs)
         gains, costs, valid = options.gains, options.costs, options.valid
         expected_gain, ratio = 1.0, 0.0
@@ -148,9 +154,56 @@ class GoodputController:
     def probe_due(self) -> bool:
         """Whether this plan, leaving room in its budget, gets a probe (one draft more every
         ``probe_every`` such plans, see the module docstring); counted once per such plan."""
+        due = self._probe_next()
         self.plans_since_probe += 1
+        return due
+
+    def _probe_next(self) -> bool:
+        """Whether the next plan with room in its budget gets a probe."""
         every = self.tuning.probe_every
-        return bool(every) and self.plans_since_probe >= every
+        return bool(every) and self.plans_since_probe + 1 >= every
+
+    def _plain_unless_a_draft_pays(
+        self, candidates: list[Candidate], base_tokens: int, base_seqs: int, base_pairs: float
+    ) -> ControllerPlan | None:
+        """The plain step's plan if no draft of any candidate can raise the step's goodput
+        above the hurdle, else None (plan it in full): the exact plan's answer at a few
+        floats per candidate and way, where building its arrays took ~1 ms a step at batch
+        32 (the most of speculation's host time on steps that draft nothing: 3% of a gguf
+        step there, where a row costs what a decode does and no draft pays).
+
+        A plan's goodput is ``(count + gains) / (base + costs)``: above the floor only if some
+        draft's gain over its cost is (a ratio of sums is at most the largest ratio of its
+        terms, and the plain step's own is below the floor). A draft's gain is at most its
+        first-draft chance, calibrated, and at most 1 (later ones are that times follow-on
+        chances); its cost at least the row it adds at the first position (later rows attend
+        more keys; a proposer's time, a catch-up and a draft forward only add). So no draft
+        pays where every candidate's best first chance over its ways is at most the floor's
+        tokens per second times its first row's seconds."""
+        count = len(candidates)
+        plain, fit = self._batch_fits(
+            base_tokens, base_seqs, count, max(c.slots for c in candidates)
+        )
+        base = plain.seconds(base_tokens, base_seqs, base_pairs)
+        ratio = count / base
+        floor = ratio * (1 + self.tuning.hurdle) * (1 - 1e-9)  # a hair: rounding never skips
+        # per candidate, the tokens its first row costs at the floor: a first draft must beat it
+        worth = [floor * fit.row(float(c.context)) for c in candidates]
+        open_ = [i for i, tokens in enumerate(worth) if tokens < 1.0]  # (no chance exceeds 1)
+        if open_:
+            ways = (*self.ways, FORCED) if any(candidates[i].forced for i in open_) else self.ways
+            acceptance = self.acceptance
+            for way in ways:
+                drafting = [i for i in open_ if candidates[i].copied(way) != []]
+                if not drafting:
+                    continue
+                calibration = acceptance.calibration(way)
+                firsts = acceptance.firsts(way, [candidates[i].seq_id for i in drafting])
+                if any(calibration * f > worth[i] for i, f in zip(drafting, firsts, strict=True)):
+                    return None
+        nothing = [Choice(None, 0) for _ in candidates]
+        prices = Prices(fit.row(0.0), fit.per_pair, 0.0, ratio)
+        return ControllerPlan(nothing, prices, report_of(candidates, nothing, base, prices, 1.0))
 
     def _probed(
         self,
@@ -269,8 +322,7 @@ class GoodputController:
         count = len(context)
         positions = np.arange(most)
         if base_seqs > 1:
-            half = base_tokens + count * most / 2
-            plain, fit = self.times.fits([float(base_tokens), half], base_seqs)
+            plain, fit = self._batch_fits(base_tokens, base_seqs, count, most)
             prices = Prices(fit.row(0.0), fit.per_pair, 0.0)
             rows = fit.per_token + fit.per_pair * (context[:, None] + positions[None, :])
             return rows, plain, prices
@@ -282,6 +334,16 @@ class GoodputController:
         offset = context[:, None] - mean_context
         rows = np.maximum(np.array(step)[None, :] + np.array(per_pair)[None, :] * offset, 0.0)
         return rows, base_fit, prices
+
+    def _batch_fits(
+        self, base_tokens: int, base_seqs: int, count: int, most: int
+    ) -> tuple[StepCost, StepCost]:
+        """A step of several sequences: the fit of its plain step and the one its rows are
+        priced by, around the step with half of ``count`` candidates' ``most`` slots drafted
+        (see ``_row_prices``)."""
+        half = base_tokens + count * most / 2
+        plain, fit = self.times.fits([float(base_tokens), half], base_seqs)
+        return plain, fit
 
     def batch_one_rows(
         self, base_tokens: int, base_pairs: float, mean_context: float, count: int, most: int
