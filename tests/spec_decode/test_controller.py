@@ -25,7 +25,7 @@ from specbatch.spec_decode.control.acceptance import (
 )
 from specbatch.spec_decode.control.choices import DRAFT, LOOKUP_WAYS, Candidate, Choice
 from specbatch.spec_decode.control.controller import GoodputController
-from specbatch.spec_decode.control.solver import best_by_depth, best_single, promising_depths
+from specbatch.spec_decode.control.solver import promising_depths
 from specbatch.spec_decode.control.step_times import (
     FAR,
     ForwardTimes,
@@ -1006,32 +1006,6 @@ def test_rows_at_batch_8_are_priced_at_the_slope_of_the_steps_drafts_make() -> N
         controller.observe_step(tokens, 8, pairs, clock(tokens, pairs))
     planned = controller.plan(candidates([8] * 8, context=200), 8, 8, 8 * 200, 1000)
     assert planned.prices.row_seconds(200) == pytest.approx(0.003 + 1e-7 * 200, rel=0.25)
-
-
-@pytest.mark.parametrize("seed", range(60))
-def test_one_candidates_plan_in_one_pass_is_the_solve_per_depth(seed: int) -> None:
-    """Batch 1's one-pass plan (every plan's goodput directly) equals the exact solve per
-    depth of the draft model's forwards, on random gains, costs, usable prefixes, forward
-    costs and hurdles, with and without a draft model."""
-    rng = np.random.default_rng(seed)
-    ways, slots = int(rng.integers(1, 4)), int(rng.integers(1, 9))
-    draft = int(rng.integers(0, ways)) if seed % 3 else None
-    gains = rng.uniform(0, 1, (1, ways, slots)) * rng.uniform(0, 1, (1, ways, 1))
-    costs = rng.uniform(0, 0.01, (1, ways, slots)) * rng.choice([0.1, 1.0, 10.0])
-    usable = rng.integers(0, slots + 1, (1, ways))
-    valid = np.arange(slots)[None, None, :] < usable[:, :, None]
-    cum_gains, cum_costs = np.cumsum(gains, axis=2), np.cumsum(costs, axis=2)
-    base = float(rng.uniform(0.01, 0.03))
-    depths = slots + 1 if draft is not None else 1
-    bases = base + np.concatenate([[0.0], np.cumsum(rng.uniform(0, 0.004, slots))])[:depths]
-    floor = (1 / base) * (1 + float(rng.choice([0.0, 0.03, 0.2])))
-    fast = best_single(cum_gains, cum_costs, valid, draft, bases, 1, floor)
-    slow = best_by_depth(cum_gains, cum_costs, valid, draft, bases, 1, floor)
-    assert fast[1] == pytest.approx(slow[1], rel=1e-9)
-    if slow[0] != [(0, -1)]:
-        assert fast[0] == slow[0]
-    else:
-        assert fast[0] == [(0, -1)]
 
 
 @pytest.mark.parametrize("seed", range(60))

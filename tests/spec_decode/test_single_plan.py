@@ -82,7 +82,8 @@ def both(
         mine = copy.deepcopy(controller)
         mine.acceptance.step += 1  # as ``plan`` counts the step before either path
         if path == "one":
-            plan = single.plan_one(mine, cand, tokens, pairs, budget)
+            plan, probe = single.plan_one(mine, cand, tokens, pairs, budget, mine._probe_next())
+            mine._count_plan(probe)
         else:
             plan = mine._plan_arrays([cand], tokens, 1, pairs, budget)
         out.append((plan, mine.plans_since_probe))

@@ -62,7 +62,6 @@ from specbatch.spec_decode.control.choices import (
 from specbatch.spec_decode.control.solver import (
     all_slots,
     best_by_depth,
-    best_single,
     within_budget,
 )
 from specbatch.spec_decode.control.step_times import ForwardTimes, StepCost, StepTimes
@@ -103,7 +102,11 @@ class GoodputController:
             nothing = [Choice(None, 0) for _ in candidates]
             return ControllerPlan(nothing, report=PlanReport(candidates=len(candidates)))
         if len(candidates) == 1 and base_seqs == 1 and self.times.ready:
-            return single.plan_one(self, candidates[0], base_tokens, base_pairs, budget)
+            planned, probe = single.plan_one(
+                self, candidates[0], base_tokens, base_pairs, budget, self._probe_next()
+            )
+            self._count_plan(probe)
+            return planned
         return self._plan_arrays(candidates, base_tokens, base_seqs, base_pairs, budget)
 
     def _plan_arrays(
@@ -119,8 +122,7 @@ class GoodputController:
         if self.times.ready and base_seqs > 1:
             plain = self._plain_unless_a_draft_pays(candidates, base_tokens, base_seqs, base_pairs)
             if plain is not None and not (budget > 0 and self._probe_next()):
-                if budget > 0:  # (a plan with room, counted as ``probe_due`` counts it)
-                    self.plans_since_probe += 1
+                self._count_plan(False if budget > 0 else None)
                 return plain
         options = self._options(candidates, base_tokens, base_seqs, base_pairs)
         gains, costs, valid = options.gains, options.costs, options.valid
@@ -132,8 +134,15 @@ class GoodputController:
             chosen, ratio = self._solve(options, len(candidates), base)
             expected_gain = ratio * base / len(candidates)
         planned = chosen = within_budget(chosen, gains, costs, max(budget, 0))
-        if self.times.ready and sum(d + 1 for _, d in chosen) < budget and self.probe_due():
-            chosen = self._probed(chosen, options, ratio, [c.catch_up for c in candidates])
+        if self.times.ready:
+            probe: bool | None = None  # (a plan without room is no plan towards a probe)
+            if sum(d + 1 for _, d in chosen) < budget:
+                probe = False
+                if self._probe_next():
+                    catch_ups = [c.catch_up for c in candidates]
+                    chosen = self._probed(chosen, options, ratio, catch_ups)
+                    probe = chosen != planned
+            self._count_plan(probe)
         expected = np.cumsum(options.uncalibrated, axis=2)
         choices = [
             Choice(
@@ -151,17 +160,19 @@ class GoodputController:
         report = report_of(candidates, choices, base, prices, expected_gain)
         return ControllerPlan(choices, prices, report)
 
-    def probe_due(self) -> bool:
-        """Whether this plan, leaving room in its budget, gets a probe (one draft more every
-        ``probe_every`` such plans, see the module docstring); counted once per such plan."""
-        due = self._probe_next()
-        self.plans_since_probe += 1
-        return due
-
     def _probe_next(self) -> bool:
-        """Whether the next plan with room in its budget gets a probe."""
+        """Whether the next plan leaving room in its budget gets a probe (one draft more
+        every ``probe_every`` such plans, see the module docstring)."""
         every = self.tuning.probe_every
         return bool(every) and self.plans_since_probe + 1 >= every
+
+    def _count_plan(self, probe: bool | None) -> None:
+        """Count a plan towards the next probe: ``probe`` None where it left no room in its
+        budget (not counted), else whether it was given one (the count starts again)."""
+        if probe:
+            self.plans_since_probe = 0
+        elif probe is not None:
+            self.plans_since_probe += 1
 
     def _plain_unless_a_draft_pays(
         self, candidates: list[Candidate], base_tokens: int, base_seqs: int, base_pairs: float
@@ -213,7 +224,7 @@ class GoodputController:
         catch_ups: list[int],
     ) -> list[tuple[int, int]]:
         """``chosen`` with the one draft more (a probe is due) that costs the plan least, of
-        those ``probe_free`` allows."""
+        those ``probe_free`` allows (``chosen`` itself where none is)."""
         gains, costs, valid = options.gains, options.costs, options.valid
         _count, ways, slots = gains.shape
         draft = self.ways.index(DRAFT) if DRAFT in self.ways else None
@@ -234,7 +245,6 @@ class GoodputController:
                     best, probe = value, (i, way, j)
         if probe is None:
             return chosen
-        self.plans_since_probe = 0
         i, way, j = probe
         probed = list(chosen)
         probed[i] = (way, j)
@@ -390,8 +400,7 @@ class GoodputController:
         plain = seqs / base
         floor = plain * (1 + self.tuning.hurdle)
         bases = base + per_forward * forwards[: len(depths)]
-        solve = best_single if len(gains) == 1 else best_by_depth
-        best = solve(cum_gains, cum_costs, valid, draft, bases, seqs, floor)
+        best = best_by_depth(cum_gains, cum_costs, valid, draft, bases, seqs, floor)
         if best[1] <= floor:  # nothing cleared the hurdle: the plain step
             return [(0, -1)] * seqs, plain
         return best

@@ -7,8 +7,10 @@ on every step, drafting or not. Here is the same plan for a step whose
 forward is one sequence's: the same quantities, by the same operations in the same order, so
 the same bits (a test compares the two on random models and candidates; the arrays path stays
 the reference and the path for more candidates). The quantities are documented there:
-``_options`` (a draft's chance of being emitted, the seconds it adds), ``_solve`` and
-``solver.best_single`` (the best goodput over one way's prefix), ``_probed``.
+``_options`` (a draft's chance of being emitted, the seconds it adds), ``_solve`` (the best
+goodput, here over one way's prefix in one pass: a draft-model chain at the forwards it runs),
+``_probed``. This is the one routine of a one-candidate plan; the arrays path solves any
+number of candidates alike.
 """
 
 from __future__ import annotations
@@ -51,9 +53,11 @@ def plan_one(
     base_tokens: int,
     base_pairs: float,
     budget: int,
-) -> ControllerPlan:
+    probe_next: bool,
+) -> tuple[ControllerPlan, bool | None]:
     """``controller.plan([candidate], base_tokens, 1, base_pairs, budget)`` once its step
-    times are measured (``plan`` has counted the step)."""
+    times are measured (``plan`` has counted the step), a probe due if ``probe_next`` and
+    the plan leaves room; and whether it was given one (None: it left no room)."""
     ways = (*controller.ways, FORCED) if candidate.forced else controller.ways
     most = candidate.slots
     context = float(candidate.context)
@@ -69,8 +73,12 @@ def plan_one(
     expected_gain = ratio * base
     last = min(last, max(budget, 0) - 1)  # ``within_budget``, for one candidate
     planned = way, last
-    if last + 1 < budget and controller.probe_due():
-        way, last = _probed(controller, per_way, draft, draft_fit[0], planned, ratio, candidate)
+    probe = None
+    if last + 1 < budget:
+        probe = False
+        if probe_next:
+            way, last = _probed(per_way, draft, draft_fit[0], planned, ratio, candidate)
+            probe = (way, last) != planned
     choice = Choice(None, 0)
     if last >= 0:
         expected = itertools.accumulate(per_way[way].uncalibrated[: last + 1])
@@ -78,7 +86,7 @@ def plan_one(
         choice = Choice(ways[way], last + 1, tuple(expected), learned)
     prices = Prices(float(step[0]), float(per_pair[0]), context, ratio)
     report = report_of([candidate], [choice], base, prices, expected_gain)
-    return ControllerPlan([choice], prices, report)
+    return ControllerPlan([choice], prices, report), probe
 
 
 def _ways(
@@ -146,7 +154,6 @@ def _best(
 
 
 def _probed(
-    controller: GoodputController,
     per_way: list[_Way],
     draft: int | None,
     per_forward: float,
@@ -169,7 +176,4 @@ def _probed(
         value = option.gains[j] - ratio * cost
         if value > best:
             best, probe = value, (way, j)
-    if probe is None:
-        return chosen
-    controller.plans_since_probe = 0
-    return probe
+    return chosen if probe is None else probe

@@ -7,8 +7,8 @@ takes one prefix of one way per candidate (or none). Its goodput is ``(seqs + su
 forwards go (``bases[depth]``). ``best_by_depth`` maximises it exactly: Dinkelbach's method
 per depth (for a trial ratio each candidate independently takes the prefix maximising
 ``gain - ratio * cost``; that choice's ratio is the next trial, until it stops rising), after
-one pass over all depths finds those at which no plan can clear the floor. ``best_single`` is
-the same for one candidate in one pass.
+one pass over all depths finds those at which no plan can clear the floor. (A batch-1 step's
+plan is ``single.plan_one``'s, the same optimum in plain floats.)
 """
 
 from __future__ import annotations
@@ -73,29 +73,6 @@ def best_by_depth(
         if ratio > best[1] * (1 + EPSILON):
             best = chosen, ratio
     return best
-
-
-def best_single(
-    cum_gains: np.ndarray,
-    cum_costs: np.ndarray,
-    valid: np.ndarray,
-    draft: int | None,
-    bases: np.ndarray,
-    seqs: int,
-    floor: float,
-) -> tuple[list[tuple[int, int]], float]:
-    """``best_by_depth`` for one candidate, in one pass: the goodput of each of its plans
-    directly (a draft-model chain of j + 1 drafts at ``bases[j + 1]``, any other way's at
-    ``bases[0]``): a solve per depth is the dearest part of a batch-1 plan, made every step."""
-    depth = np.zeros(valid.shape[1:], dtype=np.int64)
-    if draft is not None:
-        depth[draft] = np.arange(1, valid.shape[2] + 1)
-    ratios = np.where(valid[0], (seqs + cum_gains[0]) / (bases[depth] + cum_costs[0]), -np.inf)
-    index = int(ratios.argmax())
-    if ratios.flat[index] <= floor * (1 + EPSILON):
-        return [(0, -1)], floor
-    way, last = divmod(index, valid.shape[2])
-    return [(way, last)], float(ratios.flat[index])
 
 
 def dinkelbach(
