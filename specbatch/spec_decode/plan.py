@@ -23,6 +23,7 @@ from specbatch.spec_decode.control.choices import (
     Choice,
     PlanReport,
     Prices,
+    Way,
     lookup_way,
 )
 from specbatch.spec_decode.control.controller import GoodputController
@@ -36,7 +37,7 @@ class Shadow:
     it used for ``offset`` drafts (judged only if all of those were accepted: the target's
     next token is then what a verify of draft ``offset`` would have compared it with)."""
 
-    way: str
+    way: Way
     tokens: list[int]
     start: int
     offset: int = 0
@@ -52,7 +53,7 @@ class SeqPlan:
     branch; ``row_price`` (tokens, 0: none) lets a network drop a first draft not worth its
     row. ``choice``: the controller's, which acceptance learns from (None: no controller)."""
 
-    way: str
+    way: Way
     rows: int
     match: LookupMatch | None = None
     chain: int | None = None
@@ -104,11 +105,11 @@ class SpecCounters:
     num_forced_accepted_tokens: int = 0
     depths: list[tuple[int, int]] = field(default_factory=list)  # (depth, accepted)
     # per way (a lookup's, the store's, the network's, forced...): draft tokens, accepted
-    by_way: dict[str, tuple[int, int]] = field(default_factory=dict)
+    by_way: dict[Way, tuple[int, int]] = field(default_factory=dict)
     report: PlanReport | None = None
 
     def count(
-        self, drafts: int, accepted: int, depth: int | None, path: list[int], way: str | None
+        self, drafts: int, accepted: int, depth: int | None, path: list[int], way: Way | None
     ) -> None:
         """A verify of ``drafts`` drafts of ``way`` (None: no plan named it; a tree's,
         ``depth`` levels deep; None: a chain) that accepted ``accepted`` of them along
@@ -202,7 +203,7 @@ class Planner:
             choices = [Choice(self._only_way(matches.get(s.seq.seq_id)), 0) for s in decodes]
         for s, choice in zip(decodes, choices, strict=True):
             seq_id, slots = s.seq.seq_id, s.num_lookahead
-            if choice.way in LOOKUP_WAYS:
+            if choice.way is not None and choice.way.lookup:
                 seqs[seq_id] = SeqPlan(choice.way, slots, matches[seq_id], depth, choice=choice)
             elif choice.way == SUFFIX:
                 seqs[seq_id] = SeqPlan(SUFFIX, slots, stored[seq_id], depth, choice=choice)
@@ -213,7 +214,7 @@ class Planner:
                 )
         return DraftPlan(seqs)
 
-    def _only_way(self, match: LookupMatch | None) -> str | None:
+    def _only_way(self, match: LookupMatch | None) -> Way | None:
         """A proposer's one way: its lookup's (None without a match), its network's, or an
         application's."""
         if match is not None:
@@ -279,7 +280,7 @@ class Planner:
         store's), or a network's priced chain (with slots for siblings where a row costs under
         a token)."""
         assert choice.way is not None
-        if choice.way in LOOKUP_WAYS:
+        if choice.way.lookup:
             return SeqPlan(choice.way, choice.drafts, match, choice=choice)
         if choice.way == SUFFIX:
             return SeqPlan(SUFFIX, choice.drafts, stored, choice=choice)
@@ -312,7 +313,7 @@ class Planner:
         return judged
 
     def _shadow(
-        self, seq: Sequence, way: str | None, match: LookupMatch | None, choice: Choice
+        self, seq: Sequence, way: Way | None, match: LookupMatch | None, choice: Choice
     ) -> Shadow | None:
         """What a lookup of ``way`` is judged by: unused, against what the target emits, or
         used, its rest past the plan's drafts (else nothing ever measures the positions past
@@ -330,14 +331,14 @@ class Planner:
         return None
 
 
-def ways_of(proposer: Proposer | None) -> tuple[str, ...]:
+def ways_of(proposer: Proposer | None) -> tuple[Way, ...]:
     """The ways a controller chooses among for ``proposer``."""
     if proposer is None:
         return ()
     if proposer.lookup is None and proposer.network is None:
         return (EXTERNAL,)
     lookup = proposer.lookup
-    lookups: tuple[str, ...] = LOOKUP_WAYS if lookup is not None else ()
+    lookups: tuple[Way, ...] = LOOKUP_WAYS if lookup is not None else ()
     if lookup is not None and lookup.store is not None:
         lookups += (SUFFIX,)
     return lookups + ((DRAFT,) if proposer.network is not None else ())

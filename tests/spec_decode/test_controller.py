@@ -23,7 +23,7 @@ from specbatch.spec_decode.control.acceptance import (
     _PositionRates,
     _TimedRate,
 )
-from specbatch.spec_decode.control.choices import DRAFT, LOOKUP_WAYS, Candidate, Choice
+from specbatch.spec_decode.control.choices import DRAFT, LOOKUP_WAYS, Candidate, Choice, Way
 from specbatch.spec_decode.control.controller import GoodputController
 from specbatch.spec_decode.control.solver import promising_depths
 from specbatch.spec_decode.control.step_times import (
@@ -61,7 +61,7 @@ class FakeClock:
 
 
 def trained(
-    clock: FakeClock, ways: tuple[str, ...] = ("external",), **tuning: Any
+    clock: FakeClock, ways: tuple[Way, ...] = (Way.EXTERNAL,), **tuning: Any
 ) -> GoodputController:
     """A controller whose step-time model has seen a varied run under ``clock`` (no hurdle
     unless ``tuning`` says: the plan must be the exact optimum)."""
@@ -137,7 +137,7 @@ def exhaustive(
     options = [range(c.slots + 1) for c in cands]
     return max(
         goodput(
-            clock, controller, [("external", n) for n in counts], cands, base_tokens, base_pairs
+            clock, controller, [(Way.EXTERNAL, n) for n in counts], cands, base_tokens, base_pairs
         )
         for counts in itertools.product(*options)
     )
@@ -307,7 +307,7 @@ def test_two_close_steps_do_not_price_rows_at_another_context() -> None:
     controller.times = times
     with_rates(controller, {0: 0.85})
     choice = controller.plan([Candidate(0, 8, 229, [5] * 8, 3)], 1, 1, 230.0, budget=8).choices[0]
-    assert choice.way == "lookup3"
+    assert choice.way == Way.LOOKUP3
     assert choice.drafts >= 1
 
 
@@ -348,11 +348,11 @@ def test_a_far_draft_forward_does_not_rule_small_ones_out() -> None:
     assert fixed == 0.0
     assert per_row == pytest.approx(0.007 / 59)
     clock = FakeClock(0.015, per_token=0.0005, per_seq=0.0)
-    controller = trained(clock, ("lookup1", "lookup2", "lookup3", "draft"))
+    controller = trained(clock, (Way.LOOKUP1, Way.LOOKUP2, Way.LOOKUP3, Way.DRAFT))
     controller.draft_times = times
     with_rates(controller, {0: 0.6})
     choices = controller.plan([Candidate(0, 4, 100, [])], 1, 1, 0.0, budget=8).choices
-    assert choices[0].way == "draft"
+    assert choices[0].way == Way.DRAFT
     assert choices[0].drafts >= 1
     for rows in (1, 2, 3) * SpeculationTuning().refit_every:  # the fit is reused until then
         times.observe(rows, 0.0018 + 0.00005 * rows)
@@ -371,13 +371,13 @@ def test_rows_are_priced_where_they_land(first: float) -> None:
     def clock(tokens: float) -> float:
         return 0.040 + 0.004 * max(tokens - 4, 0)
 
-    controller = GoodputController(("external",), SpeculationTuning(hurdle=0.0))
+    controller = GoodputController((Way.EXTERNAL,), SpeculationTuning(hurdle=0.0))
     for _ in range(20):
         for tokens in range(1, 10):
             controller.observe_step(tokens, 1, 0.0, clock(tokens))
     with_rates(controller, {0: first}, follow=0.8)
     (choice,) = controller.plan([Candidate(0, 8, 0, [])], 1, 1, 0.0, budget=8).choices
-    gains = gains_of(controller.acceptance, 0, "external", 8)
+    gains = gains_of(controller.acceptance, 0, Way.EXTERNAL, 8)
     goodputs = [(1 + gains[:d].sum()) / clock(1 + d) for d in range(9)]
     assert goodputs[choice.drafts] >= 0.985 * max(goodputs)
     assert choice.drafts >= 3  # the free rows are always taken
@@ -658,25 +658,25 @@ def pulled(outcomes: list[bool], decay: float, prior: float, weight: float) -> f
 def test_acceptance_is_per_position_and_decays() -> None:
     tuning = SpeculationTuning()
     model = AcceptanceModel(tuning)
-    assert model.first(1, "lookup2") == 0.5
+    assert model.first(1, Way.LOOKUP2) == 0.5
     for _ in range(50):  # all or nothing: later drafts as likely as the first, given it
-        model.observe(1, "lookup2", 4, 4)
-        model.observe(2, "lookup2", 4, 0)
+        model.observe(1, Way.LOOKUP2, 4, 4)
+        model.observe(2, Way.LOOKUP2, 4, 0)
     population = pulled([True, False] * 50, tuning.shared_decay, 0.5, tuning.prior_weight)
-    assert model.population("lookup2") == pytest.approx(population)
+    assert model.population(Way.LOOKUP2) == pytest.approx(population)
     for seq_id, right in ((1, True), (2, False)):
         own = pulled([right] * 50, tuning.sequence_decay, population, tuning.prior_weight)
-        assert model.first(seq_id, "lookup2") == pytest.approx(own)
+        assert model.first(seq_id, Way.LOOKUP2) == pytest.approx(own)
     follow = pulled([True] * 50 * 3, tuning.shared_decay, 0.5, tuning.prior_weight)
-    assert model.follow_rows(("lookup2",), 4)[0][1:].min() == pytest.approx(follow, rel=0.05)
+    assert model.follow_rows((Way.LOOKUP2,), 4)[0][1:].min() == pytest.approx(follow, rel=0.05)
     # a new sequence starts from the population's rate
-    assert model.first(3, "lookup2") == pytest.approx(model.population("lookup2"))
+    assert model.first(3, Way.LOOKUP2) == pytest.approx(model.population(Way.LOOKUP2))
     # idle steps pull a sequence back towards the population, and make it a probe again
-    before = model.first(2, "lookup2")
+    before = model.first(2, Way.LOOKUP2)
     model.step += 100
-    assert model.first(2, "lookup2") > before
+    assert model.first(2, Way.LOOKUP2) > before
     model.forget(1)
-    assert model.first(1, "lookup2") == pytest.approx(model.population("lookup2"))
+    assert model.first(1, Way.LOOKUP2) == pytest.approx(model.population(Way.LOOKUP2))
 
 
 def test_one_early_miss_does_not_keep_plans_at_one_draft() -> None:
@@ -863,29 +863,29 @@ def test_a_backlog_costs_what_rows_cost_in_a_forward_of_its_size() -> None:
 def test_calibration_scales_a_ways_gains_and_recovers_when_unused() -> None:
     tuning = SpeculationTuning()
     model = AcceptanceModel(tuning)
-    assert model.calibration("draft") == 1.0
+    assert model.calibration(Way.DRAFT) == 1.0
     for _ in range(200):  # plans expected 1 accepted draft, half came
-        model.calibrate("draft", 1.0, 0 if model.step % 2 else 1)
+        model.calibrate(Way.DRAFT, 1.0, 0 if model.step % 2 else 1)
         model.step += 1
     # the sums keep shared_decay per verify and per step: about 1 / (1 - decay^2) drafts
     expected = 1 / (1 - tuning.shared_decay**2)
     factor = (0.5 * expected + tuning.prior_weight) / (expected + tuning.prior_weight)
-    assert model.calibration("draft") == pytest.approx(factor, abs=0.05)
+    assert model.calibration(Way.DRAFT) == pytest.approx(factor, abs=0.05)
     model.step += 1000  # no plan used the way since: its factor is 1 again
-    assert model.calibration("draft") == pytest.approx(1.0, abs=0.01)
+    assert model.calibration(Way.DRAFT) == pytest.approx(1.0, abs=0.01)
 
 
 def test_made_rates_follow_a_proposer_that_stops_early() -> None:
     model = AcceptanceModel()
-    assert model.made_rows(("draft",), 4)[0].tolist() == [
+    assert model.made_rows((Way.DRAFT,), 4)[0].tolist() == [
         1.0,
         1.0,
         1.0,
         1.0,
     ]  # until one stops early
     for _ in range(300):  # allotted 4, the proposer stops after 2
-        model.observe_made("draft", 4, 2)
-    made = model.made_rows(("draft",), 4)[0]
+        model.observe_made(Way.DRAFT, 4, 2)
+    made = model.made_rows((Way.DRAFT,), 4)[0]
     assert made[:2].tolist() == [1.0, 1.0]
     tuning = model.tuning
     assert made[2] == pytest.approx(
@@ -893,13 +893,13 @@ def test_made_rates_follow_a_proposer_that_stops_early() -> None:
     )
     assert made[3] <= made[2]
     for _ in range(300):  # now it makes the third half of the time
-        model.observe_made("draft", 4, 2)
-        model.observe_made("draft", 4, 3)
-    assert model.made_rows(("draft",), 4)[0][2] == pytest.approx(0.5, abs=0.05)
+        model.observe_made(Way.DRAFT, 4, 2)
+        model.observe_made(Way.DRAFT, 4, 3)
+    assert model.made_rows((Way.DRAFT,), 4)[0][2] == pytest.approx(0.5, abs=0.05)
     for _ in range(300):  # a priced first draft: dropped half the time, the rest as before
-        model.observe_made("draft", 4, 0)
-        model.observe_made("draft", 4, 3)
-    made = model.made_rows(("draft",), 4)[0]
+        model.observe_made(Way.DRAFT, 4, 0)
+        model.observe_made(Way.DRAFT, 4, 3)
+    made = model.made_rows((Way.DRAFT,), 4)[0]
     assert made[0] == pytest.approx(0.5, abs=0.05)
     assert made[2] == pytest.approx(0.5, abs=0.05)  # given the first: always the second
 
@@ -953,7 +953,7 @@ def test_a_plan_counts_only_the_drafts_a_proposer_makes(seed: int) -> None:
 def test_calibration_settles_at_the_true_bias() -> None:
     """Estimates twice the truth: the factor goes to 0.5 (against calibrated expectations it
     would settle at the square root, 0.71)."""
-    controller = GoodputController(("external",), SpeculationTuning(hurdle=0.0))
+    controller = GoodputController((Way.EXTERNAL,), SpeculationTuning(hurdle=0.0))
     for tokens in (1, 2, 4, 8):
         controller.observe_step(tokens, 1, 0.0, 0.01 + 1e-6 * tokens)
     with_rates(controller, {0: 0.8}, follow=0.0)  # one draft is all that may be right
@@ -961,11 +961,11 @@ def test_calibration_settles_at_the_true_bias() -> None:
     for _ in range(3000):
         choice = controller.plan([Candidate(0, 1, 0, [])], 1, 1, 0.0, 10).choices[0]
         assert choice.drafts == 1
-        controller.observe_verify(0, "external", 1, int(rng.random() < 0.4), choice.expected[0])
+        controller.observe_verify(0, Way.EXTERNAL, 1, int(rng.random() < 0.4), choice.expected[0])
     tuning = controller.tuning  # decayed sums of 0.8 expected a draft, with the prior's weight
     expected = 0.8 / (1 - tuning.shared_decay**2)
     factor = (0.5 * expected + tuning.prior_weight) / (expected + tuning.prior_weight)
-    assert controller.acceptance.calibration("external") == pytest.approx(factor, abs=0.05)
+    assert controller.acceptance.calibration(Way.EXTERNAL) == pytest.approx(factor, abs=0.05)
 
 
 @pytest.mark.parametrize("seed", range(10))

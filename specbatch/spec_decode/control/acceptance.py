@@ -35,10 +35,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from specbatch.spec_decode.tuning import SpeculationTuning
+
+if TYPE_CHECKING:
+    from specbatch.spec_decode.control.choices import Way
 
 UNINFORMED = 0.5  # the prior of a rate nothing has measured: as likely right as wrong
 
@@ -122,34 +126,29 @@ class _PositionRates:
 class AcceptanceModel:
     """Per (sequence, way) first-draft rates and per (way, position) follow-on rates."""
 
-    def __init__(
-        self, tuning: SpeculationTuning | None = None, steady: tuple[str, ...] = ()
-    ) -> None:
-        """``steady``: the ways whose acceptance holds over a text (a draft model), kept with
-        a longer memory than bursty ones (a lookup: right through a copied span, then not)."""
+    def __init__(self, tuning: SpeculationTuning | None = None) -> None:
         self.tuning = tuning = tuning or SpeculationTuning()
-        self._decay = {way: tuning.steady_decay for way in steady}
         self._idle = tuning.steady_decay
         self._weight = tuning.prior_weight
-        self._first: dict[tuple[int, str], _TimedRate] = {}
-        self._shared_first: dict[str, _TimedRate] = {}
-        self._follow: dict[str, _PositionRates] = {}
-        self._made: dict[str, _PositionRates] = {}
+        self._first: dict[tuple[int, Way], _TimedRate] = {}
+        self._shared_first: dict[Way, _TimedRate] = {}
+        self._follow: dict[Way, _PositionRates] = {}
+        self._made: dict[Way, _PositionRates] = {}
         # way -> (accepted, expected, step of the last update)
-        self._calibration: dict[str, tuple[float, float, int]] = {}
+        self._calibration: dict[Way, tuple[float, float, int]] = {}
         self.step = 0  # advanced by the controller once per planned step
 
-    def population(self, way: str) -> float:
+    def population(self, way: Way) -> float:
         shared = self._shared_first.get(way)
         if shared is None:
             return UNINFORMED
         return shared.value(UNINFORMED, self._weight, self.step)
 
-    def first(self, seq_id: int, way: str) -> float:
+    def first(self, seq_id: int, way: Way) -> float:
         """The chance that the sequence's next first draft drafted ``way`` is accepted."""
         return self.firsts(way, (seq_id,))[0]
 
-    def firsts(self, way: str, seq_ids: Iterable[int]) -> list[float]:
+    def firsts(self, way: Way, seq_ids: Iterable[int]) -> list[float]:
         """``first`` of each of ``seq_ids`` drafting ``way`` (a plan asks for every
         candidate's each step: one pass, the population's rate found once)."""
         prior = self.population(way)
@@ -160,12 +159,12 @@ class AcceptanceModel:
             out.append(prior if state is None else state.value(prior, weight, step))
         return out
 
-    def follow_rows(self, ways: tuple[str, ...], count: int) -> np.ndarray:
+    def follow_rows(self, ways: tuple[Way, ...], count: int) -> np.ndarray:
         """Per way (ways x count), the chance that draft ``j`` (1 .. count - 1) is accepted
         given draft ``j - 1`` was; entry 0 is 1."""
         return np.array(self.follow_lists(ways, count), dtype=np.float64).reshape(len(ways), count)
 
-    def follow_lists(self, ways: tuple[str, ...], count: int) -> list[list[float]]:
+    def follow_lists(self, ways: tuple[Way, ...], count: int) -> list[list[float]]:
         """``follow_rows`` as lists (a batch-1 plan's, in plain floats)."""
         rows = self._rows(self._follow, ways, count, UNINFORMED)
         for row in rows:
@@ -173,13 +172,13 @@ class AcceptanceModel:
                 row[0] = 1.0
         return rows
 
-    def made_rows(self, ways: tuple[str, ...], count: int) -> np.ndarray:
+    def made_rows(self, ways: tuple[Way, ...], count: int) -> np.ndarray:
         """Per way (ways x count), the chance that draft ``j`` is made when ``count`` are
         allotted: the proposer made every one before it and did not stop (1 until a
         proposer stops early or drops a first draft)."""
         return np.array(self.made_lists(ways, count), dtype=np.float64).reshape(len(ways), count)
 
-    def made_lists(self, ways: tuple[str, ...], count: int) -> list[list[float]]:
+    def made_lists(self, ways: tuple[Way, ...], count: int) -> list[list[float]]:
         """``made_rows`` as lists (a batch-1 plan's, in plain floats)."""
         out = []
         for rates in self._rows(self._made, ways, count, 1.0):
@@ -191,7 +190,7 @@ class AcceptanceModel:
         return out
 
     def _rows(
-        self, table: dict[str, _PositionRates], ways: tuple[str, ...], count: int, prior: float
+        self, table: dict[Way, _PositionRates], ways: tuple[Way, ...], count: int, prior: float
     ) -> list[list[float]]:
         """The position rates of each of ``ways`` in ``table`` (a way not in it: ``prior``)."""
         rows = []
@@ -203,14 +202,14 @@ class AcceptanceModel:
                 rows.append(rates.values(count, prior, self._weight, self.step))
         return rows
 
-    def observe_made(self, way: str, allotted: int, made: int) -> None:
+    def observe_made(self, way: Way, allotted: int, made: int) -> None:
         """The proposer made ``made`` of the ``allotted`` drafts of ``way``."""
         if allotted <= 0:
             return
         rates = self._made.setdefault(way, _PositionRates(self._idle))
         rates.observe(0, min(made + 1, allotted), made, self.tuning.shared_decay, self.step)
 
-    def observe(self, seq_id: int, way: str, num_drafts: int, num_accepted: int) -> None:
+    def observe(self, seq_id: int, way: Way, num_drafts: int, num_accepted: int) -> None:
         """``num_drafts`` drafts of ``way`` were judged (verified, or compared with what the
         target emitted) and the first ``num_accepted`` were right."""
         if num_drafts <= 0:
@@ -219,7 +218,10 @@ class AcceptanceModel:
         state = self._first.get((seq_id, way))
         if state is None:
             state = self._first[(seq_id, way)] = self._timed()
-        state.observe(first, self._decay.get(way, self.tuning.sequence_decay), self.step)
+        # a steady way's (a draft model's) rate is kept longer than a bursty one's (a
+        # lookup's: right through a copied span, then not)
+        decay = self.tuning.steady_decay if way.steady else self.tuning.sequence_decay
+        state.observe(first, decay, self.step)
         shared = self._shared_first.setdefault(way, self._timed())
         shared.observe(first, self.tuning.shared_decay, self.step)
         follow = self._follow.setdefault(way, _PositionRates(self._idle))
@@ -229,7 +231,7 @@ class AcceptanceModel:
     def _timed(self) -> _TimedRate:
         return _TimedRate(DecayedRate(), self.step, self._idle)
 
-    def observe_beyond(self, way: str, offset: int, num_drafts: int, num_accepted: int) -> None:
+    def observe_beyond(self, way: Way, offset: int, num_drafts: int, num_accepted: int) -> None:
         """Follow-on outcomes at positions ``offset .. offset + num_drafts - 1`` given every
         position below ``offset`` right (drafts judged past a chain's last verified one):
         right below ``offset + num_accepted``, up to and including the first miss."""
@@ -239,14 +241,14 @@ class AcceptanceModel:
         stop = offset + min(num_accepted + 1, num_drafts)
         follow.observe(offset, stop, offset + num_accepted, self.tuning.shared_decay, self.step)
 
-    def calibration(self, way: str) -> float:
+    def calibration(self, way: Way) -> float:
         """Drafts of ``way`` accepted per draft the plans expected to be by the uncalibrated
         estimates (decayed, with the prior at a factor of 1), at most 1."""
         accepted, expected = self._calibration_sums(way)
         weight = self._weight
         return min((accepted + weight) / (expected + weight), 1.0)
 
-    def calibrate(self, way: str, expected: float, accepted: int) -> None:
+    def calibrate(self, way: Way, expected: float, accepted: int) -> None:
         """A verify of a plan's drafts: ``expected`` accepted by its estimates before
         calibration (against calibrated ones the factor would settle at the square root of
         the bias), ``accepted`` in fact."""
@@ -258,7 +260,7 @@ class AcceptanceModel:
             self.step,
         )
 
-    def _calibration_sums(self, way: str) -> tuple[float, float]:
+    def _calibration_sums(self, way: Way) -> tuple[float, float]:
         """The sums as of now: they keep ``shared_decay`` per step too, so that a way no plan
         uses (its factor frozen low: nothing to correct it) returns to a factor of 1 and is
         judged on its rates again."""

@@ -5,18 +5,57 @@ plan paths, ``controller`` and ``single``, and the planner share)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-LOOKUP_WAYS = ("lookup1", "lookup2", "lookup3")  # by match length: 1, 2, 3 or more tokens
-# a match in the store of other requests' tokens (``proposers/suffix.py``): free, a point mass
-SUFFIX = "suffix"
-DRAFT = "draft"
-EXTERNAL = "external"
-# a constraint's only continuation (its forced tokens): free to propose, and the masked target
-# gives it probability 1, so every controller plans it beside its proposer's ways
-FORCED = "forced"
+from enum import Enum
 
 
-def lookup_way(match_length: int) -> str:
+class Way(str, Enum):
+    """A way of drafting, and what it is: one that copies tokens that exist before the step
+    (a prompt-lookup match, graded by its length; a match in the store of other requests'
+    tokens, ``proposers/suffix.py``; a constraint's only continuation, its forced tokens) or
+    one that makes its own (the draft network, an application's proposer). A copying way's
+    drafts are point masses and cost its proposer nothing; forced ones are certain (the
+    masked target gives them probability 1, so every controller plans them beside its
+    proposer's ways). Its value is its name in stats and /metrics."""
+
+    LOOKUP1 = "lookup1"  # a prompt-lookup match of 1 token, 2, 3 or more
+    LOOKUP2 = "lookup2"
+    LOOKUP3 = "lookup3"
+    SUFFIX = "suffix"
+    DRAFT = "draft"
+    EXTERNAL = "external"
+    FORCED = "forced"
+
+    def __str__(self) -> str:  # its value, where a name is printed
+        return str.__str__(self)
+
+    def __format__(self, spec: str) -> str:
+        return str.__format__(self, spec)
+
+    @property
+    def copies(self) -> bool:
+        """Whether it copies tokens (a lookup's, the store's, forced) rather than makes them."""
+        return self not in (Way.DRAFT, Way.EXTERNAL)
+
+    @property
+    def lookup(self) -> bool:
+        """Whether it is the sequence's own prompt lookup (of some match length)."""
+        return self in LOOKUP_WAYS
+
+    @property
+    def steady(self) -> bool:
+        """Whether its acceptance holds over a text (a network's, an application's; forced
+        tokens always are), rather than bursting with copied spans (a lookup's)."""
+        return self in (Way.DRAFT, Way.EXTERNAL, Way.FORCED)
+
+
+LOOKUP_WAYS = (Way.LOOKUP1, Way.LOOKUP2, Way.LOOKUP3)  # by match length: 1, 2, 3 or more
+SUFFIX = Way.SUFFIX
+DRAFT = Way.DRAFT
+EXTERNAL = Way.EXTERNAL
+FORCED = Way.FORCED
+
+
+def lookup_way(match_length: int) -> Way:
     return LOOKUP_WAYS[min(match_length, len(LOOKUP_WAYS)) - 1]
 
 
@@ -37,21 +76,19 @@ class Candidate:
     forced: list[int] = field(default_factory=list)  # its constraint's only continuation
     suffix: list[int] = field(default_factory=list)
 
-    def copied(self, way: str) -> list[int] | None:
+    def copied(self, way: Way) -> list[int] | None:
         """What a way that copies tokens (a lookup of the matched length, the store, a
         constraint's forced tokens) would draft; None for a way that drafts its own."""
-        if way in LOOKUP_WAYS:
+        if not way.copies:
+            return None
+        if way.lookup:
             return self.lookup if self.lookup and way == lookup_way(self.lookup_n) else []
-        if way == SUFFIX:
-            return self.suffix
-        if way == FORCED:
-            return self.forced
-        return None
+        return self.suffix if way == SUFFIX else self.forced
 
 
 @dataclass(frozen=True)
 class Choice:
-    way: str | None  # None: no drafts
+    way: Way | None  # None: no drafts
     drafts: int
     # accepted drafts expected, by the uncalibrated estimates it was chosen on, if the
     # proposer makes 1, 2, ... drafts
@@ -74,7 +111,7 @@ class PlanReport:
     candidates: int = 0
     seqs_drafting: int = 0
     drafts: int = 0
-    by_way: dict[str, int] = field(default_factory=dict)
+    by_way: dict[Way, int] = field(default_factory=dict)
     step_seconds: float = 0.0  # estimated, before drafts
     row_seconds: float = 0.0  # estimated target cost of one more row, mean over candidates
     expected_gain: float = 1.0  # planned goodput over the no-draft step's
@@ -126,7 +163,7 @@ def report_of(
     prices: Prices,
     expected_gain: float,
 ) -> PlanReport:
-    by_way: dict[str, int] = {}
+    by_way: dict[Way, int] = {}
     for choice in choices:
         if choice.way is not None:
             by_way[choice.way] = by_way.get(choice.way, 0) + choice.drafts

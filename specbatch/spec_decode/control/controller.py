@@ -56,6 +56,7 @@ from specbatch.spec_decode.control.choices import (
     ControllerPlan,
     PlanReport,
     Prices,
+    Way,
     probe_free,
     report_of,
 )
@@ -71,13 +72,13 @@ from specbatch.spec_decode.tuning import SpeculationTuning
 class GoodputController:
     """Chooses each step's drafts; learns step times and acceptance from the engine."""
 
-    def __init__(self, ways: tuple[str, ...], tuning: SpeculationTuning | None = None) -> None:
+    def __init__(self, ways: tuple[Way, ...], tuning: SpeculationTuning | None = None) -> None:
         self.ways = ways  # the proposer's (a constraint's forced tokens join per plan)
         self.tuning = tuning = tuning or SpeculationTuning()
         self.times = StepTimes(tuning)
         self.draft_times = ForwardTimes(tuning)  # a draft model's forwards, by rows
         self._external = (0.0, 0.0)  # an application's proposer: decayed seconds and drafts
-        self.acceptance = AcceptanceModel(tuning, steady=(DRAFT, EXTERNAL, FORCED))
+        self.acceptance = AcceptanceModel(tuning)
         self.plans_since_probe = 0  # see ``SpeculationTuning.probe_every``
 
     def plan(
@@ -272,7 +273,7 @@ class GoodputController:
         first = np.zeros(usable.shape)
         seq_ids = [c.seq_id for c in candidates]
         for w, way in enumerate(ways):
-            if candidates[0].copied(way) is None:  # a way that drafts its own: every slot
+            if not way.copies:  # a way that drafts its own: every slot
                 usable[:, w] = slots
                 first[:, w] = acceptance.firsts(way, seq_ids)
                 continue
@@ -371,7 +372,7 @@ class GoodputController:
         return step, [fit.per_pair for fit in fits[1:]], fits[0]
 
     def proposing_seconds(
-        self, ways: tuple[str, ...], draft_fit: tuple[float, float]
+        self, ways: tuple[Way, ...], draft_fit: tuple[float, float]
     ) -> list[float]:
         """Per way, the proposer's seconds per draft it makes: a draft model's row in its
         forward (``draft_fit``), an application's proposer's measured time, 0 for the rest."""
@@ -464,7 +465,7 @@ class GoodputController:
     def observe_verify(
         self,
         seq_id: int,
-        way: str,
+        way: Way,
         num_drafts: int,
         num_accepted: int,
         expected: float | None = None,
@@ -475,13 +476,13 @@ class GoodputController:
         if expected is not None:
             self.acceptance.calibrate(way, expected, num_accepted)
 
-    def observe_beyond(self, way: str, offset: int, num_drafts: int, num_accepted: int) -> None:
+    def observe_beyond(self, way: Way, offset: int, num_drafts: int, num_accepted: int) -> None:
         """Drafts of ``way`` at positions ``offset ..`` past a verified, all-accepted chain of
         ``offset`` drafts, judged by what the target emitted: the first ``num_accepted`` of
         ``num_drafts`` right."""
         self.acceptance.observe_beyond(way, offset, num_drafts, num_accepted)
 
-    def observe_made(self, way: str, allotted: int, made: int) -> None:
+    def observe_made(self, way: Way, allotted: int, made: int) -> None:
         """The proposer of ``way`` made ``made`` of the ``allotted`` drafts a plan gave."""
         self.acceptance.observe_made(way, allotted, made)
 
@@ -493,7 +494,7 @@ class GoodputController:
 class _Options:
     """Per candidate, way and draft position (``made``: per way and position)."""
 
-    ways: tuple[str, ...]  # the controller's, and FORCED when a candidate has forced tokens
+    ways: tuple[Way, ...]  # the controller's, and FORCED when a candidate has forced tokens
     gains: np.ndarray  # chance the draft is emitted: made, accepted, calibrated
     costs: np.ndarray  # seconds it adds if allotted (times the chance it is made)
     valid: np.ndarray  # whether it may be drafted

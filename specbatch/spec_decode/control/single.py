@@ -27,6 +27,7 @@ from specbatch.spec_decode.control.choices import (
     Choice,
     ControllerPlan,
     Prices,
+    Way,
     probe_free,
     report_of,
 )
@@ -37,7 +38,7 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
-class _Way:
+class _Option:
     """One way's drafts for the candidate, by position (``_Options``' row for it, its usable
     positions only: as many as may be drafted)."""
 
@@ -92,10 +93,10 @@ def plan_one(
 def _ways(
     controller: GoodputController,
     candidate: Candidate,
-    ways: tuple[str, ...],
+    ways: tuple[Way, ...],
     row: list[float],
     draft_fit: tuple[float, float],
-) -> list[_Way]:
+) -> list[_Option]:
     """Per way, its drafts' chances and seconds (``_Options`` for one candidate)."""
     acceptance = controller.acceptance
     proposing = controller.proposing_seconds(ways, draft_fit)
@@ -104,7 +105,7 @@ def _ways(
         copies = candidate.copied(way)
         usable = candidate.slots if copies is None else min(candidate.slots, len(copies))
         if not usable:  # (a lookup without a match): no position is read
-            out.append(_Way([], [], [], []))
+            out.append(_Option([], [], [], []))
             continue
         follow = acceptance.follow_lists((way,), usable)[0]
         made = acceptance.made_lists((way,), usable)[0]
@@ -123,12 +124,12 @@ def _ways(
             catch_up = max(float(candidate.catch_up), 1.0)
             per_row = draft_fit[1] if catch_up <= 1 else controller.draft_times.fit(catch_up)[1]
             costs[0] += per_row * (catch_up - 1.0)
-        out.append(_Way(gains, costs, uncalibrated, ran))
+        out.append(_Option(gains, costs, uncalibrated, ran))
     return out
 
 
 def _best(
-    per_way: list[_Way], draft: int | None, base: float, per_forward: float, floor: float
+    per_way: list[_Option], draft: int | None, base: float, per_forward: float, floor: float
 ) -> tuple[int, int, float]:
     """The (way, last draft index, goodput) of the best prefix of one way, if its goodput
     clears ``floor`` (else way 0, index -1 and the plain step's goodput): a draft-model chain
@@ -154,7 +155,7 @@ def _best(
 
 
 def _probed(
-    per_way: list[_Way],
+    per_way: list[_Option],
     draft: int | None,
     per_forward: float,
     chosen: tuple[int, int],
