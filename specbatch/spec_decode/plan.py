@@ -161,11 +161,19 @@ class Planner:
             # the step carries no drafts (speculation must not cost time to first token)
             controller.plain_step()
             return DraftPlan()
-        matches, stored = self._matches(decodes), self._stored(decodes)
-        candidates = self._candidates(decodes, matches, stored)
         tokens = sum(s.num_new_tokens for s in out.scheduled)
         pairs = sum(pairs_of(s.seq.num_computed_tokens, s.num_new_tokens) for s in out.scheduled)
-        planned = controller.plan(candidates, tokens, len(out.scheduled), pairs, budget)
+        count = len(out.scheduled)
+        # no lookups for a decode whose first row costs a token or more at this step (none of
+        # its drafts can pay, whatever a lookup finds): it is not judged by shadows either
+        most = max((s.num_lookahead for s in decodes), default=0)
+        far = controller.beyond_reach(
+            [s.seq.num_tokens for s in decodes], most, tokens, count, pairs
+        )
+        looked = [s for s, beyond in zip(decodes, far, strict=True) if not beyond]
+        matches, stored = self._matches(looked), self._stored(looked)
+        candidates = self._candidates(decodes, matches, stored)
+        planned = controller.plan(candidates, tokens, count, pairs, budget)
         seqs: dict[int, SeqPlan] = {}
         shadows: dict[int, list[Shadow]] = {}
         for s, candidate, choice in zip(decodes, candidates, planned.choices, strict=True):

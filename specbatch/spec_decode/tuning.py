@@ -54,9 +54,11 @@ class SpeculationTuning:
     bandwidth: float = 0.7
     # A single sequence's steps (where padded products make a CPU step flat to 4 rows) are
     # fitted with a kernel this wide in log tokens, so that a step of 2 tokens is judged by
-    # steps of 1-3 (the kink on the AVX-512 host; on this AVX2 host 0.7, one bandwidth, ran
-    # 1.58x against 1.48x over four categories, and the kinked clocks of three controller
-    # tests plan 3-5% below their optimum with it: to be decided where the kink is measured).
+    # steps of 1-3 (the kink on the AVX-512 host). Settled there (Intel AVX-512/AMX, gguf,
+    # batch 1, all 13 dev categories side by side, 2026-12-07): 0.15 1.22x geomean against
+    # 1.19x with 0.7, 8 categories up or level; the kinked clocks of three controller tests
+    # plan 3-5% below their optimum with 0.7. (On the AVX2 host, without the kink, 0.7 ran
+    # 1.58x against 1.48x over four categories.)
     small_bandwidth: float = 0.15
     # A step timed with a share of the cores below ``contended_share`` of the usual (the
     # window's ``contention_quantile``: most steps', so a loaded machine's usual is its own)

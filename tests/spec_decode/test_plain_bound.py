@@ -11,6 +11,7 @@ the 3-5% that put default speculation below off there (0.95x-0.96x)."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import random
 
 import pytest
@@ -151,3 +152,39 @@ def test_a_step_whose_rows_cost_a_decode_builds_no_arrays(monkeypatch: pytest.Mo
         assert all(choice.way is None for choice in plan.choices)
         assert plan.report.expected_gain == 1.0
         assert plan.prices.tokens_per_second > 0
+
+
+@pytest.mark.parametrize("seed", range(100))
+def test_a_candidate_beyond_reach_plans_alike_without_its_lookups(seed: int) -> None:
+    """What the planner skips: a candidate whose first row costs a token or more at the
+    hurdle's goodput gets no drafts whatever its lookups found, so the plan without them (no
+    match, nothing from the store) is the plan with them (no probe due: a probe may land on
+    any candidate's lookup)."""
+    controller, cands, budget = case(seed)
+    controller.tuning = dataclasses.replace(controller.tuning, probe_every=0)
+    seqs = len(cands) + 2
+    tokens, pairs = seqs, float(sum(c.context for c in cands))
+    most = max(c.slots for c in cands)
+    far = controller.beyond_reach([c.context for c in cands], most, tokens, seqs, pairs)
+    blind = [
+        dataclasses.replace(c, lookup=[], lookup_n=0, suffix=[]) if beyond else c
+        for c, beyond in zip(cands, far, strict=True)
+    ]
+    seen = copy.deepcopy(controller).plan(cands, tokens, seqs, pairs, budget)
+    unseen = copy.deepcopy(controller).plan(blind, tokens, seqs, pairs, budget)
+    assert seen.choices == unseen.choices
+    assert seen.prices == unseen.prices
+    for choice, beyond in zip(seen.choices, far, strict=True):
+        assert not (beyond and choice.drafts)
+
+
+def test_some_candidates_are_beyond_reach_and_some_are_not() -> None:
+    """The cases above meet both kinds (else the test compares a plan with itself)."""
+    kinds = set()
+    for seed in range(100):
+        controller, cands, _budget = case(seed)
+        seqs = len(cands) + 2
+        pairs = float(sum(c.context for c in cands))
+        most = max(c.slots for c in cands)
+        kinds.update(controller.beyond_reach([c.context for c in cands], most, seqs, seqs, pairs))
+    assert kinds == {True, False}

@@ -192,15 +192,9 @@ class GoodputController:
         more keys; a proposer's time, a catch-up and a draft forward only add). So no draft
         pays where every candidate's best first chance over its ways is at most the floor's
         tokens per second times its first row's seconds."""
-        count = len(candidates)
-        plain, fit = self._batch_fits(
-            base_tokens, base_seqs, count, max(c.slots for c in candidates)
-        )
-        base = plain.seconds(base_tokens, base_seqs, base_pairs)
-        ratio = count / base
-        floor = ratio * (1 + self.tuning.hurdle) * (1 - 1e-9)  # a hair: rounding never skips
-        # per candidate, the tokens its first row costs at the floor: a first draft must beat it
-        worth = [floor * fit.row(float(c.context)) for c in candidates]
+        contexts = [c.context for c in candidates]
+        most = max(c.slots for c in candidates)
+        worth, base, prices = self._first_rows(contexts, most, base_tokens, base_seqs, base_pairs)
         open_ = [i for i, tokens in enumerate(worth) if tokens < 1.0]  # (no chance exceeds 1)
         if open_:
             ways = (*self.ways, FORCED) if any(candidates[i].forced for i in open_) else self.ways
@@ -214,8 +208,34 @@ class GoodputController:
                 if any(calibration * f > worth[i] for i, f in zip(drafting, firsts, strict=True)):
                     return None
         nothing = [Choice(None, 0) for _ in candidates]
-        prices = Prices(fit.row(0.0), fit.per_pair, 0.0, ratio)
         return ControllerPlan(nothing, prices, report_of(candidates, nothing, base, prices, 1.0))
+
+    def _first_rows(
+        self, contexts: list[int], most: int, base_tokens: int, base_seqs: int, base_pairs: float
+    ) -> tuple[list[float], float, Prices]:
+        """For candidates of ``contexts`` (``most`` slots at most) in a step of several
+        sequences: per candidate the tokens its first row costs at the hurdle's goodput (what
+        a first draft's chance must beat), the plain step's seconds, and the plain plan's
+        prices."""
+        plain, fit = self._batch_fits(base_tokens, base_seqs, len(contexts), most)
+        base = plain.seconds(base_tokens, base_seqs, base_pairs)
+        ratio = len(contexts) / base
+        floor = ratio * (1 + self.tuning.hurdle) * (1 - 1e-9)  # a hair: rounding never skips
+        worth = [floor * fit.row(float(context)) for context in contexts]
+        return worth, base, Prices(fit.row(0.0), fit.per_pair, 0.0, ratio)
+
+    def beyond_reach(
+        self, contexts: list[int], most: int, base_tokens: int, base_seqs: int, base_pairs: float
+    ) -> list[bool]:
+        """Per candidate of a step (by its context; ``most`` slots at most), whether no draft
+        of it can pay this step whatever its proposers would find: its first row costs a
+        token or more at the hurdle's goodput, and no draft's chance exceeds 1. Its lookups
+        need not be made (at batch 32 and 64 in the gguf mode, every candidate's on most
+        steps). Nothing before the step-time model is ready, or at batch 1."""
+        if not contexts or base_seqs <= 1 or not self.times.ready:
+            return [False] * len(contexts)
+        worth = self._first_rows(contexts, most, base_tokens, base_seqs, base_pairs)[0]
+        return [tokens >= 1.0 for tokens in worth]
 
     def _probed(
         self,
