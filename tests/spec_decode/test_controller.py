@@ -27,6 +27,7 @@ from specbatch.spec_decode.control.choices import DRAFT, LOOKUP_WAYS, Candidate,
 from specbatch.spec_decode.control.controller import GoodputController
 from specbatch.spec_decode.control.solver import promising_depths
 from specbatch.spec_decode.control.step_times import (
+    CACHED_FITS,
     FAR,
     ForwardTimes,
     StepClock,
@@ -335,6 +336,19 @@ def test_a_draft_forwards_line_is_the_general_fits(seed: int) -> None:
         weight = times._ring.weights() * (np.exp(-near / (2 * bandwidth**2)) + FAR)
         fixed, per_row = _weighted_fit(times._design, times._y, weight, constrained=False)
         assert times._fit(rows) == pytest.approx((fixed, per_row), rel=1e-6, abs=1e-12)
+
+
+def test_fits_asked_at_ever_new_rows_stay_within_the_memo_bound() -> None:
+    """A draft model that never runs gets no samples while each step asks its fit at a new
+    row count (its catch-up's): the memo keeps at most ``CACHED_FITS`` of them, and every
+    answer, cached or refitted, is the fit computed afresh."""
+    times = ForwardTimes()
+    for rows in (1, 2, 4, 8, 16):
+        times.observe(rows, 0.003 + 0.0001 * rows)
+    for rows in range(1, 10 * CACHED_FITS):
+        assert times.fit(float(rows)) == times._fit(float(rows))
+        assert times.fit(1.0) == times._fit(1.0)
+        assert len(times._cache._fits) <= CACHED_FITS
 
 
 def test_a_far_draft_forward_does_not_rule_small_ones_out() -> None:

@@ -19,6 +19,7 @@ import pytest
 from specbatch.spec_decode.control.choices import (
     DRAFT,
     EXTERNAL,
+    FORCED,
     LOOKUP_WAYS,
     SUFFIX,
     Candidate,
@@ -126,7 +127,33 @@ def test_the_cases_reach_both_answers_and_a_probe_past_the_bound() -> None:
         probed = any(c.planned is not None for c in plan.choices)
         seen.add(("answered", answered))
         seen.add(("answered, probed", answered and probed))
-    assert seen >= {("answered", True), ("answered", False), ("answered, probed", True)}
+        seen.add(
+            ("answered past a first row", answered and not first_rows_rule_out(controller, cands))
+        )
+    assert seen >= {
+        ("answered", True),
+        ("answered", False),
+        ("answered, probed", True),
+        ("answered past a first row", True),
+    }
+
+
+def first_rows_rule_out(controller: GoodputController, cands: list[Candidate]) -> bool:
+    """Whether every candidate's best calibrated first chance is within its first row's
+    worth (the bound before it counted follow-on chances, the plain step's shortfall and the
+    draft model's forward): the cases must also meet steps that only the rest rules out."""
+    seqs = len(cands) + 2
+    pairs = float(sum(c.context for c in cands))
+    most = max(c.slots for c in cands)
+    worth = controller._first_rows([c.context for c in cands], most, seqs, seqs, pairs)[0]
+    acceptance = controller.acceptance
+    for way in (*controller.ways, FORCED):
+        for c, tokens in zip(cands, worth, strict=True):
+            if c.copied(way) != [] and tokens < 1.0:
+                first = acceptance.calibration(way) * acceptance.first(c.seq_id, way)
+                if first > tokens:
+                    return False
+    return True
 
 
 def test_a_step_whose_rows_cost_a_decode_builds_no_arrays(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -152,6 +179,39 @@ def test_a_step_whose_rows_cost_a_decode_builds_no_arrays(monkeypatch: pytest.Mo
         assert all(choice.way is None for choice in plan.choices)
         assert plan.report.expected_gain == 1.0
         assert plan.prices.tokens_per_second > 0
+
+
+def test_a_draft_model_whose_forward_cannot_pay_builds_no_arrays(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The traced steps at batch 8 in the gguf mode (stop 62, math): a row costs ~1.4 ms of
+    a 26 ms step at a short context, under the draft model's unmeasured first chance (0.5),
+    so the first-row bound alone sent every step to the full plan (369 of 377 plans, 0.25 ms
+    of controller a step); but any draft-model draft also runs its forward (3.0 ms fixed),
+    which no batch of such drafts repays. The bound counts that forward, and the plan is the
+    plain step without the arrays."""
+    controller = GoodputController((*LOOKUP_WAYS, SUFFIX, DRAFT), SpeculationTuning())
+    rng = random.Random(0)
+    for step in range(64):
+        for tokens in (8, 9, 10, 12):
+            pairs = tokens * (100 + step)
+            seconds = 0.0185 + 0.00097 * tokens + 4e-6 * pairs
+            controller.observe_step(tokens, 8, pairs, seconds * rng.uniform(0.98, 1.02))
+        for rows in (8, 16):
+            controller.observe_draft_forward(rows, (0.0030 + 1e-4 * rows) * rng.uniform(0.98, 1.02))
+        controller.acceptance.step += 1
+    cands = [Candidate(seq_id, 4, 100, [], 0) for seq_id in range(8)]
+    worth = controller._first_rows([c.context for c in cands], 4, 8, 8, 800.0)[0]
+    first = controller.acceptance.calibration(DRAFT) * controller.acceptance.first(0, DRAFT)
+    assert first > max(worth)  # a first row alone would not rule the draft model out
+
+    def built(*args: object) -> None:
+        raise AssertionError("the plan's arrays were built for a step no draft can pay in")
+
+    monkeypatch.setattr(controller, "_options", built)
+    for _ in range(controller.tuning.probe_every - 1 - controller.plans_since_probe):
+        plan = controller.plan(cands, 8, 8, 800.0, budget=32)
+        assert all(choice.way is None for choice in plan.choices)
 
 
 @pytest.mark.parametrize("seed", range(100))
@@ -188,3 +248,12 @@ def test_some_candidates_are_beyond_reach_and_some_are_not() -> None:
         most = max(c.slots for c in cands)
         kinds.update(controller.beyond_reach([c.context for c in cands], most, seqs, seqs, pairs))
     assert kinds == {True, False}
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_a_candidates_copies_are_what_each_way_would_copy(seed: int) -> None:
+    """``Candidate.copies`` (the bound's one pass per candidate) against ``copied`` asked of
+    every way that copies."""
+    for cand in candidates(random.Random(seed), 32):
+        asked = {way: cand.copied(way) for way in (*LOOKUP_WAYS, SUFFIX, FORCED)}
+        assert dict(cand.copies()) == {way: copy for way, copy in asked.items() if copy}

@@ -85,6 +85,16 @@ class Candidate:
             return self.lookup if self.lookup and way == lookup_way(self.lookup_n) else []
         return self.suffix if way == SUFFIX else self.forced
 
+    def copies(self) -> list[tuple[Way, list[int]]]:
+        """Each way that copies something for it, with what: ``copied`` where it is not
+        empty (its lookup's way, the store, forced tokens)."""
+        found = [(lookup_way(self.lookup_n), self.lookup)] if self.lookup else []
+        if self.suffix:
+            found.append((SUFFIX, self.suffix))
+        if self.forced:
+            found.append((FORCED, self.forced))
+        return found
+
 
 @dataclass(frozen=True)
 class Choice:

@@ -133,7 +133,8 @@ class GoodputController:
             chosen = all_slots(gains, valid)
         else:
             chosen, ratio = self._solve(options, len(candidates), base)
-            expected_gain = ratio * base / len(candidates)
+            if any(d >= 0 for _, d in chosen):  # (the plain plan's is 1, not its rounding)
+                expected_gain = ratio * base / len(candidates)
         planned = chosen = within_budget(chosen, gains, costs, max(budget, 0))
         if self.times.ready:
             probe: bool | None = None  # (a plan without room is no plan towards a probe)
@@ -180,33 +181,64 @@ class GoodputController:
     ) -> ControllerPlan | None:
         """The plain step's plan if no draft of any candidate can raise the step's goodput
         above the hurdle, else None (plan it in full): the exact plan's answer at a few
-        floats per candidate and way, where building its arrays took ~1 ms a step at batch
-        32 (the most of speculation's host time on steps that draft nothing: 3% of a gguf
-        step there, where a row costs what a decode does and no draft pays).
+        floats per candidate, way and position, where building its arrays took ~1 ms a step
+        at batch 32 (the most of speculation's host time on steps that draft nothing: 3% of
+        a gguf step there, where a row costs what a decode does and no draft pays).
 
-        A plan's goodput is ``(count + gains) / (base + costs)``: above the floor only if some
-        draft's gain over its cost is (a ratio of sums is at most the largest ratio of its
-        terms, and the plain step's own is below the floor). A draft's gain is at most its
-        first-draft chance, calibrated, and at most 1 (later ones are that times follow-on
-        chances); its cost at least the row it adds at the first position (later rows attend
-        more keys; a proposer's time, a catch-up and a draft forward only add). So no draft
-        pays where every candidate's best first chance over its ways is at most the floor's
-        tokens per second times its first row's seconds."""
+        A plan beats the floor (the plain step's goodput raised by the hurdle) only where its
+        drafts' gains exceed the floor times their seconds by more than the plain step falls
+        short of it: ``sum(gain - floor * cost) > floor * (base + draft forwards) - count``
+        (``solver.promising_depths``, the exact test). Each draft's term is at most its chance
+        (the first draft's, calibrated, times the follow-on chances to its position; at most
+        1) less the floor times its first position's row and its proposer's seconds per draft
+        (later rows attend more keys, a catch-up only adds, a proposer that stops early
+        saves its gain with its cost), and a plan with the draft model runs one draft forward
+        at least. So no draft pays where the candidates' best sums of positive terms fit in
+        that slack, without the draft model and with one forward of it: at batch 8 in the
+        gguf mode the draft model's first chance beat a first row on every step, and only its
+        forward's fixed seconds showed it could not pay."""
         contexts = [c.context for c in candidates]
         most = max(c.slots for c in candidates)
         worth, base, prices = self._first_rows(contexts, most, base_tokens, base_seqs, base_pairs)
+        count = len(candidates)
+        floor = prices.tokens_per_second * (1 + self.tuning.hurdle) * (1 - 1e-9)
         open_ = [i for i, tokens in enumerate(worth) if tokens < 1.0]  # (no chance exceeds 1)
-        if open_:
-            ways = (*self.ways, FORCED) if any(candidates[i].forced for i in open_) else self.ways
-            acceptance = self.acceptance
-            for way in ways:
-                drafting = [i for i in open_ if candidates[i].copied(way) != []]
-                if not drafting:
-                    continue
-                calibration = acceptance.calibration(way)
-                firsts = acceptance.firsts(way, [candidates[i].seq_id for i in drafting])
-                if any(calibration * f > worth[i] for i, f in zip(drafting, firsts, strict=True)):
-                    return None
+        ways = (*self.ways, FORCED) if any(candidates[i].forced for i in open_) else self.ways
+        draft_fit = self.draft_times.fit(count) if DRAFT in ways else (0.0, 0.0)
+        others, drafting = [0.0] * count, [0.0] * count  # best sums: other ways, the draft's
+        acceptance = self.acceptance
+        usable: dict[Way, dict[int, int]] = {way: {} for way in ways}  # drafts it may make
+        for i in open_:
+            candidate = candidates[i]
+            for way, copy in candidate.copies():  # (a lookup of a length no way has: none)
+                if way in usable:
+                    usable[way][i] = min(candidate.slots, len(copy))
+        follows = acceptance.follow_lists(ways, most)
+        proposing = self.proposing_seconds(ways, draft_fit)
+        for way, seconds, follow in zip(ways, proposing, follows, strict=True):
+            drafts_of = usable[way]
+            if not way.copies:  # a way that drafts its own: every slot
+                drafts_of = {i: candidates[i].slots for i in open_}
+            if not drafts_of:
+                continue
+            calibration = acceptance.calibration(way)
+            best = drafting if way == DRAFT else others
+            firsts = acceptance.firsts(way, [candidates[i].seq_id for i in drafts_of])
+            for (i, drafts), first in zip(drafts_of.items(), firsts, strict=True):
+                price, chance, value = worth[i] + floor * seconds, calibration * first, 0.0
+                for j in range(drafts):
+                    chance *= follow[j]  # (follow[0] is 1)
+                    term = min(chance, 1.0) - price
+                    if term <= 0.0:  # (later terms are no larger)
+                        break
+                    value += term
+                best[i] = max(best[i], value)
+        short = base * floor - count  # what the plain step falls short of the floor by
+        if sum(others) > short * (1 - 1e-9):
+            return None
+        with_draft = (base + draft_fit[0]) * floor - count
+        if DRAFT in ways and sum(map(max, others, drafting)) > with_draft * (1 - 1e-9):
+            return None
         nothing = [Choice(None, 0) for _ in candidates]
         return ControllerPlan(nothing, prices, report_of(candidates, nothing, base, prices, 1.0))
 

@@ -71,7 +71,7 @@ def plan_one(
     draft = controller.ways.index(DRAFT) if DRAFT in controller.ways else None
     floor = 1 / base * (1 + controller.tuning.hurdle)
     way, last, ratio = _best(per_way, draft, base, draft_fit[0], floor)
-    expected_gain = ratio * base
+    expected_gain = ratio * base if last >= 0 else 1.0  # (the plain plan's is 1, not its rounding)
     last = min(last, max(budget, 0) - 1)  # ``within_budget``, for one candidate
     planned = way, last
     probe = None

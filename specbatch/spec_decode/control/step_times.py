@@ -39,6 +39,7 @@ from specbatch.spec_decode.tuning import SpeculationTuning
 # to fix a slope that no close step varies, never enough to move one that they do.
 FAR = 1e-6
 PAIR_SCALE = 1e-4  # attention pairs are fitted in units of 10^4 (the fit's conditioning)
+CACHED_FITS = 64  # a fit memo's bound (a plan asks a dozen shapes at most; see _FitCache)
 SLOPES = 3  # a step's fit has one per tokens, sequences, pairs: it needs as many samples
 # The whisper of ridge on every fit's slopes: this share of the Gram matrix's trace, plus a floor
 # (a column that does not vary gets slope 0, not noise)
@@ -305,7 +306,11 @@ class _Ring:
 
 class _FitCache(Generic[Fit]):
     """Fits by exact shape, each reused until ``refit_every`` samples have arrived since it
-    was fitted (entries older than that are dropped as new ones come)."""
+    was fitted; at most ``CACHED_FITS`` of them (a memo: no fit depends on what it holds).
+    When full, the stale entries go, then the oldest: a draft model that never runs gets
+    no samples, so its fits never go stale, while each step asks one at a new row count
+    (its catch-up's, growing), and a purge on every new shape had come to scan hundreds of
+    entries a step at batch 8."""
 
     def __init__(self, refit_every: int) -> None:
         self.refit_every = refit_every
@@ -318,9 +323,13 @@ class _FitCache(Generic[Fit]):
         return None
 
     def put(self, shape: tuple[Any, ...], count: int, fit: Fit) -> Fit:
-        if shape not in self._fits:  # a new shape: the stale ones go first
-            self._fits = {k: v for k, v in self._fits.items() if count - v[0] < self.refit_every}
-        self._fits[shape] = (count, fit)
+        fits = self._fits
+        if shape not in fits and len(fits) >= CACHED_FITS:
+            fits = {k: v for k, v in fits.items() if count - v[0] < self.refit_every}
+            if len(fits) >= CACHED_FITS:
+                del fits[next(iter(fits))]
+            self._fits = fits
+        fits[shape] = (count, fit)
         return fit
 
 
