@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import numpy as np
 import pytest
 
@@ -31,6 +33,19 @@ def test_index_matches_the_scan_as_tokens_are_appended(seed: int) -> None:
         expected = ngram_match(np.asarray(tokens, dtype=np.int64), low, high, 4)
         assert index.match(tokens, 4) == expected
         tokens += rng.integers(0, vocab, int(rng.integers(1, 4))).tolist()
+
+
+@pytest.mark.parametrize("limit", [1, 4])
+def test_the_index_leaves_the_collector_nothing_to_scan(limit: int) -> None:
+    """Every entry of a prompt's index is a tuple of ints, which the garbage collector stops
+    tracking: with a list per n-gram (2,400 for a 600-token prompt) 32 sequences' indices put
+    a gen-2 collection of 83 ms into a batch-32 run (stop 62, bfloat16, coding)."""
+    tokens = np.random.default_rng(0).integers(0, 50, 600).tolist()
+    index = NgramIndex(1, 4, limit)
+    index.match(tokens, 4)
+    gc.collect()
+    assert len(index._ends) > 600
+    assert not any(gc.is_tracked(key) or gc.is_tracked(ends) for key, ends in index._ends.items())
 
 
 def test_a_replaced_list_is_indexed_again() -> None:
