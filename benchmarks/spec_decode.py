@@ -19,7 +19,7 @@ step, and the measured cost of one verify row over the step's (its step-time mod
 end of the cell).
 
 For every category and batch size, each engine (speculation off, then each proposer) generates
-greedily for the same chat-formatted first turns (cycled to fill the batch), stopping at EOS or
+greedily for the same chat-formatted first turns (plain text for a model with no chat template; cycled to fill the batch), stopping at EOS or
 ``--max-tokens``; outputs are identical across engines (greedy identity, checked: a row whose
 output differs says so), so tok/s compare equal work. Reported per row: tok/s, speedup over
 off, mean accepted length (tokens per verify step, bonus included), per-draft acceptance rate,
@@ -251,14 +251,18 @@ def parse_args() -> argparse.Namespace:
 
 
 def prompts_by_category(args: argparse.Namespace, tokenizer: Any) -> dict[str, list[list[int]]]:
-    """Up to ``--prompts-per-category`` chat-formatted first turns per category."""
+    """Up to ``--prompts-per-category`` chat-formatted first turns per category (the plain
+    text where the model has no chat template, as a base model's users send it)."""
     by_category: dict[str, list[list[int]]] = defaultdict(list)
     prompts = load_specbench(args.dataset, args.categories)
     if args.code_edit:
         prompts += [Prompt(text, "code_editing") for text in CODE_EDIT_PROMPTS]
     for prompt in prompts:
         if len(by_category[prompt.category]) < args.prompts_per_category:
-            _, ids = tokenizer.encode_chat([{"role": "user", "content": prompt.text}])
+            if tokenizer.chat_template is None:
+                ids = tokenizer.encode(prompt.text)
+            else:
+                _, ids = tokenizer.encode_chat([{"role": "user", "content": prompt.text}])
             by_category[prompt.category].append(ids[-args.max_prompt_len :])
     return dict(by_category)
 
