@@ -19,12 +19,12 @@ step, and the measured cost of one verify row over the step's (its step-time mod
 end of the cell).
 
 For every category and batch size, each engine (speculation off, then each proposer) generates
-greedily for the same chat-formatted first turns (plain text for a model with no chat
-template; cycled to fill the batch), stopping at EOS or ``--max-tokens``; outputs are identical across engines (greedy identity, checked: a row whose
-output differs says so), so tok/s compare equal work. Reported per row: tok/s, speedup over
-off, mean accepted length (tokens per verify step, bonus included), per-draft acceptance rate,
-and c, the measured cost of one draft step relative to one speculation-off target step at that
-batch size (proposal time for n-gram).
+greedily for the same chat-formatted first turns (plain text for a model with no chat template;
+cycled to fill the batch), stopping at EOS or ``--max-tokens``; outputs are identical across
+engines (greedy identity, checked: a row whose output differs says so), so tok/s compare equal
+work. Reported per row: tok/s, speedup over off, mean accepted length (tokens per verify step,
+bonus included), per-draft acceptance rate, and c, the measured cost of one draft step relative
+to one speculation-off target step at that batch size (proposal time for n-gram).
 
 Two diagnostics (``spec_probes.py``): ``--steps`` prints, per cell, where each engine's step
 time goes (plan, controller, proposal, forward, verify, learn, the rest) and its steps grouped
