@@ -252,8 +252,18 @@ def test_some_candidates_are_beyond_reach_and_some_are_not() -> None:
 
 @pytest.mark.parametrize("seed", range(20))
 def test_a_candidates_copies_are_what_each_way_would_copy(seed: int) -> None:
-    """``Candidate.copies`` (the bound's one pass per candidate) against ``copied`` asked of
-    every way that copies."""
+    """``Candidate.copies`` (and ``copied``, read from it) against the rule written out: a
+    lookup drafts as the way of its matched length (capped at the longest), the store as
+    SUFFIX, a constraint's forced tokens as FORCED; nothing else copies."""
     for cand in candidates(random.Random(seed), 32):
+        rule = {}
+        if cand.lookup:
+            rule[LOOKUP_WAYS[min(cand.lookup_n, len(LOOKUP_WAYS)) - 1]] = cand.lookup
+        if cand.suffix:
+            rule[SUFFIX] = cand.suffix
+        if cand.forced:
+            rule[FORCED] = cand.forced
         asked = {way: cand.copied(way) for way in (*LOOKUP_WAYS, SUFFIX, FORCED)}
-        assert dict(cand.copies()) == {way: copy for way, copy in asked.items() if copy}
+        assert dict(cand.copies()) == {way: copy for way, copy in asked.items() if copy} == rule
+        assert cand.copied(DRAFT) is None
+        assert cand.copied(EXTERNAL) is None

@@ -81,13 +81,11 @@ class Candidate:
         constraint's forced tokens) would draft; None for a way that drafts its own."""
         if not way.copies:
             return None
-        if way.lookup:
-            return self.lookup if self.lookup and way == lookup_way(self.lookup_n) else []
-        return self.suffix if way == SUFFIX else self.forced
+        return next((tokens for found, tokens in self.copies() if found == way), [])
 
     def copies(self) -> list[tuple[Way, list[int]]]:
-        """Each way that copies something for it, with what: ``copied`` where it is not
-        empty (its lookup's way, the store, forced tokens)."""
+        """Each way that copies something for it, with what (its lookup's way, the store,
+        forced tokens): the one place that says which way copies which tokens."""
         found = [(lookup_way(self.lookup_n), self.lookup)] if self.lookup else []
         if self.suffix:
             found.append((SUFFIX, self.suffix))

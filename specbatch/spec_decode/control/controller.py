@@ -207,18 +207,16 @@ class GoodputController:
         draft_fit = self.draft_times.fit(count) if DRAFT in ways else (0.0, 0.0)
         others, drafting = [0.0] * count, [0.0] * count  # best sums: other ways, the draft's
         acceptance = self.acceptance
-        usable: dict[Way, dict[int, int]] = {way: {} for way in ways}  # drafts it may make
+        copying: dict[Way, dict[int, int]] = {}  # per way that copies: drafts it may make
         for i in open_:
             candidate = candidates[i]
-            for way, copy in candidate.copies():  # (a lookup of a length no way has: none)
-                if way in usable:
-                    usable[way][i] = min(candidate.slots, len(copy))
+            for way, copy in candidate.copies():
+                copying.setdefault(way, {})[i] = min(candidate.slots, len(copy))
+        slots = {i: candidates[i].slots for i in open_}  # a way that drafts its own: every slot
         follows = acceptance.follow_lists(ways, most)
         proposing = self.proposing_seconds(ways, draft_fit)
         for way, seconds, follow in zip(ways, proposing, follows, strict=True):
-            drafts_of = usable[way]
-            if not way.copies:  # a way that drafts its own: every slot
-                drafts_of = {i: candidates[i].slots for i in open_}
+            drafts_of = copying.get(way, {}) if way.copies else slots
             if not drafts_of:
                 continue
             calibration = acceptance.calibration(way)
@@ -234,6 +232,7 @@ class GoodputController:
                     value += term
                 best[i] = max(best[i], value)
         short = base * floor - count  # what the plain step falls short of the floor by
+        # (the hair of promising_depths: rounding never answers plain where it would plan)
         if sum(others) > short * (1 - 1e-9):
             return None
         with_draft = (base + draft_fit[0]) * floor - count
