@@ -32,6 +32,7 @@ from specbatch.spec_decode.control.step_times import (
     ForwardTimes,
     StepClock,
     StepTimes,
+    _Ring,
     _weighted_fit,
     _weighted_fits,
 )
@@ -312,6 +313,31 @@ def test_two_close_steps_do_not_price_rows_at_another_context() -> None:
     assert choice.drafts >= 1
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_a_rings_weights_are_each_samples_age_decay_and_contention(seed: int) -> None:
+    """Each stored sample's weight is ``step_age_decay`` per sample since it arrived, times
+    ``FAR`` where its share of the cores fell below the window's contended bar; 0 for slots
+    never used. Checked after every sample, against the window written out, past a wrap."""
+    rng = random.Random(seed)
+    tuning = SpeculationTuning(step_window=rng.choice([3, 8, 64]))
+    window = tuning.step_window
+    ring = _Ring(window, tuning)
+    shares: list[float] = []
+    for _ in range(3 * window):
+        share = rng.choice([1.0, 0.97, 0.9, 0.2, 0.0, float("nan")])
+        slot = ring.add(share)
+        shares.append(share if share > 0 and share == share else 1.0)
+        assert slot == (len(shares) - 1) % window
+        held = shares[-window:]
+        bar = float(np.quantile(held, tuning.contention_quantile)) * tuning.contended_share
+        expected = np.zeros(window)
+        for age, kept in enumerate(reversed(held)):
+            number = len(shares) - 1 - age
+            contended = FAR if min(held) < bar and kept < bar else 1.0
+            expected[number % window] = tuning.step_age_decay**age * contended
+        assert ring.weights() == pytest.approx(expected, rel=1e-12, abs=0.0)
+
+
 def test_forward_times_fit_fixed_and_per_row() -> None:
     times = ForwardTimes()
     for rows in (1, 2, 4, 8, 16, 3, 5):
@@ -323,14 +349,16 @@ def test_forward_times_fit_fixed_and_per_row() -> None:
 
 @pytest.mark.parametrize("seed", range(8))
 def test_a_draft_forwards_line_is_the_general_fits(seed: int) -> None:
-    """A draft forward's fit, a weighted line in closed form, against the general weighted
-    least squares (``_weighted_fit``, unconstrained) on the same samples and weights."""
+    """A draft forward's fit, a weighted line in closed form over the samples grouped by row
+    count, against the general weighted least squares (``_weighted_fit``, unconstrained) on
+    every sample with its weight (contended ones too)."""
     rng = np.random.default_rng(seed)
     times = ForwardTimes()
     shapes = [1, 2, 3, 5, 8, 40, 120]  # each measured: no fit is the far reading
     for rows in shapes + list(rng.choice(shapes, int(rng.integers(0, 80)))):
-        times.observe(int(rows), 0.001 + 0.0002 * rows + float(rng.normal(0, 5e-5)), 1.0)
-    for rows in (1.0, 2.0, 5.0, 37.0, 120.0):
+        share = float(rng.choice([1.0, 1.0, 1.0, 0.2]))  # some timed contended (weighed FAR)
+        times.observe(int(rows), 0.001 + 0.0002 * rows + float(rng.normal(0, 5e-5)), share)
+    for rows in (1.0, 2.0, 5.0, 37.0, 120.0, 480.0):
         near = np.log(times._design[:, 1] / rows) ** 2
         bandwidth = times.tuning.bandwidth
         weight = times._ring.weights() * (np.exp(-near / (2 * bandwidth**2)) + FAR)

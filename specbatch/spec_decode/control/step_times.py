@@ -213,6 +213,10 @@ class ForwardTimes:
         self._y = np.zeros(window)
         self._ring = _Ring(window, self.tuning)
         self._cache: _FitCache[tuple[float, float]] = _FitCache(self.tuning.refit_every)
+        self._grouped: tuple[int, tuple[list[float], list[float], list[float], float]] = (
+            -1,
+            ([], [], [], 0.0),
+        )
 
     @property
     def ready(self) -> bool:
@@ -236,46 +240,72 @@ class ForwardTimes:
         return cached
 
     def _fit(self, rows: float) -> tuple[float, float]:
-        stored = self._ring.stored
-        r, y = self._design[:, 1], self._y
-        near = np.log(r / max(rows, 1.0)) ** 2  # stored rows are >= 1, the rest are 1
+        values, priors, seconds, least_per_row = self._groups()
+        wanted = math.log(max(rows, 1.0))
+        nearness = [(math.log(v) - wanted) ** 2 for v in values]
         bandwidth = self.tuning.bandwidth
-        if near[stored].min() > (2 * bandwidth) ** 2:
+        if min(nearness) > (2 * bandwidth) ** 2:
             # nothing measured within two kernel widths (~4x the rows): a fit would put a far
             # forward's whole time (a prompt's catch-up) in its fixed part and a plan would
             # never try a small forward, so never learn better; the optimistic reading (all
             # of it per row) gets it tried
-            return 0.0, float((y[stored] / r[stored]).min())
-        weight = self._ring.weights() * (np.exp(-near / (2 * bandwidth**2)) + FAR)
+            return 0.0, least_per_row
         # a line's weighted least squares in closed form (``_weighted_fit``'s, its whisper of
-        # ridge included): a catch-up's fit is asked at a new row count most steps, and the
-        # general solver's calls cost ~10x these sums
-        total = weight.sum()
-        mean_r, mean_y = weight @ r / total, weight @ y / total
-        weighted = weight * (r - mean_r)
-        spread = weighted @ (r - mean_r)
-        per_row = float(weighted @ (y - mean_y) / (spread * (1 + RIDGE) + RIDGE_FLOOR))
-        fixed = float(mean_y - per_row * mean_r)
+        # ridge included), over the samples' distinct row counts (a handful: one-row
+        # forwards, a chain's, a few catch-ups), each with its samples' summed weight and
+        # weighted seconds: a catch-up's fit is asked at a new row count most steps the
+        # draft model sits out, and numpy over the window's slots cost ~70 us a fit there
+        kernels = [math.exp(-near / (2 * bandwidth**2)) + FAR for near in nearness]
+        weights = [k * prior for k, prior in zip(kernels, priors, strict=True)]
+        total = sum(weights)
+        reach = sum(w * v for w, v in zip(weights, values, strict=True))  # sum of w * rows
+        mean_r = reach / total
+        timed = [k * y for k, y in zip(kernels, seconds, strict=True)]  # sum of w * y per count
+        mean_y = sum(timed) / total
+        spread = sum(w * (v - mean_r) ** 2 for w, v in zip(weights, values, strict=True))
+        moment = sum(
+            (v - mean_r) * (t - w * mean_y) for v, t, w in zip(values, timed, weights, strict=True)
+        )
+        per_row = moment / (spread * (1 + RIDGE) + RIDGE_FLOOR)
+        fixed = mean_y - per_row * mean_r
         per_row = max(per_row, 0.0)
         if fixed < 0:  # a line through the origin's side: all of it per row
-            fixed, per_row = 0.0, float((weight * y).sum() / (weight * r).sum())
+            fixed, per_row = 0.0, sum(timed) / reach
         return fixed, per_row
+
+    def _groups(self) -> tuple[list[float], list[float], list[float], float]:
+        """The stored samples by row count (computed once per new sample): the distinct row
+        counts, per count its samples' summed weight before nearness and their weighted
+        seconds, and the least seconds per row of any sample."""
+        count = self._ring.count
+        if self._grouped[0] != count:
+            stored = self._ring.stored
+            r, y = self._design[stored, 1], self._y[stored]
+            values, index = np.unique(r, return_inverse=True)
+            prior = self._ring.weights()[stored]
+            priors = np.bincount(index, weights=prior, minlength=len(values))
+            seconds = np.bincount(index, weights=prior * y, minlength=len(values))
+            least = float((y / r).min())
+            self._grouped = (count, (values.tolist(), priors.tolist(), seconds.tolist(), least))
+        return self._grouped[1]
 
 
 class _Ring:
     """The window's samples, a slot per step in turn, and each one's weight before nearness:
     its age's decay (``step_age_decay`` per sample since), times ``FAR`` for one timed
-    contended (see the module docstring); 0 for slots not yet used. Computed once per new
-    sample and shared by every fit until the next."""
+    contended (see the module docstring); 0 for slots not yet used. Computed when a fit asks,
+    once per new sample, and shared by every fit until the next: a sample's arrival writes
+    its own slot only (a whole-window decay each step cost ~30 us after a forward, which
+    leaves the window's arrays out of cache)."""
 
     def __init__(self, window: int, tuning: SpeculationTuning) -> None:
         self._share = np.ones(window)  # the process's share of the cores at each sample
-        self._decay = np.zeros(window)  # step_age_decay ** age; 0 for slots not yet used
+        self._number = np.zeros(window)  # each slot's sample number (0, 1, ...)
         self._stored = np.zeros(window, dtype=bool)
         self._tuning = tuning
         self.count = 0
         self._computed = -1
-        self._weights = self._decay
+        self._weights = np.zeros(window)
 
     @property
     def stored(self) -> np.ndarray:
@@ -285,8 +315,7 @@ class _Ring:
         """Store a sample's share of the cores; its slot in the ring."""
         slot = self.count % len(self._stored)
         self._share[slot] = share if share > 0 and math.isfinite(share) else 1.0
-        self._decay *= self._tuning.step_age_decay
-        self._decay[slot] = 1.0
+        self._number[slot] = self.count
         self._stored[slot] = True
         self.count += 1
         return slot
@@ -295,12 +324,14 @@ class _Ring:
         if self._computed != self.count and self.count:
             self._computed = self.count
             tuning = self._tuning
+            ages = (self.count - 1) - self._number
+            decay = np.where(self._stored, tuning.step_age_decay**ages, 0.0)
             shares = self._share[self._stored]
             bar = _quantile(shares, tuning.contention_quantile) * tuning.contended_share
             if shares.min() >= bar:  # nothing contended (the usual case): the decay alone
-                self._weights = self._decay
+                self._weights = decay
             else:
-                self._weights = np.where(self._share < bar, FAR, 1.0) * self._decay
+                self._weights = np.where(self._share < bar, FAR, 1.0) * decay
         return self._weights
 
 
