@@ -46,6 +46,8 @@ SLOPES = 3  # a step's fit has one per tokens, sequences, pairs: it needs as man
 RIDGE, RIDGE_FLOOR = 1e-9, 1e-30
 
 Fit = TypeVar("Fit")
+# a draft model's samples by row count: the counts, their weights, weighted seconds, least s/row
+_Groups = tuple[list[float], list[float], list[float], float]
 
 
 class StepClock:
@@ -213,10 +215,7 @@ class ForwardTimes:
         self._y = np.zeros(window)
         self._ring = _Ring(window, self.tuning)
         self._cache: _FitCache[tuple[float, float]] = _FitCache(self.tuning.refit_every)
-        self._grouped: tuple[int, tuple[list[float], list[float], list[float], float]] = (
-            -1,
-            ([], [], [], 0.0),
-        )
+        self._grouped: tuple[int, _Groups] | None = None  # (sample count, its groups)
 
     @property
     def ready(self) -> bool:
@@ -273,12 +272,12 @@ class ForwardTimes:
             fixed, per_row = 0.0, sum(timed) / reach
         return fixed, per_row
 
-    def _groups(self) -> tuple[list[float], list[float], list[float], float]:
+    def _groups(self) -> _Groups:
         """The stored samples by row count (computed once per new sample): the distinct row
         counts, per count its samples' summed weight before nearness and their weighted
         seconds, and the least seconds per row of any sample."""
         count = self._ring.count
-        if self._grouped[0] != count:
+        if self._grouped is None or self._grouped[0] != count:
             stored = self._ring.stored
             r, y = self._design[stored, 1], self._y[stored]
             values, index = np.unique(r, return_inverse=True)
