@@ -1,4 +1,5 @@
-"""GGUF Q4_1 / Q8_0 linear kernel against oneDNN's packed float32 (and bfloat16) linear.
+"""GGUF Q4_1 / Q8_0 linear kernels (the panels, and AMX tiles where the CPU has them) against
+oneDNN's packed float32 (and bfloat16) linear and the AMX bfloat16 kernel.
 
 SmolLM2-135M's shapes: the Q4_1 projections (576->576, 576->192, 576->1536, 1536->576) and the
 Q8_0 LM head (576->49152), for M rows of input. Random weights are quantized blocks; the float
@@ -10,7 +11,8 @@ kernels in the same run:
   ``--stream-mb`` per kernel, so the weights come from memory, as in decoding a whole model,
   where every layer's weights are read once per token.
 
-The ratio is float32 time over quantized time (above 1: the quantized kernel is faster).
+Ratios are each contender's time over the GGUF form the exact mode uses here (``tiles`` where
+AMX is granted, else ``quant``, the panels): above 1, that form is faster.
 
     python benchmarks/gguf_linear.py [--repeats 20] [--rows 1 2 5 16 64] [--stream-mb 128]
                                      [--threads N] [--json PATH]
@@ -33,7 +35,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import median_seconds, print_conditions, write_json
+from specbatch.kernels import amx_linear, gguf_tiles
 from specbatch.kernels.gguf_linear import BLOCK_BYTES, QuantizedWeight, quantized_linear
+from specbatch.kernels.gguf_tiles import TileBlockWeight, tile_block_linear
 from specbatch.kernels.onednn import cpu_packing_supported, pack_weight, packed_linear
 
 SHAPES = [  # (kind, in_features, out_features, what)
@@ -85,10 +89,12 @@ class Contender:
         return median_us(lambda: self.run(xd, self.next_weight()), repeats)
 
 
-def contenders(weight: QuantizedWeight, stream_bytes: int, bf16: bool) -> list[Contender]:
-    """The quantized kernel and the packed float ones, each with copies enough to exceed
+def contenders(
+    weight: QuantizedWeight, raw: np.ndarray, stream_bytes: int, bf16: bool
+) -> list[Contender]:
+    """The quantized kernels and the packed float ones, each with copies enough to exceed
     ``stream_bytes`` (one copy for 0)."""
-    n = weight.out_features
+    n, k = weight.out_features, weight.in_features
 
     def copies(nbytes: int) -> int:
         return max(1, -(-stream_bytes // nbytes))
@@ -100,7 +106,31 @@ def contenders(weight: QuantizedWeight, stream_bytes: int, bf16: bool) -> list[C
     found = [
         Contender("quant", torch.float32, quantized_linear, itertools.cycle(quantized).__next__)
     ]
+    if gguf_tiles.available():
+        tiles = TileBlockWeight.from_blocks(raw, weight.kind, k)
+        copies_of_tiles = [tiles] + [
+            dataclasses.replace(tiles, data=tiles.data.clone())
+            for _ in range(copies(tiles.nbytes) - 1)
+        ]
+        found.append(
+            Contender(
+                "tiles", torch.float32, tile_block_linear, itertools.cycle(copies_of_tiles).__next__
+            )
+        )
     dense = weight.dequantize()
+    if amx_linear.available():
+        amx = [
+            amx_linear.TileWeight.from_dense(dense.to(torch.bfloat16))
+            for _ in range(copies(dense.numel() * 2))
+        ]
+        found.append(
+            Contender(
+                "amx_bf16",
+                torch.bfloat16,
+                lambda x, w: w.multiply(x),
+                itertools.cycle(amx).__next__,
+            )
+        )
     for name, dtype in [("fp32", torch.float32)] + ([("bf16", torch.bfloat16)] if bf16 else []):
         packed = [
             pack_weight(dense.to(dtype).clone())
@@ -121,28 +151,26 @@ def measure_shape(
     weight = QuantizedWeight.from_blocks(raw, kind, k)
     results = []
     for regime, stream_bytes in (("hot", 0), ("stream", args.stream_mb << 20)):
-        timed = contenders(weight, stream_bytes, bf16)
+        timed = contenders(weight, raw, stream_bytes, bf16)
         for m in args.rows:
             x = torch.randn(m, k)
             row: dict[str, Any] = {"shape": f"{k}->{n}", "kind": kind, "regime": regime, "M": m}
             for contender in timed:
                 row[f"{contender.name}_us"] = contender.time_us(x, args.repeats)
-            row["quant_GBps"] = weight.nbytes / row["quant_us"] / 1e3
+            exact = row.get("tiles_us", row["quant_us"])
+            row["exact_GBps"] = weight.nbytes / exact / 1e3
             results.append(row)
-            print_row(row, bf16)
+            print_row(row, [c.name for c in timed])
     return results
 
 
-def print_row(row: dict[str, Any], bf16: bool) -> None:
-    quant, fp32 = row["quant_us"], row["fp32_us"]
-    line = (
-        f"{row['kind']:5s} {row['shape']:>10s} {row['regime']:6s} {row['M']:3d} "
-        f"{quant:10.1f} {fp32:10.1f} {fp32 / quant:6.2f}x"
-    )
-    if bf16:
-        bf = row["bf16_us"]
-        line += f" {bf:10.1f} {bf / quant:6.2f}x"
-    print(line + f" {row['quant_GBps']:7.1f}", flush=True)
+def print_row(row: dict[str, Any], names: list[str]) -> None:
+    exact = row.get("tiles_us", row["quant_us"])
+    line = f"{row['kind']:5s} {row['shape']:>10s} {row['regime']:6s} {row['M']:3d}"
+    for name in names:
+        us = row[f"{name}_us"]
+        line += f" {us:9.1f} {us / exact:5.2f}x"
+    print(line + f" {row['exact_GBps']:7.1f}", flush=True)
 
 
 def main() -> None:
@@ -164,11 +192,13 @@ def main() -> None:
         stream_working_set=f"{args.stream_mb} MiB per kernel",
         bf16_baseline=bf16,
     )
-    header = ["kind", "shape", "regime", "M", "quant us", "fp32 us", "fp32/q"]
-    if bf16:
-        header += ["bf16 us", "bf16/q"]
-    widths = [5, 10, 6, 3, 10, 10, 7, 10, 7]
-    print(" ".join(f"{h:>{w}s}" for h, w in zip(header, widths, strict=False)) + "  q GB/s")
+    names = ["quant"] + ["tiles"] * gguf_tiles.available() + ["amx_bf16"] * amx_linear.available()
+    names += ["fp32"] + ["bf16"] * bf16
+    print(
+        f"{'kind':5s} {'shape':>10s} {'regime':6s} {'M':>3s}"
+        + "".join(f" {name + ' us':>9s} {'ratio':>6s}" for name in names)
+        + "  exact GB/s"
+    )
     results = []
     for kind, k, n, _ in SHAPES:
         results += measure_shape(kind, k, n, args, bf16)

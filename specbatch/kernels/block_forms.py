@@ -1,11 +1,15 @@
 """Which weight form holds a GGUF tensor of each type as stored: the registry of block forms.
 
-Q4_1 and Q8_0 are repacked into panels for their own kernel (``kernels.gguf_linear``: faster
-than the stored layout, SmolLM2's products 4.2 against 5.3 ms at one row and 60.6 against
-78.2 at 64, ``gguf_blocks`` timed beside it on the Intel AVX-512 host, 2026-12-06); every
-other supported type is multiplied as the file stores it (``kernels.gguf_blocks``). Both give
-the same bits (one summation order: ``tests/kernels/test_gguf_block_linear.py``). A new block
-type is a C dequantiser in ``gguf_blocks.c``, its ``BLOCK_TYPES`` entry, and nothing here.
+Q4_1 and Q8_0 are rearranged for AMX tiles where the CPU has them (``kernels.gguf_tiles``:
+level with the panels at one row, 1.3x at 5, 2.2x at 16 and 64 on SmolLM2's products), else
+repacked into panels for their own kernel (``kernels.gguf_linear``: faster than the stored
+layout, SmolLM2's products 4.2 against 5.3 ms at one row and 60.6 against 78.2 at 64,
+``gguf_blocks`` timed beside it on the Intel AVX-512 host, 2026-12-06); every other supported
+type is multiplied as the file stores it (``kernels.gguf_blocks``). The panels and the stored
+layout give the same bits (one summation order: ``tests/kernels/test_gguf_block_linear.py``);
+the tiles sum each block apart before its scale, so theirs differ, the same at every row
+count. A new block type is a C dequantiser in ``gguf_blocks.c``, its ``BLOCK_TYPES`` entry,
+and nothing here.
 """
 
 from __future__ import annotations
@@ -13,12 +17,16 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import numpy as np
+import torch
 
+from specbatch.kernels import gguf_tiles
 from specbatch.kernels.gguf_blocks import BLOCK_TYPES, BlockWeight
 from specbatch.kernels.gguf_linear import QuantizedWeight
+from specbatch.kernels.gguf_tiles import TileBlockWeight
 from specbatch.kernels.weight_forms import StackedWeight, WeightForm
 
-BlockForm = QuantizedWeight | BlockWeight
+BlockForm = QuantizedWeight | TileBlockWeight | BlockWeight
+RepackedForm = QuantizedWeight | TileBlockWeight  # Q4_1 / Q8_0, whichever holds them here
 _REPACKED = {"Q4_1": "q4_1", "Q8_0": "q8_0"}
 
 
@@ -27,7 +35,20 @@ def _stored(name: str) -> Callable[[np.ndarray, int], BlockForm]:
 
 
 def _repacked(kind: str) -> Callable[[np.ndarray, int], BlockForm]:
-    return lambda raw, in_features: QuantizedWeight.from_blocks(raw, kind, in_features)
+    def make(raw: np.ndarray, in_features: int) -> BlockForm:
+        if gguf_tiles.available():
+            return TileBlockWeight.from_blocks(raw, kind, in_features)
+        return QuantizedWeight.from_blocks(raw, kind, in_features)
+
+    return make
+
+
+def q8_0_form(weight: torch.Tensor) -> BlockForm:
+    """A float32 weight quantized to Q8_0 (ggml's rounding) in the form a file's Q8_0 matrix
+    gets here (a draft model under a target of GGUF blocks)."""
+    if gguf_tiles.available():
+        return TileBlockWeight.from_dense(weight)
+    return QuantizedWeight.from_dense(weight)
 
 
 # ggml type name -> the form made from a tensor's bytes (uint8 [N, row bytes]) and its K
@@ -66,4 +87,4 @@ def holds_blocks(form: WeightForm) -> bool:
     """Whether ``form`` is a file's blocks as stored (or a stack of them)."""
     if isinstance(form, StackedWeight):
         return all(holds_blocks(part) for part in form.parts)
-    return isinstance(form, QuantizedWeight | BlockWeight)
+    return isinstance(form, RepackedForm | BlockWeight)

@@ -19,10 +19,15 @@ from torch import nn
 
 from specbatch.errors import ModelLoadError
 from specbatch.kernels.attention import AttentionBackend, LayerKVCache
-from specbatch.kernels.block_forms import block_form, holds_blocks, stacked_blocks
+from specbatch.kernels.block_forms import (
+    BlockForm,
+    RepackedForm,
+    block_form,
+    holds_blocks,
+    q8_0_form,
+    stacked_blocks,
+)
 from specbatch.kernels.fused_layers import FusedLayer, FusedLayers
-from specbatch.kernels.gguf_blocks import BlockWeight
-from specbatch.kernels.gguf_linear import QuantizedWeight
 from specbatch.kernels.linear import Linear, packed_form, packing_supported
 from specbatch.kernels.onednn import OneDnnWeight, measure_row_padding
 from specbatch.kernels.sgemm import SgemmWeight
@@ -38,7 +43,7 @@ if TYPE_CHECKING:
 class QuantizedEmbedding(nn.Module):
     """A token embedding kept as GGUF blocks: a lookup dequantises only the rows it takes."""
 
-    def __init__(self, form: QuantizedWeight | BlockWeight) -> None:
+    def __init__(self, form: BlockForm) -> None:
         super().__init__()
         self.form = form
 
@@ -254,19 +259,20 @@ class LlamaForCausalLM(nn.Module):
             )
         for module in self.modules():
             if isinstance(module, Linear) and module.weight is not None:
-                module.use_form(QuantizedWeight.from_dense(module.weight))
+                module.use_form(q8_0_form(module.weight))
         embedding = self.model.embed_tokens
         if self.config.tie_word_embeddings and isinstance(embedding, nn.Embedding):
-            self._use_embedding_form(QuantizedWeight.from_dense(embedding.weight))
+            self._use_embedding_form(q8_0_form(embedding.weight))
         self.fused.reconsider()
 
     def quantized_digest(self) -> str:
-        """sha256 over every repacked Q4_1/Q8_0 weight's bytes (what :meth:`quantize_for_cpu`
-        makes), in module order (the tied head once)."""
+        """sha256 over every Q4_1/Q8_0 weight's dequantised float32 values (what
+        :meth:`quantize_for_cpu` makes), in module order (the tied head once): the same
+        whichever form holds the blocks."""
         digest = hashlib.sha256()
         for form in self.weight_forms():
-            if isinstance(form, QuantizedWeight):
-                digest.update(form.data.numpy().tobytes())
+            if isinstance(form, RepackedForm):
+                digest.update(form.dequantize().numpy().tobytes())
         return digest.hexdigest()
 
     def layer_linears(self) -> list[Linear]:
@@ -331,7 +337,7 @@ class LlamaForCausalLM(nn.Module):
         self.fused.reconsider()
         return replaced
 
-    def _use_embedding_form(self, form: QuantizedWeight | BlockWeight) -> None:
+    def _use_embedding_form(self, form: BlockForm) -> None:
         """Look tokens up in ``form``, which a tied LM head shares."""
         self.model.embed_tokens = QuantizedEmbedding(form)  # type: ignore[assignment]
         if self.config.tie_word_embeddings:

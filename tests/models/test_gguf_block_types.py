@@ -15,6 +15,7 @@ import torch
 
 from specbatch import LLM, SamplingParams
 from specbatch.errors import ModelLoadError
+from specbatch.kernels import gguf_tiles
 from specbatch.kernels.block_forms import holds_blocks
 from specbatch.kernels.gguf_blocks import BLOCK_TYPES, BlockType, BlockWeight
 from specbatch.kernels.weight_forms import StackedWeight
@@ -127,9 +128,8 @@ def test_every_type_is_multiplied_as_stored(tmp_path: Path, kind: str) -> None:
         tmp_path / "m.gguf", config["vocab_size"]
     )
     weight = exact.model.layers[0].mlp.down_proj.form  # type: ignore[union-attr]
-    assert type(weight).__name__ == (
-        "QuantizedWeight" if kind in ("Q4_1", "Q8_0") else "BlockWeight"
-    )
+    repacked = "TileBlockWeight" if gguf_tiles.available() else "QuantizedWeight"
+    assert type(weight).__name__ == (repacked if kind in ("Q4_1", "Q8_0") else "BlockWeight")
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
@@ -140,7 +140,8 @@ def test_the_q4_k_m_mix_with_stacked_projections(tmp_path: Path, tied: bool) -> 
     )
     qkv = exact.model.layers[0].self_attn.qkv_proj  # type: ignore[union-attr]
     assert isinstance(qkv.form, StackedWeight)
-    assert [type(p).__name__ for p in qkv.form.parts] == ["BlockWeight", "QuantizedWeight"]
+    repacked = "TileBlockWeight" if gguf_tiles.available() else "QuantizedWeight"
+    assert [type(p).__name__ for p in qkv.form.parts] == ["BlockWeight", repacked]
     assert exact.fused.applies()
     if tied:  # the head is the embedding's own form
         assert exact.lm_head.form is exact.model.embed_tokens.form

@@ -17,7 +17,7 @@ import torch
 
 from specbatch import LLM, SamplingParams
 from specbatch.errors import ConfigError
-from specbatch.kernels.gguf_linear import QuantizedWeight
+from specbatch.kernels.block_forms import RepackedForm
 from specbatch.kernels.linear import Linear
 from specbatch.kernels.weight_forms import StackedWeight
 from specbatch.models import LlamaForCausalLM, load_model
@@ -55,7 +55,7 @@ def test_every_layer_matches_its_dequantised_float32_layer(
     assert len(plain) == 4 * 30
     gen = torch.Generator().manual_seed(0)
     for name, layer in quantized.items():
-        assert isinstance(layer.form, QuantizedWeight), name
+        assert isinstance(layer.form, RepackedForm), name
         assert layer.weight is None, name
         weight = plain[name].weight
         assert weight is not None
@@ -113,9 +113,7 @@ def test_tiny_quantized_gguf_matches_its_plain_load(tmp_path: Path, variant: str
         if n.endswith("qkv_proj")
     )
     assert all(
-        isinstance(m.form, QuantizedWeight)
-        for n, m in linears.items()
-        if not n.endswith("qkv_proj")
+        isinstance(m.form, RepackedForm) for n, m in linears.items() if not n.endswith("qkv_proj")
     )
     prompt = torch.randint(0, config["vocab_size"], (40,), generator=torch.Generator()).tolist()
     expected = PagedHarness(plain).forward([(0, prompt)])[0]
@@ -262,6 +260,6 @@ def test_types_the_kernel_cannot_read_are_named(
         model = load_model(tmp_path / "q.gguf", quantization="gguf")
     assert "blk.0.ffn_down.weight is MXFP4, which the kernels do not multiply" in caplog.text
     down = _linears(model)["model.layers.0.mlp.down_proj"]
-    assert not isinstance(down.form, QuantizedWeight)
+    assert not isinstance(down.form, RepackedForm)
     assert down.weight is not None
     assert not model.fused.applies()  # one plain layer: the per-op path serves every layer

@@ -15,7 +15,7 @@ from specbatch import LLMEngine
 from specbatch.config import EngineConfig
 from specbatch.errors import ConfigError
 from specbatch.kernels import gguf_linear
-from specbatch.kernels.gguf_linear import QuantizedWeight
+from specbatch.kernels.block_forms import RepackedForm
 from specbatch.kernels.linear import Linear
 from specbatch.models.weight_mode import WeightMode, resolve_weight_mode
 from tests.gguf_writer import write_gguf
@@ -44,7 +44,7 @@ def test_the_default_load_of_the_default_model_multiplies_its_blocks_as_stored()
     linears = engine.model.layer_linears()
     assert len(linears) == 4 * 30
     assert engine.model.lm_head.form is engine.model.model.embed_tokens.form  # tied, shared
-    assert all(isinstance(m.form, QuantizedWeight) and m.weight is None for m in linears)
+    assert all(isinstance(m.form, RepackedForm) and m.weight is None for m in linears)
     assert engine.model.fused.applies()  # each decoder layer one C call
 
 
@@ -87,7 +87,7 @@ def test_an_explicit_setting_reaches_the_model() -> None:
     engine = _engine(quantization=None)
     assert engine.weight_mode == FLOAT32
     linears = [m for m in engine.model.modules() if isinstance(m, Linear)]
-    assert all(not isinstance(m.form, QuantizedWeight) for m in linears)
+    assert all(not isinstance(m.form, RepackedForm) for m in linears)
     bf16 = _engine(dtype="bfloat16")
     assert bf16.weight_mode == WeightMode(torch.bfloat16, None)
     assert bf16.model.dtype == torch.bfloat16
@@ -179,16 +179,12 @@ def test_a_tiny_file_the_kernels_read_is_loaded_quantized_and_one_they_cannot_is
     quantized = _engine(model=str(readable), tokenizer=str(readable.parent / "hf"))
     assert quantized.weight_mode == GGUF
     assert all(
-        isinstance(m.form, QuantizedWeight)
-        for m in quantized.model.modules()
-        if isinstance(m, Linear)
+        isinstance(m.form, RepackedForm) for m in quantized.model.modules() if isinstance(m, Linear)
     )
     plain = _engine(model=str(unreadable), tokenizer=str(unreadable.parent / "hf"))
     assert plain.weight_mode == FLOAT32
     assert all(
-        not isinstance(m.form, QuantizedWeight)
-        for m in plain.model.modules()
-        if isinstance(m, Linear)
+        not isinstance(m.form, RepackedForm) for m in plain.model.modules() if isinstance(m, Linear)
     )
 
 

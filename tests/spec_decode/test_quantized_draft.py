@@ -5,6 +5,7 @@ against its dequantised float32 self, the digest of its blocks, and the fused la
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import gguf
 import numpy as np
@@ -12,7 +13,8 @@ import pytest
 import torch
 
 from specbatch.errors import ConfigError, ModelLoadError
-from specbatch.kernels.gguf_linear import QuantizedWeight, quantize_q8_0
+from specbatch.kernels.block_forms import RepackedForm
+from specbatch.kernels.gguf_linear import quantize_q8_0
 from specbatch.kernels.linear import Linear
 from specbatch.models import LlamaForCausalLM, load_model
 from specbatch.models.llama import QuantizedEmbedding
@@ -130,10 +132,11 @@ def test_the_shipped_drafts_blocks_are_checked_by_digest(q8_draft: LlamaForCausa
     check_shipped_q8_0(q8_draft)  # the known blocks
     damaged = copy.deepcopy(q8_draft)
     layer = _linears(damaged)["model.layers.1.mlp.down_proj"]
-    assert isinstance(layer.form, QuantizedWeight)
-    data = layer.form.data.clone()
-    data[0, 0] ^= 1
-    layer.form = QuantizedWeight("q8_0", layer.in_features, layer.out_features, data)
+    form = layer.form
+    assert isinstance(form, RepackedForm)
+    data = form.data.clone()
+    data.view(-1)[0] ^= 1  # one code's low bit (the first bytes are codes in either form)
+    layer.form = dataclasses.replace(form, data=data)
     with pytest.raises(ModelLoadError, match="Q8_0 copy of the shipped draft"):
         check_shipped_q8_0(damaged)
 

@@ -21,8 +21,8 @@ from specbatch.tokenizer import Tokenizer
 DRAFT_DIR = Path(__file__).resolve().parents[2] / "assets" / "smollm2-135m-draft"
 DRAFT_SHA256 = "a76042d7f311b87bcd6f0060d624f235183848e7317708e6e24265f4e1632f10"
 # Its Q8_0 copy (made at load under a target of GGUF blocks: LlamaForCausalLM.quantize_for_cpu),
-# by LlamaForCausalLM.quantized_digest: the blocks a quantized draft multiplies are these.
-DRAFT_Q8_0_SHA256 = "ab675216951074c7cab2470a163ca106f89e3d10d59fe6991414a7b507aca5ee"
+# by LlamaForCausalLM.quantized_digest (over the dequantised values, whichever form holds them).
+DRAFT_Q8_0_SHA256 = "33823cf35b7c87ea6afb5249bab9d88ac97aedc54a0e94b01d996051c7a70d34"
 # The shipped draft head (``specbatch train-head``, docs/distillation.md): what
 # ``{"method": "eagle"}`` drafts with by default (the hybrid's default is the draft model:
 # the head paid less beside prompt lookup, docs/distillation.md).

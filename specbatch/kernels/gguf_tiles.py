@@ -1,0 +1,189 @@
+"""GGUF Q4_1 / Q8_0 weights multiplied on AMX tiles (``gguf_amx.c``), where the CPU has them
+and Linux grants them: the exact mode's form for those types there.
+
+Each product keeps the file's values: a block's integer codes are bfloat16 values, a float32
+activation is exactly three bfloat16 parts, and a block's integer sum is TDPBF16PS over the
+parts (every product exact, the sums float32), then scaled by the block's ``d`` (and offset by
+``m`` times the block's sum of the activations) in float32, block by block. A tile multiplies
+up to 16 rows at the cost of one, so verify rows and batches cost little more than a decode;
+a row's bits are the same at any row count and thread count. Against the panel kernel
+(``gguf_linear``), SmolLM2-135M's 120 layer products: about level at one row, 1.3x at 5, 2.2x
+at 16 and 64 (``python benchmarks/gguf_linear.py``; docs/notes.md, 2026-12-07 stop 64).
+Elsewhere the panel kernel holds them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from specbatch.kernels.cbuild import NATIVE_FLAGS, NativeLibrary
+from specbatch.kernels.gguf_linear import BLOCK, BLOCK_BYTES, quantize_q8_0
+from specbatch.kernels.weight_forms import FusedPart, add_bias
+
+SOURCE = Path(__file__).with_name("gguf_amx.c")
+FLAGS = (*NATIVE_FLAGS, "-ffp-contract=off")
+TILE_N = 16  # outputs per record column
+_KIND = {"q4_1": 0, "q8_0": 1}
+
+
+def _declare(library: ctypes.CDLL) -> None:
+    pointer, i64 = ctypes.c_void_p, ctypes.c_int64
+    library.gguf_amx_available.restype = ctypes.c_int
+    library.gguf_amx_available.argtypes = []
+    library.gguf_amx_record_bytes.restype = i64
+    library.gguf_amx_record_bytes.argtypes = [ctypes.c_int]
+    library.gguf_amx_pack.restype = ctypes.c_int
+    library.gguf_amx_pack.argtypes = [ctypes.c_int, pointer, i64, i64, pointer]
+    library.gguf_amx_rows.restype = ctypes.c_int
+    library.gguf_amx_rows.argtypes = [ctypes.c_int, pointer, i64, i64, pointer, i64, pointer]
+    library.gguf_amx_linear.restype = ctypes.c_int
+    library.gguf_amx_linear.argtypes = [
+        ctypes.c_int, pointer, i64, i64,  # kind, x, rows, K
+        pointer, i64,  # weights, N
+        pointer, ctypes.c_int,  # out, threads
+    ]  # fmt: skip
+
+
+NATIVE = NativeLibrary(
+    SOURCE,
+    FLAGS,
+    "the AMX GGUF block kernel",
+    "Q4_1 / Q8_0 weights stay in the panel kernel",
+    _declare,
+)
+
+
+@functools.cache
+def available() -> bool:
+    """Whether Q4_1 / Q8_0 products can run on AMX tiles here (the kernel built with AMX and
+    the tile state granted by Linux); settled once per process."""
+    library = NATIVE.load()
+    return library is not None and bool(library.gguf_amx_available())
+
+
+def _library() -> ctypes.CDLL:
+    library = NATIVE.load()
+    if library is None or not available():
+        raise RuntimeError("the AMX GGUF block kernel is not available on this machine")
+    return library
+
+
+@dataclass(frozen=True, eq=False)
+class TileBlockWeight:
+    """A ``[out_features, in_features]`` Q4_1 or Q8_0 weight as records of 16 outputs x 32 K
+    in TDPBF16PS's B order (layout in ``gguf_amx.c``): the file's bytes rearranged, fp16
+    scales kept."""
+
+    kind: str
+    in_features: int
+    out_features: int
+    data: torch.Tensor  # uint8 [ceil(N / 16) * K / 32 * record bytes]
+
+    @classmethod
+    def from_blocks(cls, raw: np.ndarray, kind: str, in_features: int) -> TileBlockWeight:
+        """From a tensor's bytes as in the file: uint8 [N, K / 32 * block bytes] (K =
+        ``in_features``, a multiple of 32); ``kind`` is "q4_1" or "q8_0"."""
+        if kind not in _KIND:
+            raise ValueError(f"kind must be one of {sorted(_KIND)}, got {kind!r}")
+        if in_features <= 0 or in_features % BLOCK:
+            raise ValueError(f"in_features must be a positive multiple of 32, got {in_features}")
+        width = in_features // BLOCK * BLOCK_BYTES[kind]
+        if raw.dtype != np.uint8 or raw.ndim != 2 or raw.shape[1] != width:
+            raise ValueError(
+                f"raw must be a uint8 array [out_features, {width}] for {kind} with "
+                f"in_features={in_features}, got {raw.dtype} {list(raw.shape)}"
+            )
+        library = _library()
+        n = raw.shape[0]
+        record = library.gguf_amx_record_bytes(_KIND[kind])
+        data = torch.empty(-(-n // TILE_N) * (in_features // BLOCK) * record, dtype=torch.uint8)
+        raw = np.ascontiguousarray(raw)
+        status = library.gguf_amx_pack(
+            _KIND[kind], raw.ctypes.data, n, in_features, data.data_ptr()
+        )
+        if status != 0:
+            raise ValueError(f"the AMX kernel cannot pack {kind}")
+        return cls(kind, in_features, n, data)
+
+    @staticmethod
+    def fits(weight: torch.Tensor) -> bool:
+        """Whether ``weight`` can be quantized to Q8_0 and held here (:meth:`from_dense`)."""
+        return (
+            weight.dim() == 2
+            and weight.shape[1] > 0
+            and weight.shape[1] % BLOCK == 0
+            and available()
+        )
+
+    @classmethod
+    def from_dense(cls, weight: torch.Tensor) -> TileBlockWeight:
+        """``weight`` [N, K] (K a multiple of 32) quantized to Q8_0 as ggml does."""
+        array = weight.detach().to(torch.float32).cpu().numpy()
+        return cls.from_blocks(quantize_q8_0(array), "q8_0", weight.shape[1])
+
+    @property
+    def nbytes(self) -> int:
+        """Resident bytes."""
+        return self.data.numel()
+
+    def multiply(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return add_bias(tile_block_linear(x, self), bias)
+
+    def fused_part(self) -> FusedPart | None:
+        """``gguf_amx_linear``, the function :func:`tile_block_linear` calls."""
+        linear = ctypes.cast(_library().gguf_amx_linear, ctypes.c_void_p).value or 0
+        return FusedPart(linear, _KIND[self.kind], self.data.data_ptr(), torch.float32)
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 [N, K] weight, equal bit for bit to gguf's dequantisation."""
+        return self.rows(torch.arange(self.out_features))
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Dequantised rows ``ids`` (an embedding lookup): float32 [*ids.shape, K]."""
+        flat = ids.reshape(-1).to(device="cpu", dtype=torch.int64).contiguous()
+        out = torch.empty(len(flat), self.in_features, dtype=torch.float32)
+        status = _library().gguf_amx_rows(
+            _KIND[self.kind],
+            self.data.data_ptr(),
+            self.out_features,
+            self.in_features,
+            flat.data_ptr(),
+            len(flat),
+            out.data_ptr(),
+        )
+        if status != 0:
+            raise IndexError(f"row ids must lie in [0, {self.out_features}), got {ids.tolist()}")
+        return out.reshape(*ids.shape, self.in_features).to(ids.device)
+
+
+def tile_block_linear(x: torch.Tensor, weight: TileBlockWeight) -> torch.Tensor:
+    """``x @ weight.dequantize().T`` for float32 ``x`` [M, K] on the CPU (M may be 0)."""
+    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != weight.in_features:
+        raise ValueError(
+            f"x must be float32 [M, {weight.in_features}], got {x.dtype} {list(x.shape)}"
+        )
+    if x.device.type != "cpu":
+        raise ValueError(f"x must be on the CPU, got {x.device}")
+    x = x.contiguous()
+    out = torch.empty(x.shape[0], weight.out_features, dtype=torch.float32)
+    if x.shape[0] == 0:
+        return out
+    status = _library().gguf_amx_linear(
+        _KIND[weight.kind],
+        x.data_ptr(),
+        x.shape[0],
+        weight.in_features,
+        weight.data.data_ptr(),
+        weight.out_features,
+        out.data_ptr(),
+        torch.get_num_threads(),
+    )
+    if status != 0:
+        raise MemoryError("the AMX GGUF block kernel could not allocate its scratch memory")
+    return out
