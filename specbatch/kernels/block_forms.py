@@ -1,15 +1,15 @@
 """Which weight form holds a GGUF tensor of each type as stored: the registry of block forms.
 
-Q4_1 and Q8_0 are rearranged for AMX tiles where the CPU has them (``kernels.gguf_tiles``:
-level with the panels at one row, 1.3x at 5, 2.2x at 16 and 64 on SmolLM2's products), else
-repacked into panels for their own kernel (``kernels.gguf_linear``: faster than the stored
-layout, SmolLM2's products 4.2 against 5.3 ms at one row and 60.6 against 78.2 at 64,
-``gguf_blocks`` timed beside it on the Intel AVX-512 host, 2026-12-06); every other supported
-type is multiplied as the file stores it (``kernels.gguf_blocks``). The panels and the stored
-layout give the same bits (one summation order: ``tests/kernels/test_gguf_block_linear.py``);
-the tiles sum each block apart before its scale, so theirs differ, the same at every row
-count. A new block type is a C dequantiser in ``gguf_blocks.c``, its ``BLOCK_TYPES`` entry,
-and nothing here.
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q5_K are rearranged for AMX tiles where the CPU has them
+(``kernels.gguf_tiles``: level with the panels at one row, 1.3x at 5, 1.5-1.9x at 16-64 on
+SmolLM2's products); elsewhere Q4_1 and Q8_0 are repacked into panels for their own kernel
+(``kernels.gguf_linear``: faster than the stored layout, SmolLM2's products 4.2 against 5.3 ms
+at one row and 60.6 against 78.2 at 64, ``gguf_blocks`` timed beside it on the Intel AVX-512
+host, 2026-12-06); every other supported type is multiplied as the file stores it
+(``kernels.gguf_blocks``). The panels and the stored layout give the same bits (one summation
+order: ``tests/kernels/test_gguf_block_linear.py``); the tiles sum each block apart before its
+scale, so theirs differ, the same at every row count. A new block type is a C dequantiser in
+``gguf_blocks.c``, its ``BLOCK_TYPES`` entry, and nothing here.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 from specbatch.kernels import gguf_tiles
 from specbatch.kernels.gguf_blocks import BLOCK_TYPES, BlockWeight
 from specbatch.kernels.gguf_linear import QuantizedWeight
-from specbatch.kernels.gguf_tiles import TileBlockWeight
+from specbatch.kernels.gguf_tiles import TILED_TYPES, TileBlockWeight
 from specbatch.kernels.weight_forms import StackedWeight, WeightForm
 
 BlockForm = QuantizedWeight | TileBlockWeight | BlockWeight
@@ -31,7 +31,12 @@ _REPACKED = {"Q4_1": "q4_1", "Q8_0": "q8_0"}
 
 
 def _stored(name: str) -> Callable[[np.ndarray, int], BlockForm]:
-    return lambda raw, in_features: BlockWeight.from_blocks(raw, name, in_features)
+    def make(raw: np.ndarray, in_features: int) -> BlockForm:
+        if name in TILED_TYPES and gguf_tiles.available():
+            return TileBlockWeight.from_blocks(raw, name.lower(), in_features)
+        return BlockWeight.from_blocks(raw, name, in_features)
+
+    return make
 
 
 def _repacked(kind: str) -> Callable[[np.ndarray, int], BlockForm]:

@@ -1,15 +1,18 @@
-"""GGUF Q4_1 / Q8_0 weights multiplied on AMX tiles (``gguf_amx.c``), where the CPU has them
-and Linux grants them: the exact mode's form for those types there.
+"""GGUF Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q5_K weights multiplied on AMX tiles
+(``gguf_amx.c``), where the CPU has them and Linux grants them: the exact mode's form for those
+types there (Q6_K, Q2_K, Q3_K and the IQ types, whose scales come per 16 weights or from tables,
+stay in ``gguf_blocks``).
 
 Each product keeps the file's values: a block's integer codes are bfloat16 values, a float32
 activation is exactly three bfloat16 parts, and a block's integer sum is TDPBF16PS over the
 parts (every product exact, the sums float32), then scaled by the block's ``d`` (and offset by
-``m`` times the block's sum of the activations) in float32, block by block. A tile multiplies
-up to 16 rows at the cost of one, so verify rows and batches cost little more than a decode;
-a row's bits are the same at any row count and thread count. Against the panel kernel
-(``gguf_linear``), SmolLM2-135M's 120 layer products: about level at one row, 1.3x at 5, 2.2x
-at 16 and 64 (``python benchmarks/gguf_linear.py``; docs/notes.md, 2026-12-07 stop 64).
-Elsewhere the panel kernel holds them.
+``m`` times the block's sum of the activations) in float32, block by block (a K-quant's sub-
+blocks of 32 are its blocks here, with ``d = d_super * sc`` and ``m = -dmin * m_sub``). A tile
+multiplies up to 16 rows at the cost of one, so verify rows and batches cost little more than a
+decode; a row's bits are the same at any row count and thread count. Against the panel kernel
+(``gguf_linear``), SmolLM2-135M's 120 layer products: about level at one row, 1.3x at 5, 2.2x at
+16 and 64 (``python benchmarks/gguf_linear.py``; docs/notes.md, 2026-12-07 stop 64). Elsewhere
+the panel kernel holds them.
 """
 
 from __future__ import annotations
@@ -23,13 +26,16 @@ import numpy as np
 import torch
 
 from specbatch.kernels.cbuild import NATIVE_FLAGS, NativeLibrary
-from specbatch.kernels.gguf_linear import BLOCK, BLOCK_BYTES, quantize_q8_0
+from specbatch.kernels.gguf_blocks import block_type, check_rows
+from specbatch.kernels.gguf_linear import BLOCK, quantize_q8_0
 from specbatch.kernels.weight_forms import FusedPart, add_bias
 
 SOURCE = Path(__file__).with_name("gguf_amx.c")
 FLAGS = (*NATIVE_FLAGS, "-ffp-contract=off")
 TILE_N = 16  # outputs per record column
-_KIND = {"q4_1": 0, "q8_0": 1}
+# ggml type (lower case) -> gguf_amx.c's kind code
+_KIND = {"q4_1": 0, "q8_0": 1, "q4_0": 2, "q5_0": 3, "q5_1": 4, "q4_k": 5, "q5_k": 6}
+TILED_TYPES = frozenset(name.upper() for name in _KIND)
 
 
 def _declare(library: ctypes.CDLL) -> None:
@@ -76,9 +82,9 @@ def _library() -> ctypes.CDLL:
 
 @dataclass(frozen=True, eq=False)
 class TileBlockWeight:
-    """A ``[out_features, in_features]`` Q4_1 or Q8_0 weight as records of 16 outputs x 32 K
-    in TDPBF16PS's B order (layout in ``gguf_amx.c``): the file's bytes rearranged, fp16
-    scales kept."""
+    """A ``[out_features, in_features]`` weight of one of ``TILED_TYPES`` as records of 16
+    outputs x 32 K in TDPBF16PS's B order (layout in ``gguf_amx.c``): the file's bytes
+    rearranged (fp16 scales kept; a K-quant's sub-block scales as float32 products)."""
 
     kind: str
     in_features: int
@@ -87,18 +93,11 @@ class TileBlockWeight:
 
     @classmethod
     def from_blocks(cls, raw: np.ndarray, kind: str, in_features: int) -> TileBlockWeight:
-        """From a tensor's bytes as in the file: uint8 [N, K / 32 * block bytes] (K =
-        ``in_features``, a multiple of 32); ``kind`` is "q4_1" or "q8_0"."""
+        """From a tensor's bytes as in the file: uint8 [N, row bytes] (K = ``in_features``, a
+        multiple of the type's block); ``kind`` is a type of ``TILED_TYPES`` in lower case."""
         if kind not in _KIND:
             raise ValueError(f"kind must be one of {sorted(_KIND)}, got {kind!r}")
-        if in_features <= 0 or in_features % BLOCK:
-            raise ValueError(f"in_features must be a positive multiple of 32, got {in_features}")
-        width = in_features // BLOCK * BLOCK_BYTES[kind]
-        if raw.dtype != np.uint8 or raw.ndim != 2 or raw.shape[1] != width:
-            raise ValueError(
-                f"raw must be a uint8 array [out_features, {width}] for {kind} with "
-                f"in_features={in_features}, got {raw.dtype} {list(raw.shape)}"
-            )
+        check_rows(raw, block_type(kind), in_features)
         library = _library()
         n = raw.shape[0]
         record = library.gguf_amx_record_bytes(_KIND[kind])
