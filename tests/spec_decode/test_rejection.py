@@ -9,7 +9,7 @@ from scipy.stats import chisquare
 
 from specbatch.kernels.sampling import SamplingRow, gumbel_argmax, gumbel_noise
 from specbatch.sampling_params import SamplingParams
-from specbatch.spec_decode.verification.chain import verify
+from specbatch.spec_decode.verification.chain import _Layout, _match, _result, greedy_chains, verify
 
 V = 12
 RANDOM = SamplingParams(temperature=1.0)
@@ -166,3 +166,26 @@ def test_sequences_without_drafts_mixed_with_drafted_ones() -> None:
     assert len(result.tokens) == 3
     assert result.num_accepted[0] == result.num_accepted[2] == 0
     assert len(result.tokens[0]) == len(result.tokens[2]) == 1
+
+
+def test_greedy_chains_on_the_host_equal_the_padded_tensors_match() -> None:
+    """The host loop against the padded-tensor rule it replaced for greedy steps, on random
+    batches: sequences without drafts, every draft right, none right, the last one wrong."""
+    rng = np.random.default_rng(7)
+    vocab = 6  # small: drafts often equal their targets
+    for _ in range(300):
+        counts = rng.integers(0, 6, rng.integers(0, 5)).tolist()
+        targets = rng.integers(0, vocab, sum(counts) + len(counts)).tolist()
+        drafts, row = [], 0
+        for count in counts:
+            right = targets[row : row + count]
+            wrong = rng.integers(0, vocab, count).tolist()
+            mix = rng.random(count) < rng.choice([0.0, 0.7, 1.0])
+            drafts.append([r if m else w for r, w, m in zip(right, wrong, mix, strict=True)])
+            row += count + 1
+        got = greedy_chains(targets, drafts)
+        layout = _Layout.of(drafts, torch.device("cpu"))
+        accepted, final = _match(layout, torch.tensor(targets, dtype=torch.long)[layout.rows])
+        expected = _result(layout, accepted, final)
+        assert got.num_accepted == expected.num_accepted
+        assert got.tokens == expected.tokens

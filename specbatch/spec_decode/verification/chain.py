@@ -95,11 +95,10 @@ def verify(
     ``draft_probs`` holds one q row per draft in the same order, or is None (point masses).
     """
     device = logits.device
-    layout = _Layout.of(drafts, device)
     t = SamplingTensors.build(rows, logits.shape[1], device)
-    if t.all_greedy:
-        accepted, final = _match(layout, greedy_tokens(logits, t)[layout.rows])
-        return _result(layout, accepted, final)
+    if t.all_greedy:  # the targets to the host at once (the step's one transfer)
+        return greedy_chains(greedy_tokens(logits, t).tolist(), drafts)
+    layout = _Layout.of(drafts, device)
     p = target_probs(logits, t)
     first_rows, total = [], 0
     for d in drafts:
@@ -117,6 +116,23 @@ def verify(
         accepted = torch.where(random_seq, r_accepted, accepted)
         final = torch.where(random_seq, r_final, final)
     return _result(layout, accepted, final)
+
+
+def greedy_chains(targets: Sequence[int], drafts: Sequence[Sequence[int]]) -> VerifyResult:
+    """Greedy rows' verification on the host: each sequence's drafts accepted while they equal
+    its rows' argmax ``targets`` (``len(drafts[s]) + 1`` of them per sequence, in order), then
+    the next argmax. What :func:`_match` computes on padded tensors, without them: at batch 1
+    the tensors' layout and match took ~0.25 ms of a verify (1 ms against cold caches in the
+    engine), this loop a few us."""
+    accepted, tokens, row = [], [], 0
+    for d in drafts:
+        n = 0
+        while n < len(d) and d[n] == targets[row + n]:
+            n += 1
+        accepted.append(n)
+        tokens.append([*d[:n], targets[row + n]])
+        row += len(d) + 1
+    return VerifyResult(accepted, tokens)
 
 
 def _match(layout: _Layout, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
