@@ -31,6 +31,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
 from benchmarks.common import load_specbench, median_seconds, print_conditions, write_json
 
 MODES: dict[str, dict[str, Any]] = {
