@@ -1,15 +1,16 @@
 """Which weight form holds a GGUF tensor of each type as stored: the registry of block forms.
 
-Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q5_K are rearranged for AMX tiles where the CPU has them
-(``kernels.gguf_tiles``: level with the panels at one row, 1.3x at 5, 1.5-1.9x at 16-64 on
-SmolLM2's products); elsewhere Q4_1 and Q8_0 are repacked into panels for their own kernel
-(``kernels.gguf_linear``: faster than the stored layout, SmolLM2's products 4.2 against 5.3 ms
-at one row and 60.6 against 78.2 at 64, ``gguf_blocks`` timed beside it on the Intel AVX-512
-host, 2026-12-06); every other supported type is multiplied as the file stores it
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, IQ4_NL and IQ4_XS are rearranged for AMX tiles where
+the CPU has them (``kernels.gguf_tiles``: level with the panels at one row, 1.3x at 5, 1.5-1.9x
+at 16-64 on SmolLM2's products); elsewhere Q4_1 and Q8_0 are repacked into panels for their own
+kernel (``kernels.gguf_linear``: faster than the stored layout, SmolLM2's products 4.2 against
+5.3 ms at one row and 60.6 against 78.2 at 64, ``gguf_blocks`` timed beside it on the Intel
+AVX-512 host, 2026-12-06); every other supported type is multiplied as the file stores it
 (``kernels.gguf_blocks``). The panels and the stored layout give the same bits (one summation
 order: ``tests/kernels/test_gguf_block_linear.py``); the tiles sum each block apart before its
 scale, so theirs differ, the same at every row count. A new block type is a C dequantiser in
-``gguf_blocks.c``, its ``BLOCK_TYPES`` entry, and nothing here.
+``gguf_blocks.c`` and its ``BLOCK_TYPES`` entry (for tiles, also its case in ``gguf_amx.c``'s
+``file_block`` and a ``gguf_tiles._KIND`` line), and nothing here.
 """
 
 from __future__ import annotations

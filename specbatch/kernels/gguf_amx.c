@@ -1,10 +1,12 @@
 /*
- * out = x W^T for float32 x and W in GGUF blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K), on
+ * out = x W^T for float32 x and W in GGUF blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K,
+ * IQ4_NL, IQ4_XS), on
  * AMX tiles (TDPBF16PS), with the weights' values as stored and a row's bits independent of its
  * batch-mates.
  *
  * Why this is exact to the file: a block's integer codes (Q4_0: -8..7, Q4_1 and Q4_K: 0..15,
- * Q5_0: -16..15, Q5_1 and Q5_K: 0..31, Q8_0: -128..127) are exactly bfloat16 values, and a
+ * Q5_0: -16..15, Q5_1 and Q5_K: 0..31, Q8_0: -128..127, the IQ4 code book's integers) are
+ * exactly bfloat16 values, and a
  * float32 activation is exactly the sum of three bfloat16 parts (hi = x with its low 16 bits
  * cut, mid = the same of x - hi, lo = x - hi - mid: 8 + 8 + 8 significant bits; parts below
  * 2^-126 are flushed by the tile unit). So one block's integer sum C = sum_k q_k x_k is
@@ -12,7 +14,8 @@
  * product exact and the sums float32. Each block of 32 K's C is then scaled as the file says:
  * acc = fma(d, C, acc), and for the types with a minimum acc = fma(m, S, acc) with S the
  * block's sum of x (a fixed tree), block by block in increasing order. (The K-quants' blocks
- * are their sub-blocks of 32: d = d_super * sc and m = -(dmin * m_sub), exact in float32.) A
+ * are their sub-blocks of 32: d = d_super * sc and m = -(dmin * m_sub), IQ4_XS's d * (ls - 32),
+ * exact in float32.) A
  * tile's rows never meet, so an output (row, n) has the same bits at any row count, tiling and
  * thread count.
  *
@@ -39,7 +42,9 @@
 #include <unistd.h>
 
 /* kind codes (gguf_tiles.py's _KIND) */
-enum { Q4_1 = 0, Q8_0 = 1, Q4_0 = 2, Q5_0 = 3, Q5_1 = 4, Q4_K = 5, Q5_K = 6, KINDS = 7 };
+enum { Q4_1 = 0, Q8_0 = 1, Q4_0 = 2, Q5_0 = 3, Q5_1 = 4, Q4_K = 5, Q5_K = 6, IQ4_NL = 7, IQ4_XS = 8, KINDS = 9 };
+/* IQ4_NL's and IQ4_XS's code book (ggml's kvalues_iq4nl) */
+static const int8_t IQ4_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 #define TN 16 /* outputs per tile column */
 #define TK 32 /* K per block (one tile's depth) */
 #define TILE 512 /* bfloat16 values per tile */
@@ -51,9 +56,10 @@ static int code_bits(int kind) {
     return kind == Q8_0 ? 8 : kind == Q5_0 || kind == Q5_1 || kind == Q5_K ? 5 : 4;
 }
 static int has_min(int kind) { return kind == Q4_1 || kind == Q5_1 || kind == Q4_K || kind == Q5_K; }
-static int wide_scales(int kind) { return kind == Q4_K || kind == Q5_K; }
+static int wide_scales(int kind) { return kind == Q4_K || kind == Q5_K || kind == IQ4_XS; }
 /* the value of code q (its bfloat16 table) */
 static int code_value(int kind, int q) {
+    if (kind == IQ4_NL || kind == IQ4_XS) return IQ4_VALUES[q & 15];
     return kind == Q4_0 ? q - 8 : kind == Q5_0 ? q - 16 : kind == Q8_0 ? (int8_t)q : q;
 }
 static int64_t code_bytes(int kind) {
@@ -68,10 +74,12 @@ int64_t gguf_amx_record_bytes(int kind) {
 
 /* Bytes of one file block, and K per block. */
 static int64_t file_block_bytes(int kind) {
-    static const int64_t bytes[KINDS] = {20, 34, 18, 22, 24, 144, 176};
+    static const int64_t bytes[KINDS] = {20, 34, 18, 22, 24, 144, 176, 18, 136};
     return bytes[kind];
 }
-static int64_t file_block_k(int kind) { return kind == Q4_K || kind == Q5_K ? SUPER : TK; }
+static int64_t file_block_k(int kind) {
+    return kind == Q4_K || kind == Q5_K || kind == IQ4_XS ? SUPER : TK;
+}
 
 static float fp16_at(const uint8_t *p) {
     uint16_t h;
@@ -107,6 +115,16 @@ static void file_block(int kind, const uint8_t *row, int64_t b, uint8_t *q, floa
             q[l] = s % 2 ? byte >> 4 : byte & 0xF;
             if (kind == Q5_K) q[l] |= (uint8_t)(((qh[l] >> s) & 1) << 4);
         }
+        return;
+    }
+    if (kind == IQ4_XS) { /* 6-bit signed sub-block scales: d (ls - 32) */
+        const int s = (int)(b % 8);
+        uint16_t high;
+        memcpy(&high, block + 2, 2);
+        const int ls = ((block[4 + s / 2] >> (4 * (s % 2))) & 0xF) | (((high >> (2 * s)) & 3) << 4);
+        *d = fp16_at(block) * (float)(ls - 32);
+        const uint8_t *qs = block + 8 + 16 * s;
+        for (int l = 0; l < TK; l++) q[l] = l < 16 ? qs[l] & 0xF : qs[l - 16] >> 4;
         return;
     }
     *d = fp16_at(block);

@@ -1,7 +1,7 @@
-"""GGUF Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q5_K weights multiplied on AMX tiles
-(``gguf_amx.c``), where the CPU has them and Linux grants them: the exact mode's form for those
-types there (Q6_K, Q2_K, Q3_K and the IQ types, whose scales come per 16 weights or from tables,
-stay in ``gguf_blocks``).
+"""GGUF Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, IQ4_NL and IQ4_XS weights multiplied on AMX
+tiles (``gguf_amx.c``), where the CPU has them and Linux grants them: the exact mode's form for
+those types there (Q6_K, Q2_K and Q3_K, whose scales come per 16 weights, stay in
+``gguf_blocks``).
 
 Each product keeps the file's values: a block's integer codes are bfloat16 values, a float32
 activation is exactly three bfloat16 parts, and a block's integer sum is TDPBF16PS over the
@@ -10,8 +10,8 @@ parts (every product exact, the sums float32), then scaled by the block's ``d`` 
 blocks of 32 are its blocks here, with ``d = d_super * sc`` and ``m = -dmin * m_sub``). A tile
 multiplies up to 16 rows at the cost of one, so verify rows and batches cost little more than a
 decode; a row's bits are the same at any row count and thread count. Against the panel kernel
-(``gguf_linear``), SmolLM2-135M's 120 layer products: about level at one row, 1.3x at 5, 2.2x at
-16 and 64 (``python benchmarks/gguf_linear.py``; docs/notes.md, 2026-12-07 stop 64). Elsewhere
+(``gguf_linear``), SmolLM2-135M's 120 layer products: about level at one row, 1.3x at 5, 1.5-1.9x
+at 16-64 (``python benchmarks/gguf_linear.py``; docs/notes.md, 2026-12-07 stop 64). Elsewhere
 the panel kernel holds them.
 """
 
@@ -34,7 +34,17 @@ SOURCE = Path(__file__).with_name("gguf_amx.c")
 FLAGS = (*NATIVE_FLAGS, "-ffp-contract=off")
 TILE_N = 16  # outputs per record column
 # ggml type (lower case) -> gguf_amx.c's kind code
-_KIND = {"q4_1": 0, "q8_0": 1, "q4_0": 2, "q5_0": 3, "q5_1": 4, "q4_k": 5, "q5_k": 6}
+_KIND = {
+    "q4_1": 0,
+    "q8_0": 1,
+    "q4_0": 2,
+    "q5_0": 3,
+    "q5_1": 4,
+    "q4_k": 5,
+    "q5_k": 6,
+    "iq4_nl": 7,
+    "iq4_xs": 8,
+}
 TILED_TYPES = frozenset(name.upper() for name in _KIND)
 
 

@@ -109,12 +109,13 @@ def test_lookups_are_the_dequantised_rows(kind: str) -> None:
 
 @pytest.mark.parametrize("kind", TYPES)
 def test_the_file_is_the_size_of_its_blocks(kind: str) -> None:
-    """The 32-blocks' records are their bytes rearranged; a K-quant's float32 sub-block scales
-    and minimums take 8 bytes per 32 weights where its packed ones take 1.5 (plus 4 per 256)."""
+    """The 32-blocks' records are their bytes rearranged; a super-block type keeps its codes
+    and takes a float32 scale (and minimum) per 32 weights for its packed ones."""
     weight, raw = make_weight(kind, 512, 64)
-    if kind.endswith("_K"):
-        codes = raw.nbytes - 64 * 2 * 4 - 64 * 2 * 12  # less d, dmin and the packed scales
-        assert weight.nbytes == codes + 64 * 16 * 8
+    if kind in ("Q4_K", "Q5_K", "IQ4_XS"):
+        weights, blocks = 64 * 512, 64 * 512 // 32
+        codes = weights // 2 + (weights // 8 if kind == "Q5_K" else 0)
+        assert weight.nbytes == codes + blocks * 4 * (1 if kind == "IQ4_XS" else 2)
     else:
         assert weight.nbytes == raw.nbytes
 
