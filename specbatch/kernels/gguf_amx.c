@@ -256,8 +256,8 @@ static inline float float_of(uint32_t u) {
     return f;
 }
 
-/* Row m's three parts into the A tiles' buffer ([row tile][block][part][16 rows][32]), and
- * (Q4_1) its block sums. */
+/* Row m's three parts into the A tiles' buffer ([row tile][block][part][tile rows][32]: tile
+ * rows = the row count up to 16, else 16), and (types with a minimum) its block sums. */
 static void split_row(const float *x, int64_t k, int64_t m, int tile_rows, uint16_t *parts,
                       float *sums) {
     const int64_t blocks = k / TK, tile_row = m / 16, r = m % 16, size = tile_rows * TK;
