@@ -89,6 +89,11 @@ class Contender:
         return median_us(lambda: self.run(xd, self.next_weight()), repeats)
 
 
+def _copies(form: Any, count: int) -> list[Any]:
+    """``form`` and ``count - 1`` copies of it with their own bytes (a dataclass with ``data``)."""
+    return [form] + [dataclasses.replace(form, data=form.data.clone()) for _ in range(count - 1)]
+
+
 def contenders(
     weight: QuantizedWeight, raw: np.ndarray, stream_bytes: int, bf16: bool
 ) -> list[Contender]:
@@ -99,19 +104,13 @@ def contenders(
     def copies(nbytes: int) -> int:
         return max(1, -(-stream_bytes // nbytes))
 
-    quantized = [weight] + [
-        dataclasses.replace(weight, data=weight.data.clone())
-        for _ in range(copies(weight.nbytes) - 1)
-    ]
+    quantized = _copies(weight, copies(weight.nbytes))
     found = [
         Contender("quant", torch.float32, quantized_linear, itertools.cycle(quantized).__next__)
     ]
     if gguf_tiles.available():
         tiles = TileBlockWeight.from_blocks(raw, weight.kind, k)
-        copies_of_tiles = [tiles] + [
-            dataclasses.replace(tiles, data=tiles.data.clone())
-            for _ in range(copies(tiles.nbytes) - 1)
-        ]
+        copies_of_tiles = _copies(tiles, copies(tiles.nbytes))
         found.append(
             Contender(
                 "tiles", torch.float32, tile_block_linear, itertools.cycle(copies_of_tiles).__next__

@@ -344,7 +344,7 @@ int gguf_amx_linear(int kind, const float *x, int64_t rows, int64_t k, const voi
 #pragma omp parallel num_threads(threads)
     {
 #pragma omp for schedule(static)
-        for (int64_t m = 0; m < rows; m++) split_row(x + m * k, k, m, tile_rows, parts, minimum ? sums : NULL);
+        for (int64_t m = 0; m < rows; m++) split_row(x + m * k, k, m, tile_rows, parts, sums);
         configure(tile_rows);
         uint16_t btile[2][2][TILE] __attribute__((aligned(64)));
         float spill[2 * 16 * 16] __attribute__((aligned(64)));

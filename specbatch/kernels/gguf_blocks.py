@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from specbatch.kernels.cbuild import NATIVE_FLAGS, NativeLibrary
-from specbatch.kernels.weight_forms import FusedPart, add_bias
+from specbatch.kernels.weight_forms import FusedPart, add_bias, call_linear, check_float32_rows
 
 SOURCE = Path(__file__).with_name("gguf_blocks.c")
 FLAGS = (*NATIVE_FLAGS, "-ffp-contract=off")
@@ -247,12 +247,7 @@ class BlockWeight:
 def block_linear(x: torch.Tensor, weight: BlockWeight) -> torch.Tensor:
     """``x @ weight.dequantize().T`` for float32 CPU rows ``x`` [M, K] (M may be 0): float32
     [M, N], each output summed in the fixed order of ``gguf_blocks.c``."""
-    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != weight.in_features:
-        raise ValueError(
-            f"x must be float32 [M, {weight.in_features}], got {x.dtype} {list(x.shape)}"
-        )
-    if x.device.type != "cpu":
-        raise ValueError(f"x must be on the CPU, got {x.device}")
+    check_float32_rows(x, weight.in_features)
     library = load_library()
     if library is None:  # one matrix-vector product per row: still independent of the batch
         dense = weight.dequantize()
@@ -262,17 +257,8 @@ def block_linear(x: torch.Tensor, weight: BlockWeight) -> torch.Tensor:
 
 def run_block_kernel(library: ctypes.CDLL, x: torch.Tensor, weight: BlockWeight) -> torch.Tensor:
     """``gguf_block_linear`` of ``library`` on contiguous float32 ``x`` [M, K]."""
-    out = torch.empty(x.shape[0], weight.out_features, dtype=torch.float32)
-    status = library.gguf_block_linear(
-        weight.kind.code,
-        x.data_ptr(),
-        x.shape[0],
-        weight.in_features,
-        weight.data.data_ptr(),
-        weight.out_features,
-        out.data_ptr(),
-        torch.get_num_threads(),
-    )
+    kernel = library.gguf_block_linear
+    out, status = call_linear(kernel, weight.kind.code, x, weight.data, weight.out_features)
     if status == -1:
         raise MemoryError("the GGUF block kernel could not allocate its scratch memory")
     if status != 0:

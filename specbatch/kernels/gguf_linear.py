@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from specbatch.kernels.cbuild import NATIVE_FLAGS, NativeLibrary
-from specbatch.kernels.weight_forms import FusedPart, add_bias
+from specbatch.kernels.weight_forms import FusedPart, add_bias, call_linear, check_float32_rows
 
 SOURCE = Path(__file__).with_name("gguf_linear.c")
 FLAGS = (*NATIVE_FLAGS, "-ffp-contract=off")
@@ -269,12 +269,7 @@ def vector_isa() -> str | None:
 
 def quantized_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
     """``x @ weight.dequantize().T`` for float32 ``x`` [M, K] (M may be 0): float32 [M, N]."""
-    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != weight.in_features:
-        raise ValueError(
-            f"x must be float32 [M, {weight.in_features}], got {x.dtype} {list(x.shape)}"
-        )
-    if x.device.type != "cpu":
-        raise ValueError(f"x must be on the CPU, got {x.device}")
+    check_float32_rows(x, weight.in_features)
     library = load_library()
     if library is not None:
         return run_kernel(library, x.contiguous(), weight)
@@ -288,19 +283,10 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
 
 def run_kernel(library: ctypes.CDLL, x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
     """The C kernel of ``library`` on contiguous float32 ``x`` [M, K]."""
-    out = torch.empty(x.shape[0], weight.out_features, dtype=torch.float32)
     if x.shape[0] == 0:
-        return out
-    status = library.gguf_linear(
-        _KERNEL_KIND[weight.kind],
-        x.data_ptr(),
-        x.shape[0],
-        weight.in_features,
-        weight.data.data_ptr(),
-        weight.out_features,
-        out.data_ptr(),
-        torch.get_num_threads(),
-    )
+        return torch.empty(0, weight.out_features, dtype=torch.float32)
+    kind = _KERNEL_KIND[weight.kind]
+    out, status = call_linear(library.gguf_linear, kind, x, weight.data, weight.out_features)
     if status != 0:
         raise MemoryError("the GGUF linear kernel could not allocate its scratch memory")
     return out

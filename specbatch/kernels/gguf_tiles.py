@@ -28,7 +28,7 @@ import torch
 from specbatch.kernels.cbuild import NATIVE_FLAGS, NativeLibrary
 from specbatch.kernels.gguf_blocks import block_type, check_rows
 from specbatch.kernels.gguf_linear import BLOCK, quantize_q8_0
-from specbatch.kernels.weight_forms import FusedPart, add_bias
+from specbatch.kernels.weight_forms import FusedPart, add_bias, call_linear, check_float32_rows
 
 SOURCE = Path(__file__).with_name("gguf_amx.c")
 FLAGS = (*NATIVE_FLAGS, "-ffp-contract=off")
@@ -120,16 +120,6 @@ class TileBlockWeight:
             raise ValueError(f"the AMX kernel cannot pack {kind}")
         return cls(kind, in_features, n, data)
 
-    @staticmethod
-    def fits(weight: torch.Tensor) -> bool:
-        """Whether ``weight`` can be quantized to Q8_0 and held here (:meth:`from_dense`)."""
-        return (
-            weight.dim() == 2
-            and weight.shape[1] > 0
-            and weight.shape[1] % BLOCK == 0
-            and available()
-        )
-
     @classmethod
     def from_dense(cls, weight: torch.Tensor) -> TileBlockWeight:
         """``weight`` [N, K] (K a multiple of 32) quantized to Q8_0 as ggml does."""
@@ -173,26 +163,15 @@ class TileBlockWeight:
 
 def tile_block_linear(x: torch.Tensor, weight: TileBlockWeight) -> torch.Tensor:
     """``x @ weight.dequantize().T`` for float32 ``x`` [M, K] on the CPU (M may be 0)."""
-    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != weight.in_features:
-        raise ValueError(
-            f"x must be float32 [M, {weight.in_features}], got {x.dtype} {list(x.shape)}"
-        )
-    if x.device.type != "cpu":
-        raise ValueError(f"x must be on the CPU, got {x.device}")
-    x = x.contiguous()
-    out = torch.empty(x.shape[0], weight.out_features, dtype=torch.float32)
+    check_float32_rows(x, weight.in_features)
     if x.shape[0] == 0:
-        return out
-    status = _library().gguf_amx_linear(
-        _KIND[weight.kind],
-        x.data_ptr(),
-        x.shape[0],
-        weight.in_features,
-        weight.data.data_ptr(),
-        weight.out_features,
-        out.data_ptr(),
-        torch.get_num_threads(),
+        return torch.empty(0, weight.out_features, dtype=torch.float32)
+    kernel = _library().gguf_amx_linear
+    out, status = call_linear(
+        kernel, _KIND[weight.kind], x.contiguous(), weight.data, weight.out_features
     )
-    if status != 0:
+    if status == 1:
         raise MemoryError("the AMX GGUF block kernel could not allocate its scratch memory")
+    if status != 0:
+        raise RuntimeError(f"gguf_amx_linear refused {weight.kind} (status {status})")
     return out

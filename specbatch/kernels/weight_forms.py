@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -105,6 +105,35 @@ def add_bias(out: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``out + bias`` (a new tensor), or ``out`` without one: how forms whose kernels take no
     bias apply it."""
     return out if bias is None else out + bias
+
+
+def check_float32_rows(x: torch.Tensor, in_features: int) -> None:
+    """``ValueError`` unless ``x`` is float32 CPU rows [M, ``in_features``]: what the block
+    forms' C kernels multiply."""
+    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != in_features:
+        raise ValueError(f"x must be float32 [M, {in_features}], got {x.dtype} {list(x.shape)}")
+    if x.device.type != "cpu":
+        raise ValueError(f"x must be on the CPU, got {x.device}")
+
+
+def call_linear(
+    fn: Callable[..., int], kind: int, x: torch.Tensor, data: torch.Tensor, out_features: int
+) -> tuple[torch.Tensor, int]:
+    """A C kernel of ``cpu_ops.c``'s ``linear_fn`` signature on contiguous float32 ``x`` [M, K]
+    over the weight bytes ``data``, with torch's thread count: float32 [M, ``out_features``]
+    and the kernel's status."""
+    out = torch.empty(x.shape[0], out_features, dtype=torch.float32)
+    status = fn(
+        kind,
+        x.data_ptr(),
+        x.shape[0],
+        x.shape[1],
+        data.data_ptr(),
+        out_features,
+        out.data_ptr(),
+        torch.get_num_threads(),
+    )
+    return out, int(status)
 
 
 class StackedWeight:
