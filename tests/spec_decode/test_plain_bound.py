@@ -117,6 +117,35 @@ def test_the_bound_answers_what_the_full_plan_would(seed: int) -> None:
     assert bounded == full
 
 
+def blind_and_due(seed: int) -> tuple[GoodputController, list[Candidate], int]:
+    """A case whose candidates have nothing a probe could land on (no lookup, nothing from
+    the store, no forced tokens, a draft-model catch-up beyond ``probe_free``), a probe due."""
+    controller, cands, budget = case(seed)
+    cands = [
+        dataclasses.replace(c, lookup=[], lookup_n=0, suffix=[], forced=[], catch_up=3 + c.slots)
+        for c in cands
+    ]
+    controller.plans_since_probe = max(controller.tuning.probe_every - 1, 0)
+    return controller, cands, budget
+
+
+@pytest.mark.parametrize("seed", range(100))
+def test_a_due_probe_with_nowhere_to_land_plans_alike(seed: int) -> None:
+    controller, cands, budget = blind_and_due(seed)
+    bounded, full, _ = plans(controller, cands, budget)
+    assert bounded == full
+
+
+def test_the_blind_cases_reach_the_bound_with_a_probe_due() -> None:
+    """Some of them (else the test above compares the full plan with itself)."""
+    reached = 0
+    for seed in range(100):
+        controller, cands, budget = blind_and_due(seed)
+        due = budget > 0 and controller._probe_next() and DRAFT in controller.ways
+        reached += due and plans(controller, cands, budget)[2]
+    assert reached >= 5
+
+
 def test_the_cases_reach_both_answers_and_a_probe_past_the_bound() -> None:
     """The bound answers some cases (else the test above compares the full plan with itself),
     not all, and some it answers are due a probe (which the full plan places)."""
@@ -267,3 +296,36 @@ def test_a_candidates_copies_are_what_each_way_would_copy(seed: int) -> None:
         assert dict(cand.copies()) == {way: copy for way, copy in asked.items() if copy} == rule
         assert cand.copied(DRAFT) is None
         assert cand.copied(EXTERNAL) is None
+
+
+def test_a_due_probe_that_can_land_nowhere_builds_no_arrays(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The traced steps at batch 64 in the gguf mode (stop 65, plain-text prompts): every
+    candidate's lookups beyond reach (the planner made none) and the draft model sat out
+    (its catch-up the whole prompt), so no probe could land; once one was due, each plan
+    built the arrays to find none (0.7 ms of a 78 ms step, 2-3% below off with the plan's
+    other host time). The plans past the due probe are the plain step without the arrays,
+    and the probe still lands once a candidate can take it."""
+    controller = GoodputController((*LOOKUP_WAYS, SUFFIX, DRAFT), SpeculationTuning())
+    rng = random.Random(0)
+    for step in range(64):
+        controller.observe_step(64, 64, 64 * (150 + step), 0.078 * rng.uniform(0.98, 1.02))
+        controller.observe_step(96, 64, 96 * (150 + step), 0.117 * rng.uniform(0.98, 1.02))
+        controller.acceptance.step += 1
+    blind = [Candidate(seq_id, 4, 200, [], 0, catch_up=180) for seq_id in range(64)]
+    real = controller._options
+
+    def built(*args: object) -> None:
+        raise AssertionError("the plan's arrays were built where no probe can land")
+
+    monkeypatch.setattr(controller, "_options", built)
+    for _ in range(3 * controller.tuning.probe_every):
+        plan = controller.plan(blind, 64, 64, 64 * 200.0, budget=256)
+        assert all(choice.way is None for choice in plan.choices)
+    assert controller._probe_next()
+    monkeypatch.setattr(controller, "_options", real)
+    cands = [*blind[:-1], Candidate(63, 4, 200, [7, 8], 2)]
+    plan = controller.plan(cands, 64, 64, 64 * 200.0, budget=256)
+    assert [(c.way, c.drafts, c.planned) for c in plan.choices if c.way] == [(LOOKUP_WAYS[1], 1, 0)]
+    assert controller.plans_since_probe == 0
