@@ -164,20 +164,14 @@ class Planner:
         tokens = sum(s.num_new_tokens for s in out.scheduled)
         pairs = sum(pairs_of(s.seq.num_computed_tokens, s.num_new_tokens) for s in out.scheduled)
         count = len(out.scheduled)
-        # no lookups of a kind (its own, the store's) for a decode whose first row costs at
-        # least what the best of that kind's ways could give it at this step (none of those
-        # drafts can pay, whatever a lookup finds): it is not judged by their shadows either
+        # no lookups for a decode whose first row costs a token or more at this step (none of
+        # its drafts can pay, whatever a lookup finds): it is not judged by shadows either
         most = max((s.num_lookahead for s in decodes), default=0)
-        own_far, store_far = controller.beyond_reach(
-            [s.seq.seq_id for s in decodes],
-            [s.seq.num_tokens for s in decodes],
-            most,
-            tokens,
-            count,
-            pairs,
+        far = controller.beyond_reach(
+            [s.seq.num_tokens for s in decodes], most, tokens, count, pairs
         )
-        matches = self._matches([s for s, far in zip(decodes, own_far, strict=True) if not far])
-        stored = self._stored([s for s, far in zip(decodes, store_far, strict=True) if not far])
+        looked = [s for s, beyond in zip(decodes, far, strict=True) if not beyond]
+        matches, stored = self._matches(looked), self._stored(looked)
         candidates = self._candidates(decodes, matches, stored)
         planned = controller.plan(candidates, tokens, count, pairs, budget)
         seqs: dict[int, SeqPlan] = {}

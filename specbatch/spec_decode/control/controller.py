@@ -51,7 +51,6 @@ from specbatch.spec_decode.control.choices import (
     DRAFT,
     EXTERNAL,
     FORCED,
-    SUFFIX,
     Candidate,
     Choice,
     ControllerPlan,
@@ -274,50 +273,17 @@ class GoodputController:
         return worth, base, Prices(fit.row(0.0), fit.per_pair, 0.0, ratio)
 
     def beyond_reach(
-        self,
-        seq_ids: list[int],
-        contexts: list[int],
-        most: int,
-        base_tokens: int,
-        base_seqs: int,
-        base_pairs: float,
-    ) -> tuple[list[bool], list[bool]]:
-        """Per candidate of a step (its sequence and context; ``most`` slots at most), whether
-        no draft of its own prompt lookup can pay this step whatever the lookup finds, and
-        whether none from the store can: its first row costs, at the hurdle's goodput, at
-        least the best calibrated first chance of any way of that kind (a lookup of each
-        match length; the store's), and later drafts' chances are no higher nor their rows
-        cheaper. Those lookups need not be made (at batch 32 and 64 in the gguf mode a row
-        costs a token or more on most steps; at batch 16 on plain text the lookups' rates
-        sit under a row's price, and looking up was 0.5 of the plan's ~1 ms a step). A
-        sequence not looked up is not judged by shadows either: its estimates drift back to
-        their population's (``steady_decay`` a step), and it is looked up again once they
-        could pay. Nothing before the step-time model is ready, or at batch 1."""
-        count = len(contexts)
+        self, contexts: list[int], most: int, base_tokens: int, base_seqs: int, base_pairs: float
+    ) -> list[bool]:
+        """Per candidate of a step (by its context; ``most`` slots at most), whether no draft
+        of it can pay this step whatever its proposers would find: its first row costs a
+        token or more at the hurdle's goodput, and no draft's chance exceeds 1. Its lookups
+        need not be made (at batch 32 and 64 in the gguf mode, every candidate's on most
+        steps). Nothing before the step-time model is ready, or at batch 1."""
         if not contexts or base_seqs <= 1 or not self.times.ready:
-            return [False] * count, [False] * count
+            return [False] * len(contexts)
         worth = self._first_rows(contexts, most, base_tokens, base_seqs, base_pairs)[0]
-        open_ = [i for i, tokens in enumerate(worth) if tokens < 1.0]  # (no chance exceeds 1)
-        ids = [seq_ids[i] for i in open_]
-        acceptance = self.acceptance
-        far = []
-        acceptance.step += 1  # the estimates as the plan will read them (it steps first)
-        try:
-            for kind in ([way for way in self.ways if way.lookup], [SUFFIX]):
-                best = [0.0] * len(open_)
-                for way in kind if ids else ():
-                    if way not in self.ways:
-                        continue
-                    calibration = acceptance.calibration(way)
-                    firsts = acceptance.firsts(way, ids)
-                    best = [max(b, calibration * f) for b, f in zip(best, firsts, strict=True)]
-                beyond = [True] * count
-                for i, chance in zip(open_, best, strict=True):
-                    beyond[i] = min(chance, 1.0) <= worth[i]
-                far.append(beyond)
-        finally:
-            acceptance.step -= 1
-        return far[0], far[1]
+        return [tokens >= 1.0 for tokens in worth]
 
     def _probed(
         self,
