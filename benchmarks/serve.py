@@ -12,7 +12,10 @@ drift of a shared machine hits every setting alike. Reported: TTFT, TPOT (per re
 the first token), ITL (between streamed chunks) at p50/p99, request throughput and output
 tok/s per run, in one table, then each setting's TTFT p50, TPOT p50 and output tok/s over the
 first setting's at the same rate and repeat: the median of those ratios and their range
-(``auto`` is the default: the goodput controller).
+(``auto`` is the default: the goodput controller). ``--endpoints chat responses`` sends each
+request both ways (``/v1/chat/completions`` and ``/v1/responses``, the same conversation and
+``max_tokens`` / ``max_output_tokens``) to the same server, each its own setting
+(``auto:responses``...), so the Responses API is measured against chat in the same run.
 """
 
 from __future__ import annotations
@@ -82,24 +85,40 @@ def start_server(args: argparse.Namespace, speculative: str) -> tuple[subprocess
 
 
 async def one_request(
-    client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int
+    client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int, endpoint: str = "chat"
 ) -> dict[str, Any]:
-    body = {
-        "messages": [{"role": "user", "content": prompt}],
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
+    if endpoint == "responses":
+        path = "/v1/responses"
+        body: dict[str, Any] = {
+            "input": prompt,
+            "max_output_tokens": max_tokens,
+            "temperature": 0,
+            "stream": True,
+        }
+    else:
+        path = "/v1/chat/completions"
+        body = {
+            "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
     start = time.perf_counter()
     arrivals: list[float] = []
     tokens = 0
-    async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
+    async with client.stream("POST", f"{url}{path}", json=body) as response:
         response.raise_for_status()
         async for line in response.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
+            if endpoint == "responses":
+                if chunk["type"] == "response.output_text.delta" and chunk["delta"]:
+                    arrivals.append(time.perf_counter())
+                elif chunk["type"] in ("response.completed", "response.incomplete"):
+                    tokens = chunk["response"]["usage"]["output_tokens"]
+                continue
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
             if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
@@ -112,7 +131,7 @@ async def one_request(
 
 
 async def run_rate(
-    url: str, prompts: list[str], rate: float, args: argparse.Namespace
+    url: str, prompts: list[str], rate: float, args: argparse.Namespace, endpoint: str = "chat"
 ) -> dict[str, Any]:
     rng = random.Random(args.seed)
     tasks = []
@@ -123,7 +142,7 @@ async def run_rate(
                 break
             tasks.append(
                 asyncio.create_task(
-                    one_request(client, url, prompts[i % len(prompts)], args.max_tokens)
+                    one_request(client, url, prompts[i % len(prompts)], args.max_tokens, endpoint)
                 )
             )
             await asyncio.sleep(rng.expovariate(rate))
@@ -164,6 +183,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--max-num-seqs", type=int, default=32)
     parser.add_argument("--speculative", nargs="+", default=["off", "auto"])
+    parser.add_argument("--endpoints", nargs="+", choices=["chat", "responses"], default=["chat"])
     parser.add_argument(
         "--quantization",
         choices=["auto", "gguf", "none"],
@@ -186,6 +206,7 @@ def main() -> None:
         max_tokens=args.max_tokens,
         max_num_seqs=args.max_num_seqs,
         speculative=args.speculative,
+        endpoints=args.endpoints,
         quantization=args.quantization,
         repeats=args.repeats,
         dataset=args.dataset,
@@ -197,11 +218,17 @@ def main() -> None:
             servers[setting] = start_server(args, setting)
             warm_up = argparse.Namespace(**{**vars(args), "num_requests": 2, "max_tokens": 8})
             asyncio.run(run_rate(servers[setting][1], prompts[:2], 10.0, warm_up))
+        settings = [
+            (spec, endpoint, spec if len(args.endpoints) == 1 else f"{spec}:{endpoint}")
+            for spec in args.speculative
+            for endpoint in args.endpoints
+        ]
         for rate in args.rates:
             for repeat in range(args.repeats):  # new arrival times per repeat, alike per setting
                 run_args = argparse.Namespace(**{**vars(args), "seed": args.seed + repeat})
-                for setting in args.speculative:
-                    result = asyncio.run(run_rate(servers[setting][1], prompts, rate, run_args))
+                for spec, endpoint, setting in settings:
+                    url = servers[spec][1]
+                    result = asyncio.run(run_rate(url, prompts, rate, run_args, endpoint))
                     rows.append({"speculative": setting, "rate": rate, "repeat": repeat, **result})
                     print(f"{setting} @ {rate} req/s #{repeat}: {result}", flush=True)
     finally:
@@ -221,10 +248,10 @@ def main() -> None:
             f"{1000 * r['tpot_p50']:>8.1f}ms {1000 * r['tpot_p99']:>6.1f}ms "
             f"{1000 * r['itl_p50']:>7.1f}ms {1000 * r['itl_p99']:>6.1f}ms"
         )
-    first = args.speculative[0]
+    first = settings[0][2]
     base = {(r["rate"], r["repeat"]): r for r in rows if r["speculative"] == first}
     print()
-    for setting in args.speculative[1:]:
+    for _, _, setting in settings[1:]:
         for rate in args.rates:
             runs = [r for r in rows if r["speculative"] == setting and r["rate"] == rate]
             ratios = {

@@ -264,6 +264,13 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
         default=256,
         help="waiting requests beyond which new ones get HTTP 429",
     )
+    p.add_argument(
+        "--max-stored-responses",
+        type=int,
+        default=None,
+        help="/v1/responses kept for previous_response_id, the oldest dropped first (0: off; "
+        "default 256)",
+    )
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument(
         "--data-parallel-size",

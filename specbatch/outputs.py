@@ -91,3 +91,7 @@ class RequestOutput:
     # Why the request failed, when a step it was in raised (finish reason "error"); the
     # engine freed its resources and went on serving the others.
     error: str | None = None
+    # The request's own field at fault where it failed by its own doing (its constraint's,
+    # ``structured_outputs.<kind>``, when the grammar backend hit a limit while generating);
+    # None where a step failed
+    error_param: str | None = None

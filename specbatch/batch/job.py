@@ -1,8 +1,9 @@
 """A batch job: OpenAI batch input lines in, OpenAI batch output lines out, resumable.
 
 Input: one request per line, ``{"custom_id": ..., "method": "POST", "url":
-"/v1/completions" | "/v1/chat/completions", "body": {...}}``; a body means what it means over
-HTTP (the server's request models check it). Output: one line per input line, in the order
+"/v1/completions" | "/v1/chat/completions" | "/v1/responses", "body": {...}}``; a body means
+what it means over HTTP (the server's request models check it; a response line has no store, so
+no ``previous_response_id``). Output: one line per input line, in the order
 requests finish, ``{"id", "custom_id", "response": {"status_code", "request_id", "body"},
 "error"}``: the body is the HTTP response body (an error body for a request the server would
 refuse), and ``error`` is set instead of ``response`` for a line that is not a request at all
@@ -36,12 +37,23 @@ from tqdm.auto import tqdm
 from specbatch.engine.llm_engine import LLMEngine
 from specbatch.errors import ChatTemplateError, ConfigError, InvalidRequestError
 from specbatch.outputs import RequestOutput
-from specbatch.server.formatting import chat_response, completion_response, error_body
+from specbatch.server.formatting import (
+    cached_tokens,
+    chat_response,
+    completion_response,
+    error_body,
+)
 from specbatch.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     describe_validation_errors,
     in_client_terms,
+)
+from specbatch.server.responses import (
+    OutputBuilder,
+    ResponsesRequest,
+    response_body,
+    response_usage,
 )
 from specbatch.server.tools import template_knows_tools
 
@@ -49,6 +61,8 @@ logger = logging.getLogger("specbatch")
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
+RESPONSES = "/v1/responses"
+URLS = (COMPLETIONS, CHAT, RESPONSES)
 MAX_CUSTOM_ID_CHARS = 512
 _END = object()
 
@@ -95,12 +109,15 @@ class _Pending:
     """An input line whose requests are in the engine."""
 
     custom_id: str
-    kind: str  # COMPLETIONS or CHAT
+    kind: str  # COMPLETIONS, CHAT or RESPONSES
     request_ids: list[str]
     top: int | None  # logprobs per token asked for (chat: None without logprobs)
     n: int
     call_format: str | None = None  # chat with tools: how tool calls are read (tools.TAGS...)
     finals: dict[str, RequestOutput] = field(default_factory=dict)
+    # the engine's name of a field -> the line's (a failed constraint is named as written)
+    renames: dict[str, str] = field(default_factory=dict)
+    responses: ResponsesRequest | None = None  # a RESPONSES line's request
 
 
 class _LineError(Exception):
@@ -405,15 +422,20 @@ class BatchJob:
         method, url, body = line.get("method"), line.get("url"), line.get("body")
         if method != "POST":
             raise _LineError(f"method must be POST, got {method!r}", None, code="invalid_method")
-        if url not in (COMPLETIONS, CHAT):
+        if url not in URLS:
             raise _LineError(
-                f"url must be {COMPLETIONS} or {CHAT}, got {url!r}", None, code="invalid_url"
+                f"url must be one of {', '.join(URLS)}, got {url!r}", None, code="invalid_url"
             )
         if not isinstance(body, dict):
             raise _LineError("body must be a JSON object", None, code="invalid_body")
-        model = CompletionRequest if url == COMPLETIONS else ChatCompletionRequest
         try:
-            request = model.model_validate(body)
+            request: CompletionRequest | ChatCompletionRequest | ResponsesRequest
+            if url == COMPLETIONS:
+                request = CompletionRequest.model_validate(body)
+            elif url == CHAT:
+                request = ChatCompletionRequest.model_validate(body)
+            else:
+                request = ResponsesRequest.model_validate(body)
         except ValidationError as exc:
             message, param = describe_validation_errors(exc.errors())
             raise _LineError(message, 400, param) from None
@@ -426,14 +448,24 @@ class BatchJob:
             )
         if request.stream:
             raise _LineError("stream is not supported in a batch", 400, "stream")
-        renames: dict[str, str] = {}
+        renames: dict[str, str] = {"messages": "input"} if url == RESPONSES else {}
         call_format = None
+        responses = None
         try:
+            if isinstance(request, ResponsesRequest):
+                if request.previous_response_id is not None:
+                    raise InvalidRequestError(
+                        "previous_response_id is not supported in a batch (no response store)",
+                        "previous_response_id",
+                    )
+                responses, request = request, request.chat([])
+                renames = responses.field_names(request)
             if isinstance(request, CompletionRequest):
+                renames = request.renamed_fields()
                 prompts, params = request.engine_inputs()
                 top = request.logprobs
             else:
-                renames = request.field_names()
+                renames = renames if responses is not None else request.field_names()
                 call_format = request.call_format()
                 knows_tools = template_knows_tools(self.engine.tokenizer.chat_template)
                 add_generation_prompt, options = request.template_options(knows_tools)
@@ -447,7 +479,8 @@ class BatchJob:
                     conversation, add_generation_prompt, **options
                 )
                 prompts = [ids]
-            base = f"{'cmpl' if url == COMPLETIONS else 'chatcmpl'}-{uuid.uuid4().hex}"
+            prefix = {COMPLETIONS: "cmpl", CHAT: "chatcmpl"}.get(url, "resp")
+            base = f"{prefix}-{uuid.uuid4().hex}"
             pending = _Pending(
                 custom_id,
                 url,
@@ -455,6 +488,8 @@ class BatchJob:
                 top,
                 params.n,
                 call_format,
+                renames=renames,
+                responses=responses,
             )
             added: list[str] = []
             try:
@@ -486,12 +521,22 @@ class BatchJob:
             return
         finals = [pending.finals[request_id] for request_id in pending.request_ids]
         rid = pending.request_ids[0].rsplit("-", 1)[0]
-        failed = next((o.error for o in finals if o.error is not None), None)
+        failed = next((o for o in finals if o.error is not None), None)
+        if failed is not None and failed.error_param is not None:  # its own constraint
+            error = InvalidRequestError(failed.error or "", failed.error_param)
+            message, param = in_client_terms(error, pending.renames)
+            body = error_body(400, message, param, "constraint_failed")
+            self._write_response(pending.custom_id, rid, 400, body, summary)
+            return
         if failed is not None:
-            body = error_body(500, f"generation failed: {failed}", None, "engine_step_failed")
+            message = f"generation failed: {failed.error}"
+            body = error_body(500, message, None, "engine_step_failed")
             self._write_response(pending.custom_id, rid, 500, body, summary)
             return
         created, tokenizer = int(time.time()), self.engine.tokenizer
+        if pending.responses is not None:
+            self._write_responses_body(pending.responses, pending, finals[0], summary)
+            return
         if pending.kind == COMPLETIONS:
             response = completion_response(
                 rid, created, self.model_name, finals, pending.n, pending.top or 0, tokenizer
@@ -509,6 +554,31 @@ class BatchJob:
         summary.prompt_tokens += response["usage"]["prompt_tokens"]
         summary.completion_tokens += response["usage"]["completion_tokens"]
         self._write_response(pending.custom_id, rid, 200, response, summary)
+
+    def _write_responses_body(
+        self,
+        request: ResponsesRequest,
+        pending: _Pending,
+        final: RequestOutput,
+        summary: BatchSummary,
+    ) -> None:
+        """A response line's body: the response object, as ``/v1/responses`` answers."""
+        completion = final.outputs[0]
+        builder = OutputBuilder(pending.call_format)
+        builder.feed(completion.text)
+        incomplete = completion.finish_reason == "length"
+        builder.finish(incomplete)
+        rid = pending.request_ids[0].rsplit("-", 1)[0].replace("resp-", "resp_", 1)
+        spent = response_usage(
+            len(final.prompt_token_ids), len(completion.token_ids), cached_tokens([final])
+        )
+        status = "incomplete" if incomplete else "completed"
+        body = response_body(
+            rid, int(time.time()), self.model_name, request, builder.items, status, spent
+        )
+        summary.prompt_tokens += spent["input_tokens"]
+        summary.completion_tokens += spent["output_tokens"]
+        self._write_response(pending.custom_id, rid, 200, body, summary)
 
     # ----------------------------------------------------------------- output
 

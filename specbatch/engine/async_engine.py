@@ -47,7 +47,13 @@ class EngineDrainingError(EngineDeadError):
 
 
 class RequestFailedError(SpecbatchError, RuntimeError):
-    """A step this request was in raised; the engine logged why and serves the others."""
+    """A step this request was in raised, or the request's own ``param`` failed while it
+    generated (its constraint: the request's fault, not the server's); the engine logged why
+    and serves the others."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass
@@ -125,7 +131,7 @@ class RequestStream:
             self.finished = True
             self.owner._forget_stream(self.request_id)
             if item.error is not None:
-                raise RequestFailedError(item.error)
+                raise RequestFailedError(item.error, item.error_param)
         return item
 
     def close(self) -> None:
@@ -163,6 +169,11 @@ class AsyncEngine:
     @property
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
+
+    @property
+    def intake(self) -> RequestIntake:
+        """The model's prompt checks and tokenizer (``/tokenize``, ``/detokenize``)."""
+        return self.engine.intake
 
     @property
     def is_running(self) -> bool:
@@ -508,6 +519,9 @@ class ServedEngine(Protocol):
 
     @property
     def tokenizer(self) -> Any: ...
+
+    @property
+    def intake(self) -> RequestIntake: ...
 
     @property
     def errored(self) -> bool: ...

@@ -39,13 +39,20 @@ class RequestIntake:
         self.max_model_len = max_model_len
         self.constraints = Constraints(tokenizer, vocab_size, structured_outputs_backend)
 
-    def tokenize(self, text: str, param: str = "prompt") -> list[int]:
+    def tokenize(
+        self, text: str, param: str = "prompt", add_special_tokens: bool = True
+    ) -> list[int]:
         """The token ids of a text prompt, refusing invalid or hopelessly long text before the
         tokenizer spends time on it."""
         if not isinstance(text, str):
             raise InvalidRequestError(f"{param} must be a string", param)
         self.check_length(len(text), param)
-        return self.tokenizer.encode(text)  # refuses text that is not valid Unicode
+        # (the tokenizer refuses text that is not valid Unicode)
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def detokenize(self, ids: Sequence[int], param: str = "tokens") -> str:
+        """The text of token ids (special tokens kept), refusing ids outside the vocabulary."""
+        return self.tokenizer.decode(self._token_ids(ids, param))
 
     def check_length(self, num_chars: int, param: str = "prompt") -> None:
         """Refuse text of ``num_chars`` characters that cannot fit the context however it is

@@ -312,7 +312,12 @@ class LLMEngine:
         outputs = self._outputs(touched)
         for request_id, error in broken.items():
             logger.warning("request %s ends: its constraint failed: %s", request_id, error)
-            outputs += self._end_with_error({request_id}, f"the constraint failed: {error}")
+            state = self.requests.get(request_id)
+            constraint = None if state is None else state.params.structured_outputs
+            param = "structured_outputs" + ("" if constraint is None else f".{constraint.kind}")
+            outputs += self._end_with_error(
+                {request_id}, f"{param}: the constraint failed while generating: {error}", param
+            )
         return outputs
 
     def _append(
@@ -398,15 +403,18 @@ class LLMEngine:
             request_ids, f"the engine step failed: {type(exc).__name__}: {exc}"
         )
 
-    def _end_with_error(self, request_ids: set[str], message: str) -> list[RequestOutput]:
-        """End these requests with ``message``, free what they held, report them."""
+    def _end_with_error(
+        self, request_ids: set[str], message: str, param: str | None = None
+    ) -> list[RequestOutput]:
+        """End these requests with ``message`` (``param``: their own field at fault, see
+        ``RequestOutput.error_param``), free what they held, report them."""
         outputs = []
         for request_id in sorted(request_ids):
             state = self.requests.pop(request_id, None)
             if state is None:
                 continue
             self.stats.num_requests_failed += 1
-            state.fail(message)
+            state.fail(message, param)
             try:
                 self._release(state)
                 output = state.output()

@@ -57,6 +57,7 @@ class RequestState:
             self.prompt_logprobs = [None]
         self._stop_window = max((len(s) for s in params.stop), default=0)
         self.error: str | None = None
+        self.error_param: str | None = None  # see ``RequestOutput.error_param``
 
     @property
     def seqs(self) -> list[Sequence]:
@@ -128,9 +129,10 @@ class RequestState:
             if not completion.seq.is_finished:
                 completion.seq.finish(FinishReason.ABORT)
 
-    def fail(self, error: str) -> None:
-        """A step this request was in raised: it ends now, reporting ``error``."""
-        self.error = error
+    def fail(self, error: str, param: str | None = None) -> None:
+        """A step this request was in raised, or its own ``param`` failed (its constraint):
+        it ends now, reporting ``error``."""
+        self.error, self.error_param = error, param
         for completion in self.completions:
             if not completion.seq.is_finished:
                 completion.seq.finish(FinishReason.ERROR)
@@ -149,6 +151,7 @@ class RequestState:
             finished=True,
             metrics=RequestMetrics(arrival_time=self.completions[0].seq.arrival_time),
             error=self.error,
+            error_param=self.error_param,
         )
 
     def output(self) -> RequestOutput | None:
@@ -169,6 +172,7 @@ class RequestState:
             metrics=self.metrics(),
             prompt_logprobs=self.prompt_logprobs,
             error=self.error,
+            error_param=self.error_param,
         )
 
     def _completion_output(self, c: _Completion, kind: OutputKind) -> CompletionOutput:

@@ -9,6 +9,8 @@ the others.
 from __future__ import annotations
 
 import asyncio
+import itertools
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -40,7 +42,22 @@ from specbatch.server.formatting import (
 )
 from specbatch.server.guard import OPEN_PATHS, RequestGuard
 from specbatch.server.metrics import ServerMetrics
-from specbatch.server.protocol import ChatCompletionRequest, CompletionRequest, in_client_terms
+from specbatch.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    in_client_terms,
+)
+from specbatch.server.responses import (
+    DEFAULT_STORE,
+    OutputBuilder,
+    ResponsesRequest,
+    ResponseStore,
+    as_input,
+    response_body,
+    response_usage,
+)
 from specbatch.server.tools import CallReader, template_knows_tools
 
 
@@ -52,7 +69,8 @@ class ServerSettings:
     prompts times ``n``, one request may ask for: more gets 400). ``max_body_bytes``: larger
     bodies get 413. ``open_metrics``: ``/metrics`` answers without the API key (it is protected,
     like everything but ``/health``, when a key is set). ``allow_priority``: clients may set a
-    request's scheduling ``priority`` (otherwise only 0 is accepted).
+    request's scheduling ``priority`` (otherwise only 0 is accepted). ``max_stored_responses``:
+    ``/v1/responses`` kept for ``previous_response_id`` (0: none).
     """
 
     served_model_name: str
@@ -63,6 +81,7 @@ class ServerSettings:
     max_body_bytes: int = 16 << 20
     open_metrics: bool = False
     allow_priority: bool = False
+    max_stored_responses: int = DEFAULT_STORE
 
     def __post_init__(self) -> None:
         if self.api_key is not None and not self.api_key.strip():
@@ -71,6 +90,8 @@ class ServerSettings:
             raise ConfigError(f"max_queued must be at least 1, got {self.max_queued}")
         if self.max_body_bytes < 1024:
             raise ConfigError(f"max_body_bytes must be at least 1024, got {self.max_body_bytes}")
+        if self.max_stored_responses < 0:
+            raise ConfigError(f"max_stored_responses must be >= 0, got {self.max_stored_responses}")
         if not 0 <= self.shutdown_timeout < float("inf"):
             raise ConfigError(f"shutdown_timeout must be >= 0 seconds, got {self.shutdown_timeout}")
 
@@ -145,8 +166,9 @@ def build_app(engine: ServedEngine, settings: ServerSettings) -> RequestGuard:
                 created,
                 name,
                 "text_completion",
+                body.renamed_fields(),
             )
-        finals = await _finals(streams, request, settings)
+        finals = await _finals(streams, request, settings, body.renamed_fields())
         return JSONResponse(
             completion_response(
                 rid, created, name, finals, params.n, body.logprobs or 0, engine.tokenizer
@@ -187,11 +209,115 @@ def build_app(engine: ServedEngine, settings: ServerSettings) -> RequestGuard:
                 created,
                 name,
                 "chat.completion.chunk",
+                renames,
             )
-        finals = await _finals(streams, request, settings)
+        finals = await _finals(streams, request, settings, renames)
         return JSONResponse(
             chat_response(rid, created, name, finals[0], top, tokenizer, call_format)
         )
+
+    store = ResponseStore(settings.max_stored_responses)
+    app.state.responses = store
+
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest, request: Request) -> Response:
+        _check_model(body.model, settings)
+        if body.priority and not settings.allow_priority:
+            raise APIError(
+                400, "priority is not enabled on this server (serve --allow-priority)", "priority"
+            )
+        tokenizer = engine.tokenizer
+        knows_tools = template_knows_tools(tokenizer.chat_template)
+        with _request_errors({"messages": "input"}):
+            history = store.history(body.previous_response_id)
+            chat = body.chat(history)
+            renames = body.field_names(chat)
+        with _request_errors(renames):
+            call_format = chat.call_format()
+            add_generation_prompt, options = chat.template_options(knows_tools)
+            params = chat.chat_params()
+            ids = await engine.encode_chat(
+                chat.conversation(knows_tools), add_generation_prompt, options
+            )
+        streams = await _add_all(
+            engine, settings, metrics, "resp", [ids], params, body.priority, renames
+        )
+        rid = streams[0].request_id.rsplit("-", 1)[0].replace("resp-", "resp_", 1)
+        created, name = int(time.time()), settings.served_model_name
+        conversation = [*history, *body.items()]
+
+        def finished(builder: OutputBuilder, final: RequestOutput, tokens: int) -> dict[str, Any]:
+            incomplete = final.outputs[0].finish_reason == "length"
+            status = "incomplete" if incomplete else "completed"
+            spent = response_usage(len(final.prompt_token_ids), tokens, cached_tokens([final]))
+            out = response_body(rid, created, name, body, builder.items, status, spent)
+            if body.store:
+                store.put(out, [*conversation, *as_input(builder.items)])
+            return out
+
+        if body.stream:
+            return _responses_stream(
+                streams[0], body, rid, created, name, call_format, renames, finished
+            )
+        final = (await _finals(streams, request, settings, renames))[0]
+        builder = OutputBuilder(call_format)
+        builder.feed(final.outputs[0].text)
+        builder.finish(final.outputs[0].finish_reason == "length")
+        return JSONResponse(finished(builder, final, len(final.outputs[0].token_ids)))
+
+    @app.get("/v1/responses/{response_id}")
+    async def stored_response(response_id: str) -> dict[str, Any]:
+        found = store.get(response_id)
+        if found is None:
+            raise APIError(
+                404, f"no stored response has id {response_id[:80]!r}", code="response_not_found"
+            )
+        return found
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str) -> dict[str, Any]:
+        if not store.delete(response_id):
+            raise APIError(
+                404, f"no stored response has id {response_id[:80]!r}", code="response_not_found"
+            )
+        return {"id": response_id, "object": "response", "deleted": True}
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        _check_model(body.model, settings)
+        intake, tokenizer = engine.intake, engine.tokenizer
+        special = body.with_special_tokens()
+        with _request_errors({}):
+            chat = body.chat()
+            if chat is None:
+                assert body.prompt is not None
+                ids = await asyncio.to_thread(intake.tokenize, body.prompt, "prompt", special)
+            else:
+                knows_tools = template_knows_tools(tokenizer.chat_template)
+                add_generation_prompt, options = chat.template_options(knows_tools)
+                conversation = chat.conversation(knows_tools)
+
+                def render() -> list[int]:
+                    text_length = sum(len(str(m.get("content") or "")) for m in conversation)
+                    intake.check_length(text_length, "messages")
+                    text = tokenizer.apply_chat_template(
+                        conversation, add_generation_prompt, **options
+                    )
+                    return intake.tokenize(text, "messages", special)
+
+                ids = await asyncio.to_thread(render)
+        out: dict[str, Any] = {"count": len(ids), "max_model_len": intake.max_model_len}
+        out["tokens"] = ids
+        if body.return_token_strs:
+            out["token_strs"] = [tokenizer.decode([token]) for token in ids]
+        return out
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        _check_model(body.model, settings)
+        with _request_errors({}):
+            text = await asyncio.to_thread(engine.intake.detokenize, body.tokens)
+        return {"prompt": text}
 
     open_paths = OPEN_PATHS | ({"/metrics"} if settings.open_metrics else set())
     return RequestGuard(
@@ -205,17 +331,22 @@ def build_app(engine: ServedEngine, settings: ServerSettings) -> RequestGuard:
     )
 
 
-def _check_common(
-    body: CompletionRequest | ChatCompletionRequest, settings: ServerSettings
-) -> None:
-    if body.model is not None and body.model != settings.served_model_name:
+def _check_model(model: str | None, settings: ServerSettings) -> None:
+    """A request naming a model must name the one served (404 otherwise, as OpenAI's)."""
+    if model is not None and model != settings.served_model_name:
         raise APIError(
             404,
-            f"The model `{body.model}` does not exist; this server serves "
+            f"The model `{model}` does not exist; this server serves "
             f"`{settings.served_model_name}`",
             "model",
             "model_not_found",
         )
+
+
+def _check_common(
+    body: CompletionRequest | ChatCompletionRequest, settings: ServerSettings
+) -> None:
+    _check_model(body.model, settings)
     if body.priority and not settings.allow_priority:
         raise APIError(
             400, "priority is not enabled on this server (serve --allow-priority)", "priority"
@@ -286,10 +417,23 @@ async def _add_all(
     return streams
 
 
+def _failure(exc: RequestFailedError, renames: dict[str, str]) -> APIError:
+    """A request that failed while generating: a 400 naming the field (as the client spelled
+    it) where its own constraint failed, else the server's 500."""
+    if exc.param is None:
+        return APIError(500, str(exc), code="engine_step_failed")
+    message, param = in_client_terms(InvalidRequestError(str(exc), exc.param), renames)
+    return APIError(400, message, param, "constraint_failed")
+
+
 async def _finals(
-    streams: list[RequestStream], request: Request, settings: ServerSettings
+    streams: list[RequestStream],
+    request: Request,
+    settings: ServerSettings,
+    renames: dict[str, str],
 ) -> list[RequestOutput]:
-    """The final outputs; a client that disconnects meanwhile aborts its requests."""
+    """The final outputs; a client that disconnects meanwhile aborts its requests (a
+    request's own failed field is named as the client spelled it: ``renames``)."""
 
     async def collect(stream: RequestStream) -> RequestOutput:
         final = None
@@ -309,7 +453,7 @@ async def _finals(
     except EngineDeadError as exc:
         raise APIError(503, str(exc), code="unavailable") from None
     except RequestFailedError as exc:
-        raise APIError(500, str(exc), code="engine_step_failed") from None
+        raise _failure(exc, renames) from None
     finally:
         task.cancel()
         for stream in streams:
@@ -324,6 +468,7 @@ def _sse_response(
     created: int,
     model: str,
     object_name: str,
+    renames: dict[str, str],
 ) -> StreamingResponse:
     async def events() -> AsyncIterator[str]:
         prompt_tokens = completion_tokens = cached = 0
@@ -349,11 +494,72 @@ def _sse_response(
         except EngineDeadError as exc:
             yield sse(error_body(503, str(exc), None, "unavailable"))
         except RequestFailedError as exc:
-            yield sse(error_body(500, str(exc), None, "engine_step_failed"))
+            failure = _failure(exc, renames)
+            yield sse(error_body(failure.status, failure.message, failure.param, failure.code))
         finally:
             for stream in streams:
                 stream.close()
         yield "data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def _responses_stream(
+    stream: RequestStream,
+    body: ResponsesRequest,
+    rid: str,
+    created: int,
+    model: str,
+    call_format: str | None,
+    renames: dict[str, str],
+    finished: Callable[[OutputBuilder, RequestOutput, int], dict[str, Any]],
+) -> StreamingResponse:
+    """A response's typed events (``response.created`` ... ``response.completed``, or an
+    ``error`` event and ``response.failed``), each with its ``sequence_number``."""
+
+    async def events() -> AsyncIterator[str]:
+        sequence = iter(itertools.count())
+
+        def event(payload: dict[str, Any]) -> str:
+            payload["sequence_number"] = next(sequence)
+            text = json.dumps(payload, ensure_ascii="message" in payload)
+            return f"event: {payload['type']}\ndata: {text}\n\n"
+
+        start = response_body(rid, created, model, body, [], "in_progress", None)
+        yield event({"type": "response.created", "response": start})
+        yield event({"type": "response.in_progress", "response": start})
+        builder, tokens = OutputBuilder(call_format), 0
+        try:
+            async for output in stream:
+                completion = output.outputs[0]
+                tokens += len(completion.token_ids)
+                for payload in builder.feed(completion.text):
+                    yield event(payload)
+                if output.finished:
+                    incomplete = completion.finish_reason == "length"
+                    for payload in builder.finish(incomplete):
+                        yield event(payload)
+                    whole = finished(builder, output, tokens)
+                    kind = "response.incomplete" if incomplete else "response.completed"
+                    yield event({"type": kind, "response": whole})
+        except (EngineDeadError, RequestFailedError) as exc:
+            if isinstance(exc, EngineDeadError):
+                failure = APIError(503, str(exc), code="unavailable")
+            else:
+                failure = _failure(exc, renames)
+            yield event(
+                {
+                    "type": "error",
+                    "code": failure.code,
+                    "message": failure.message,
+                    "param": failure.param,
+                }
+            )
+            failed = response_body(rid, created, model, body, builder.items, "failed", None)
+            failed["error"] = {"code": failure.code or "server_error", "message": failure.message}
+            yield event({"type": "response.failed", "response": failed})
+        finally:
+            stream.close()
 
     return StreamingResponse(events(), media_type="text/event-stream")
 

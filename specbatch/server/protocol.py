@@ -470,3 +470,51 @@ def describe_validation_errors(errors: Sequence[Mapping[str, Any]]) -> tuple[str
         else str(first.get("msg", "invalid request"))
     )
     return message, param
+
+
+class TokenizeRequest(_Strict):
+    """vLLM's ``/tokenize`` body: a ``prompt``, or chat ``messages`` rendered by the model's
+    chat template (with ``add_generation_prompt``, ``chat_template_kwargs`` and ``tools`` as
+    in a chat completion); exactly one of the two. ``add_special_tokens`` (BOS where the
+    model's configuration adds one) defaults to true for a prompt and false for messages (a
+    chat template writes its own)."""
+
+    model: StrictStr | None = None
+    prompt: StrictStr | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_special_tokens: StrictBool | None = None
+    add_generation_prompt: StrictBool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
+    return_token_strs: StrictBool = False
+
+    def chat(self) -> ChatCompletionRequest | None:
+        """The messages as a chat completion would render them (None: a prompt); refuses a
+        body with both or neither, and chat fields beside a prompt."""
+        if (self.prompt is None) == (self.messages is None):
+            raise InvalidRequestError("give exactly one of prompt and messages", "prompt")
+        if self.messages is None:
+            for name in ("chat_template_kwargs", "tools"):
+                if getattr(self, name) is not None:
+                    raise InvalidRequestError(f"{name} is only allowed with messages", name)
+            return None
+        return ChatCompletionRequest(
+            messages=self.messages,
+            n=1,
+            top_logprobs=None,
+            add_generation_prompt=self.add_generation_prompt,
+            chat_template_kwargs=self.chat_template_kwargs,
+            tools=self.tools,
+        )
+
+    def with_special_tokens(self) -> bool:
+        if self.add_special_tokens is not None:
+            return self.add_special_tokens
+        return self.messages is None
+
+
+class DetokenizeRequest(_Strict):
+    """vLLM's ``/detokenize`` body: token ids back to text (special tokens kept)."""
+
+    model: StrictStr | None = None
+    tokens: list[StrictInt]

@@ -19,6 +19,7 @@ from specbatch.engine.llm_engine import LLMEngine
 from specbatch.errors import ChatTemplateError
 from specbatch.models.default_model import served_model_name
 from specbatch.server.app import ServerSettings, build_app
+from specbatch.server.responses import DEFAULT_STORE
 
 logger = logging.getLogger("specbatch")
 
@@ -88,6 +89,9 @@ def serve(args: argparse.Namespace, config: EngineConfig) -> int:
         max_body_bytes=args.max_body_bytes,
         open_metrics=args.open_metrics,
         allow_priority=args.allow_priority,
+        max_stored_responses=(
+            DEFAULT_STORE if args.max_stored_responses is None else args.max_stored_responses
+        ),
     )
     server = server_for(
         served,

@@ -380,3 +380,86 @@ def test_batch_file_takes_tools_and_response_format(long_tiny_dir: Path, tmp_pat
     )
     assert results["c"]["status_code"] == 400
     assert results["c"]["body"]["error"]["param"] == "structured_outputs.regex"
+
+
+def _failing_commits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Constraints whose grammar mentions ``zzz`` fail at their first committed token, as a
+    backend limit hit mid-generation does (issue 58: a lexer's "too many expressions")."""
+    from specbatch.structured import constraint
+
+    real = constraint.Constraint.commit
+
+    def commit(self: constraint.Constraint, tokens: Any) -> None:
+        real(self, tokens)
+        if self.error is None and "zzz" in str(self.grammar.compiled):
+            self._fail("lexer error: too many expressions constructed")
+
+    monkeypatch.setattr(constraint.Constraint, "commit", commit)
+
+
+FAILING = [
+    ({"structured_outputs": {"regex": "zzz[a-z]*"}}, "structured_outputs.regex"),
+    (
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "t", "schema": {"type": "object", "required": ["zzz"]}},
+            }
+        },
+        "response_format.json_schema.schema",
+    ),
+]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(("extra", "param"), FAILING, ids=[p for _, p in FAILING])
+def test_a_constraint_failing_while_generating_is_a_4xx_naming_it(
+    server: RunningServer,
+    monkeypatch: pytest.MonkeyPatch,
+    extra: dict[str, Any],
+    param: str,
+    stream: bool,
+) -> None:
+    _failing_commits(monkeypatch)
+    reply = post(server, chat(stream=stream, **extra))
+    if stream:
+        assert reply.status_code == 200  # (the headers went before the constraint failed)
+        events = [json.loads(line[6:]) for line in reply.text.splitlines() if line[6:7] == "{"]
+        error = events[-1]["error"]
+        assert reply.text.rstrip().endswith("data: [DONE]")
+    else:
+        assert reply.status_code == 400, reply.text
+        error = reply.json()["error"]
+    assert error["param"] == param
+    assert error["code"] == "constraint_failed"
+    assert error["type"] == "invalid_request_error"
+    assert "too many expressions" in error["message"]
+    assert error["message"].startswith(param)
+    assert post(server, chat(max_tokens=4)).status_code == 200
+    engine = server.engine
+    assert not engine.has_unfinished_requests()
+    assert engine.cache.num_free_blocks == engine.num_kv_blocks
+
+
+def test_a_batch_line_whose_constraint_fails_is_a_400(
+    long_tiny_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from specbatch.batch.job import BatchJob
+
+    _failing_commits(monkeypatch)
+    bodies = {"failing": chat(**FAILING[1][0]), "plain": chat(max_tokens=4)}
+    lines = [
+        {"custom_id": key, "method": "POST", "url": "/v1/chat/completions", "body": body}
+        for key, body in bodies.items()
+    ]
+    source, target = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    summary = BatchJob(long_engine(long_tiny_dir), "tiny", progress=False).run(source, target)
+    results = {
+        r["custom_id"]: r["response"] for r in map(json.loads, target.read_text().splitlines())
+    }
+    assert results["failing"]["status_code"] == 400
+    assert results["failing"]["body"]["error"]["param"] == FAILING[1][1]
+    assert results["failing"]["body"]["error"]["code"] == "constraint_failed"
+    assert results["plain"]["status_code"] == 200
+    assert summary.failed == 1

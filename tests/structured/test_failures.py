@@ -78,8 +78,10 @@ def test_a_failing_constraint_ends_only_its_request(
                     finals[out.request_id] = out
     assert finals["slow"].error is not None
     assert "the constraint failed" in finals["slow"].error
+    assert finals["slow"].error_param == "structured_outputs.grammar"  # the request's fault
     assert "ms for one token's mask" in finals["slow"].error
     assert finals["plain"].error is None
+    assert finals["plain"].error_param is None
     assert finals["json"].error is None
     assert finals["json"].outputs[0].finish_reason == "stop"
     assert any("its constraint failed" in r.message for r in caplog.records)
