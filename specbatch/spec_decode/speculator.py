@@ -333,7 +333,9 @@ class Speculator:
         elif EXTERNAL in controller.ways:
             drafts = sum(len(t) for t in proposal.tokens)
             controller.observe_external(drafts, proposal.seconds)
-        controller.observe_step(tokens, len(runs), pairs, seconds - proposal.seconds, share)
+        decodes = all(len(r.token_ids) == 1 + r.num_drafts for r in runs)
+        seconds -= proposal.seconds
+        controller.observe_step(tokens, len(runs), pairs, seconds, share, decodes)
 
     def store_stats(self) -> StoreStats | None:
         """The counters of the proposer's store of other requests' tokens (None: none)."""

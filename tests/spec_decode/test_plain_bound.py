@@ -329,3 +329,32 @@ def test_a_due_probe_that_can_land_nowhere_builds_no_arrays(
     plan = controller.plan(cands, 64, 64, 64 * 200.0, budget=256)
     assert [(c.way, c.drafts, c.planned) for c in plan.choices if c.way] == [(LOOKUP_WAYS[1], 1, 0)]
     assert controller.plans_since_probe == 0
+
+
+def test_a_new_batch_size_drafts_within_its_measured_shapes() -> None:
+    """After batch 1's steps (rows nearly free) and a batch-16 prefill of 2,400 prompt
+    tokens, the plain 16-decode step is the only batch-16 decode step timed: a fit there
+    extrapolates a row's price, so a plan drafts at most as many rows as keep the step
+    within one kernel width of a timed decode step (``StepTimes.reach``: ~2x its tokens),
+    whatever the extrapolation says; once a wider step is timed, the next plan may go wider
+    (Gemma 3 at batch 16 drafted 62-88 rows on its first steps at 4-5x the plain step's
+    time)."""
+    controller = GoodputController((*LOOKUP_WAYS, SUFFIX), SpeculationTuning(probe_every=0))
+    rng = random.Random(0)
+    for tokens in (1, 2, 3, 4, 5) * 8:  # batch 1: nearly flat
+        controller.observe_step(tokens, 1, tokens * 200.0, 0.010 + 0.0002 * tokens)
+    controller.observe_step(2400, 16, 2400 * 150.0, 0.40, decodes=False)  # the prefill
+    for _ in range(4):
+        controller.observe_step(16, 16, 16 * 200.0, 0.040 * rng.uniform(0.99, 1.01))
+    for seq_id in range(16):
+        for _ in range(8):
+            controller.observe_verify(seq_id, SUFFIX, 4, 4)
+    cands = [Candidate(i, 4, 200, [], 0, suffix=[1, 2, 3, 4]) for i in range(16)]
+    reach = controller.times.reach(16)
+    assert 31.0 < reach < 33.0  # the plain decode step's 16 tokens, one kernel width out
+    first = controller.plan(cands, 16, 16, 16 * 200.0, budget=64)
+    drafted = sum(c.drafts for c in first.choices)
+    assert 0 < drafted <= int(reach) - 16
+    controller.observe_step(16 + drafted, 16, (16 + drafted) * 200.0, 0.045)
+    wider = controller.plan(cands, 16, 16, 16 * 200.0, budget=64)
+    assert drafted < sum(c.drafts for c in wider.choices) <= int(controller.times.reach(16)) - 16

@@ -259,9 +259,11 @@ def test_each_step_reports_its_share_of_the_cores(
     shares: list[float] = []
     observe = controller.observe_step
 
-    def recording(tokens: int, seqs: int, pairs: float, seconds: float, share: float) -> None:
+    def recording(
+        tokens: int, seqs: int, pairs: float, seconds: float, share: float, decodes: bool = True
+    ) -> None:
         shares.append(share)
-        observe(tokens, seqs, pairs, seconds, share)
+        observe(tokens, seqs, pairs, seconds, share, decodes)
 
     monkeypatch.setattr(controller, "observe_step", recording)
     clock = SimpleNamespace(**vars(time))

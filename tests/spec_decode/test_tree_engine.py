@@ -64,9 +64,14 @@ def test_lookup_trees_give_the_output_of_speculation_off(
         observe = controller.observe_step
 
         def cheap_rows(
-            tokens: int, seqs: int, pairs: float, seconds: float, share: float = 1.0
+            tokens: int,
+            seqs: int,
+            pairs: float,
+            seconds: float,
+            share: float = 1.0,
+            decodes: bool = True,
         ) -> None:
-            observe(tokens, seqs, pairs, 0.01 + 1e-5 * tokens, share)
+            observe(tokens, seqs, pairs, 0.01 + 1e-5 * tokens, share, decodes)
 
         controller.observe_step = cheap_rows  # type: ignore[method-assign]
     assert greedy_tokens(llm, prompts, batch=2 if adaptive else 16) == reference

@@ -120,6 +120,9 @@ class GoodputController:
     ) -> ControllerPlan:
         """``plan`` over arrays of candidates x ways x draft positions (a batch-1 step's plan
         is :func:`single.plan_one`'s: the same in plain floats, and this its reference)."""
+        if self.times.ready:  # drafts within the measured shapes (``StepTimes.reach``)
+            reach = int(self.times.reach(base_seqs)) - base_tokens
+            budget = min(budget, max(reach, 0))
         if self.times.ready and base_seqs > 1:
             plain = self._plain_unless_a_draft_pays(candidates, base_tokens, base_seqs, base_pairs)
             due = budget > 0 and self._probe_next() and self._probe_lands(candidates)
@@ -514,11 +517,18 @@ class GoodputController:
         self.acceptance.step += 1
 
     def observe_step(
-        self, tokens: int, seqs: int, pairs: float, seconds: float, share: float = 1.0
+        self,
+        tokens: int,
+        seqs: int,
+        pairs: float,
+        seconds: float,
+        share: float = 1.0,
+        decodes: bool = True,
     ) -> None:
-        """A finished step: its forward's size, its time without a draft model's, and the
-        process's share of the cores meanwhile (see ``step_times``)."""
-        self.times.observe(tokens, seqs, pairs, seconds, share)
+        """A finished step: its forward's size, its time without a draft model's, the
+        process's share of the cores meanwhile, and whether it only decoded (see
+        ``step_times``)."""
+        self.times.observe(tokens, seqs, pairs, seconds, share, decodes)
 
     def observe_draft_forward(self, rows: int, seconds: float, share: float = 1.0) -> None:
         self.draft_times.observe(rows, seconds, share)

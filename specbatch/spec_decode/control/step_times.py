@@ -98,6 +98,7 @@ class StepTimes:
         self._design[:, 0] = 1.0
         self._log = np.zeros((window, 2))  # log tokens, log sequences (for nearness)
         self._y = np.zeros(window)
+        self._decodes = np.zeros(window, dtype=bool)  # steps of decodes only (``reach``)
         self._ring = _Ring(window, self.tuning)
         self._cache: _FitCache[Any] = _FitCache(self.tuning.refit_every)
 
@@ -106,10 +107,17 @@ class StepTimes:
         return self._ring.count >= SLOPES
 
     def observe(
-        self, tokens: int, seqs: int, pairs: float, seconds: float, share: float = 1.0
+        self,
+        tokens: int,
+        seqs: int,
+        pairs: float,
+        seconds: float,
+        share: float = 1.0,
+        decodes: bool = True,
     ) -> None:
         """A step of ``tokens`` tokens of ``seqs`` sequences attending ``pairs`` pairs took
-        ``seconds``, with ``share`` of the cores (CPU over wall seconds; 1.0 where unknown)."""
+        ``seconds``, with ``share`` of the cores (CPU over wall seconds; 1.0 where unknown);
+        ``decodes``: every sequence decoded (no prompt computed), so every token had logits."""
         if tokens <= 0 or seconds <= 0 or not math.isfinite(seconds):
             return
         slot = self._ring.add(share)
@@ -117,6 +125,7 @@ class StepTimes:
         self._design[slot, 1:] = (tokens, seqs, pairs * PAIR_SCALE)
         self._log[slot] = (math.log(tokens), math.log(seqs))
         self._y[slot] = seconds
+        self._decodes[slot] = decodes
 
     def timed_near(self, tokens: float, seqs: float) -> bool:
         """Whether a step within one kernel width of ``tokens`` tokens and ``seqs`` sequences
@@ -132,6 +141,22 @@ class StepTimes:
         point = (math.log(max(tokens, 1.0)), math.log(max(seqs, 1.0)))
         near = np.abs(self._log[self._ring.stored] - point).max(axis=1) <= self.tuning.bandwidth
         return bool(near.any()) and self._cache.put(shape, count, True)
+
+    def reach(self, seqs: float) -> float:
+        """The most tokens a step of ``seqs`` sequences' decodes may have and still be within
+        one kernel width of a timed step of decodes (``timed_near``'s test, taken at its
+        widest): beyond it a fit is an extrapolation. A plan drafts within it, so a new batch
+        size's drafted shapes are measured growing about 2x a step, not guessed. Prompt steps
+        do not count: their tokens have no logits, and on a large vocabulary a verify row's
+        logits are most of its price (Gemma 3's 262k: after batch 1 and a batch-16 prefill
+        had priced a row, 62-88 drafts a step at 4-5x the plain step's time; the default
+        0.82x of off at 16)."""
+        if not self._ring.count:
+            return 0.0
+        stored = self._ring.stored & self._decodes  # (each drafted step may widen it)
+        near = np.abs(self._log[stored, 1] - math.log(max(seqs, 1.0))) <= self.tuning.bandwidth
+        tokens = self._design[stored, 1][near]
+        return float(tokens.max()) * math.exp(self.tuning.bandwidth) if tokens.size else 0.0
 
     def fit(self, tokens: float, seqs: float) -> StepCost:
         """The local linear model around a step of ``tokens`` tokens and ``seqs`` sequences."""
