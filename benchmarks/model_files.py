@@ -16,7 +16,11 @@ speculation off. Rows per mode: short prompts at each batch size (batch 1: eight
 after the other), the long prompts at batch 1 (the dataset's 450-800-token prompts), and for
 the exact mode the batch-1 linear floor (every linear layer and the LM head on one row, timed
 alone: what a decode step would take with nothing else). Then each mode's greedy tokens on the
-short prompts compared across the files (the first file's are the reference).
+short prompts compared across the files (the first file's are the reference). With
+``--repeats N`` each file's modes run N times, interleaved (in order, then reversed, ...), each
+cell is the median of its runs, and each mode's tok/s over ``exact off``'s is printed per row as
+the median of the per-repeat ratios with their range: the host's drift between processes
+(2-10% minutes apart) lands on every mode alike.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -173,6 +178,7 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--long-prompts", type=int, default=2)
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    parser.add_argument("--repeats", type=int, default=1, help="runs of each mode, interleaved")
     parser.add_argument("--llama-cpp-python")
     parser.add_argument("--json")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -185,6 +191,7 @@ def main() -> None:
         models=", ".join(args.models),
         batch_sizes=args.batch_sizes,
         output_len=args.output_len,
+        repeats=args.repeats,
         greedy="yes, EOS ignored (greedy agreement rows keep EOS)",
         threads=2,
     )
@@ -195,18 +202,25 @@ def main() -> None:
         size_mib = Path(model).stat().st_size / 2**20
         print(f"{name}: {size_mib:.0f} MiB, prompts {len(sets['short'])} short, "
               f"{len(sets['long'])} long", flush=True)  # fmt: skip
-        for mode in args.modes:
-            sizes = args.batch_sizes
-            if mode.startswith("bfloat16") and args.bf16_batch_sizes:
-                sizes = args.bf16_batch_sizes
-            job = {
-                "model": model, "settings": MODES[mode], "sets": sets, "batch_sizes": sizes,
-                "output_len": args.output_len, "floor": mode == "exact off",
-            }  # fmt: skip
-            command = [sys.executable, "-m", "benchmarks.model_files", "--dataset",
-                       args.dataset, "--models", model, "--worker"]  # fmt: skip
-            table[f"{name} | {mode}"] = in_subprocess(command, job) | {"file_mib": size_mib}
-            print(f"  {mode}: {_row(table[f'{name} | {mode}'])}", flush=True)
+        runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in args.modes}
+        for repeat in range(args.repeats):
+            for mode in args.modes if repeat % 2 == 0 else args.modes[::-1]:
+                sizes = args.batch_sizes
+                if mode.startswith("bfloat16") and args.bf16_batch_sizes:
+                    sizes = args.bf16_batch_sizes
+                job = {
+                    "model": model, "settings": MODES[mode], "sets": sets, "batch_sizes": sizes,
+                    "output_len": args.output_len, "floor": mode == "exact off",
+                }  # fmt: skip
+                command = [sys.executable, "-m", "benchmarks.model_files", "--dataset",
+                           args.dataset, "--models", model, "--worker"]  # fmt: skip
+                runs[mode].append(in_subprocess(command, job))
+                print(f"  {mode} #{repeat}: {_row(runs[mode][-1])}", flush=True)
+        for mode, results in runs.items():
+            table[f"{name} | {mode}"] = _median(results) | {"file_mib": size_mib}
+            if args.repeats > 1:
+                print(f"  {mode}: {_row(table[f'{name} | {mode}'])} (medians)", flush=True)
+        _print_ratios(runs)
         if args.llama_cpp_python:
             job = {"model": model, "sets": {"b1": sets["short"][:8], "long": sets["long"]},
                    "output_len": args.output_len}  # fmt: skip
@@ -215,6 +229,35 @@ def main() -> None:
             print(f"  llama.cpp: {_row(result)}", flush=True)
     report(table, args)
     write_json(args.json, {"args": vars(args), "table": table})
+
+
+def _median(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each number's median over the runs that have it (other values: the first run's)."""
+    out: dict[str, Any] = {}
+    for key, value in (results[0] if results else {}).items():
+        values = [r[key] for r in results if key in r]
+        numeric = isinstance(value, int | float) and not isinstance(value, bool)
+        out[key] = statistics.median(values) if numeric else value
+    return out
+
+
+def _print_ratios(runs: dict[str, list[dict[str, Any]]]) -> None:
+    """Each mode's tok/s over ``exact off``'s in the same repeat: median (range) per row."""
+    base = runs.get("exact off")
+    if not base:
+        return
+    for mode, results in runs.items():
+        if mode == "exact off":
+            continue
+        cells = []
+        for key in [k for k in base[0] if k.startswith("b") or k == "long"]:
+            ratios = sorted(
+                r[key] / b[key] for r, b in zip(results, base, strict=True) if key in r and key in b
+            )
+            if ratios:
+                median = statistics.median(ratios)
+                cells.append(f"{key} {median:.3f}x ({ratios[0]:.3f}..{ratios[-1]:.3f})")
+        print(f"  {mode} / exact off: {', '.join(cells)}", flush=True)
 
 
 def _row(result: dict[str, Any]) -> str:
