@@ -184,12 +184,7 @@ def build_app(engine: ServedEngine, settings: ServerSettings) -> RequestGuard:
         with _request_errors({}):
             renames = body.field_names()  # as the client spelled them
             call_format = body.call_format()
-        with _request_errors(renames):
-            add_generation_prompt, options = body.template_options(knows_tools)
-            params = body.chat_params()
-            ids = await engine.encode_chat(
-                body.conversation(knows_tools), add_generation_prompt, options
-            )
+        params, ids = await _chat_prompt(engine, body, knows_tools, renames)
         streams = await _add_all(
             engine, settings, metrics, "chatcmpl", [ids], params, body.priority, renames
         )
@@ -221,11 +216,7 @@ def build_app(engine: ServedEngine, settings: ServerSettings) -> RequestGuard:
 
     @app.post("/v1/responses")
     async def responses(body: ResponsesRequest, request: Request) -> Response:
-        _check_model(body.model, settings)
-        if body.priority and not settings.allow_priority:
-            raise APIError(
-                400, "priority is not enabled on this server (serve --allow-priority)", "priority"
-            )
+        _check_common(body, settings)
         tokenizer = engine.tokenizer
         knows_tools = template_knows_tools(tokenizer.chat_template)
         with _request_errors({"messages": "input"}):
@@ -234,11 +225,7 @@ def build_app(engine: ServedEngine, settings: ServerSettings) -> RequestGuard:
             renames = body.field_names(chat)
         with _request_errors(renames):
             call_format = chat.call_format()
-            add_generation_prompt, options = chat.template_options(knows_tools)
-            params = chat.chat_params()
-            ids = await engine.encode_chat(
-                chat.conversation(knows_tools), add_generation_prompt, options
-            )
+        params, ids = await _chat_prompt(engine, chat, knows_tools, renames)
         streams = await _add_all(
             engine, settings, metrics, "resp", [ids], params, body.priority, renames
         )
@@ -343,8 +330,25 @@ def _check_model(model: str | None, settings: ServerSettings) -> None:
         )
 
 
+async def _chat_prompt(
+    engine: ServedEngine,
+    chat: ChatCompletionRequest,
+    knows_tools: bool,
+    renames: dict[str, str],
+) -> tuple[SamplingParams, list[int]]:
+    """A chat request's sampling params and prompt ids (rendered off the event loop); its
+    faults are 400s naming the field as the client spelled it (``renames``)."""
+    with _request_errors(renames):
+        add_generation_prompt, options = chat.template_options(knows_tools)
+        params = chat.chat_params()
+        ids = await engine.encode_chat(
+            chat.conversation(knows_tools), add_generation_prompt, options
+        )
+    return params, ids
+
+
 def _check_common(
-    body: CompletionRequest | ChatCompletionRequest, settings: ServerSettings
+    body: CompletionRequest | ChatCompletionRequest | ResponsesRequest, settings: ServerSettings
 ) -> None:
     _check_model(body.model, settings)
     if body.priority and not settings.allow_priority:

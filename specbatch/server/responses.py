@@ -117,12 +117,10 @@ InputItem = Annotated[
 ]
 
 
-class FunctionTool(_Strict):
+class FunctionTool(FunctionDefinition):
+    """A function tool as the Responses API writes it: chat's definition, flat, typed."""
+
     type: Literal["function"]
-    name: FunctionName
-    description: StrictStr | None = None
-    parameters: dict[str, Any] | None = None
-    strict: StrictBool | None = None
 
 
 class FunctionChoice(_Strict):
@@ -190,12 +188,7 @@ class ResponsesRequest(_Strict):
             tools = [
                 Tool(
                     type="function",
-                    function=FunctionDefinition(
-                        name=t.name,
-                        description=t.description,
-                        parameters=t.parameters,
-                        strict=t.strict,
-                    ),
+                    function=FunctionDefinition(**t.model_dump(exclude={"type"})),
                 )
                 for t in self.tools
             ]

@@ -20,16 +20,8 @@ from specbatch.errors import InvalidRequestError
 from specbatch.server.responses import MessageItem, ResponseStore
 from tests.helpers import write_tiny_model
 from tests.server.conftest import RunningServer, tiny_engine
+from tests.server.test_structured_server import SCHEMA
 
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string", "maxLength": 8},
-        "days": {"type": "integer", "minimum": 1, "maximum": 9},
-    },
-    "required": ["city", "days"],
-    "additionalProperties": False,
-}
 WEATHER = {"type": "function", "name": "get_weather", "parameters": SCHEMA}
 CHAT_WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": SCHEMA}}
 
